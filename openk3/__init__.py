@@ -1,0 +1,9 @@
+"""openk3: the Kimi K3 system in one readable PyTorch codebase."""
+
+from openk3.checkpoint import load_pretrained, save_pretrained
+from openk3.config import ModelConfig, from_hf, preset, to_hf
+from openk3.model import KimiForCausalLM, ModelCache, build_model
+
+__all__ = ["ModelConfig", "preset", "from_hf", "to_hf", "KimiForCausalLM", "ModelCache",
+           "build_model", "load_pretrained", "save_pretrained"]
+__version__ = "0.1.0"

@@ -1,0 +1,3 @@
+from openk3.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,328 @@
+"""HF safetensors checkpoints for ``kimi_k3`` and ``kimi_linear`` (K3_SPEC §2).
+
+This module is the only place that knows external tensor names. The mapping, ours -> HF:
+
+* prefix ``model.`` / ``lm_head.`` -> ``language_model.model.`` / ``language_model.lm_head.`` (K3);
+  unchanged for Kimi Linear;
+* MoE layers ``layers.{i}.mlp.`` -> ``layers.{i}.block_sparse_moe.`` (dense layers stay ``mlp.``;
+  transformers writes them under ``block_sparse_moe.`` too, which loading accepts);
+* stacked experts ``mlp.experts.w{1,2,3}`` [E, ...] -> ``experts.{e}.w{1,2,3}.weight`` per expert,
+  or ``.weight_packed`` (uint8) + ``.weight_scale`` (E8M0) when MXFP4-packed;
+* AttnRes ``X_res.norm.weight`` / ``X_res.proj.weight`` -> ``X_res_norm.weight`` / ``X_res_proj.weight``;
+* KDA ``A_log`` [H] -> [max(H, 128)] zero-padded (K3) or [1, 1, H, 1] (Kimi Linear).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from openk3.config import ModelConfig, from_hf, to_hf
+from openk3.model.model import KimiForCausalLM, _keep_fp32, build_model
+from openk3.ops.mx import mxfp4_dequantize, mxfp4_quantize
+
+MXFP4_FORMAT = "mxfp4-pack-quantized"
+MX_GROUP = 32
+K3_ALOG_PAD = 128
+SKIPPED_PREFIXES = ("vision_tower.", "mm_projector.")  # the vision part of a K3 release
+
+_EXPERT_RE = re.compile(r"^(model\.layers\.\d+)\.mlp\.experts\.(w[123])$")
+_HF_EXPERT_RE = re.compile(r"^(model\.layers\.\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\."
+                           r"(weight|weight_packed|weight_scale)$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded: names the file or tensor at fault."""
+
+
+def _hf_prefix(cfg: ModelConfig) -> str:
+    return "language_model." if cfg.is_k3 else ""
+
+
+def _is_moe_name(cfg: ModelConfig, name: str) -> bool:
+    m = re.match(r"^model\.layers\.(\d+)\.", name)
+    return bool(m) and cfg.is_moe_layer(int(m.group(1)))
+
+
+def to_hf_name(cfg: ModelConfig, name: str) -> str:
+    """Our parameter name -> HF name (not for stacked experts, see ``_expert_hf_names``)."""
+    hf = re.sub(r"_res\.(norm|proj)\.weight$", r"_res_\1.weight", name)
+    if _is_moe_name(cfg, name):
+        hf = hf.replace(".mlp.", ".block_sparse_moe.", 1)
+    return _hf_prefix(cfg) + hf
+
+
+def from_hf_name(cfg: ModelConfig, hf: str) -> str | None:
+    """HF name -> our name; ``None`` for a name outside the text model's namespace."""
+    prefix = _hf_prefix(cfg)
+    if not hf.startswith(prefix):
+        return None
+    name = hf[len(prefix):]
+    name = re.sub(r"_res_(norm|proj)\.weight$", r"_res.\1.weight", name)
+    return name.replace(".block_sparse_moe.", ".mlp.", 1)
+
+
+# ---- loading ----------------------------------------------------------------------------
+
+def _shard_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from e
+        files = sorted(set(weight_map.values()))
+        missing = [f for f in files if not (path / f).exists()]
+        if missing:
+            raise CheckpointError(f"{index} names shard files that do not exist: {missing}")
+        return [path / f for f in files]
+    single = path / "model.safetensors"
+    if single.exists():
+        return [single]
+    raise CheckpointError(f"{path}: no model.safetensors.index.json or model.safetensors")
+
+
+def _open(file: Path):
+    try:
+        return safe_open(str(file), framework="pt")
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"{file}: cannot read safetensors file (truncated or corrupt?): {e}") from e
+
+
+def _shape_error(name: str, file: Path, got, want) -> CheckpointError:
+    return CheckpointError(f"{file}: tensor {name} has shape {tuple(got)}, the model expects {tuple(want)}")
+
+
+def load_pretrained(path: str | os.PathLike, dtype: torch.dtype | None = None,
+                    device: torch.device | str | None = None) -> KimiForCausalLM:
+    """Load a HF ``kimi_k3`` / ``kimi_linear`` checkpoint directory.
+
+    The model is built on the meta device and materialised once on ``device`` (default CPU);
+    tensors are then streamed in one at a time, so peak memory is one model plus one tensor.
+    ``dtype`` defaults to the checkpoint's floating dtype; routers and KDA decay parameters
+    stay fp32. MXFP4-packed experts (``.weight_packed``) are decoded bit-exactly.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: not a checkpoint directory")
+    cfg = from_hf(path)
+    files = _shard_files(path)
+    if dtype is None:
+        dtype = _checkpoint_dtype(files)
+    model = build_model(cfg, device="meta")
+    model.to_empty(device=device or "cpu")
+    model.to(dtype)
+    _keep_fp32(model)
+    state = dict(model.named_parameters())
+    state.update(model.named_buffers())
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+
+    filled: set[str] = set()
+    experts_filled: dict[str, set[int]] = defaultdict(set)
+    packed: dict[tuple[str, int, str], dict[str, torch.Tensor]] = defaultdict(dict)
+    skipped = 0
+    for file in files:
+        with _open(file) as f:
+            for hf in f.keys():
+                if hf.startswith(SKIPPED_PREFIXES):
+                    skipped += 1
+                    continue
+                try:
+                    tensor = f.get_tensor(hf)
+                except (SafetensorError, OSError, ValueError) as e:
+                    raise CheckpointError(f"{file}: cannot read tensor {hf}: {e}") from e
+                _place(cfg, state, hf, tensor, file, filled, experts_filled, packed)
+    if skipped:
+        print(f"openk3: text-only load, skipped {skipped} vision tensors "
+              f"({', '.join(SKIPPED_PREFIXES)})", file=sys.stderr)
+    for (stack, e, w), parts in packed.items():
+        if set(parts) != {"weight_packed", "weight_scale"}:
+            raise CheckpointError(f"expert {stack}.{e}.{w}: has {sorted(parts)}, needs both "
+                                  "weight_packed and weight_scale")
+    missing = sorted(n for n in state if n not in filled and not _EXPERT_RE.match(n))
+    for n, p in state.items():
+        if _EXPERT_RE.match(n) and len(experts_filled[n]) != p.shape[0]:
+            absent = sorted(set(range(p.shape[0])) - experts_filled[n])
+            missing.append(f"{n} (experts {absent[:8]}{'...' if len(absent) > 8 else ''})")
+    if missing:
+        raise CheckpointError(f"{path}: checkpoint lacks tensors the model needs: "
+                              f"{[_describe_missing(cfg, m) for m in missing[:10]]}"
+                              f"{' ...' if len(missing) > 10 else ''}")
+    model.eval()
+    return model
+
+
+def _describe_missing(cfg: ModelConfig, name: str) -> str:
+    base = name.split(" ")[0]
+    return name if _EXPERT_RE.match(base) else f"{to_hf_name(cfg, base)}"
+
+
+_ST_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+
+
+def _checkpoint_dtype(files: list[Path]) -> torch.dtype:
+    """The dtype of the embedding table: the checkpoint's working precision."""
+    for file in files:
+        with _open(file) as f:
+            for k in f.keys():
+                if k.endswith("embed_tokens.weight"):
+                    return _ST_DTYPES.get(f.get_slice(k).get_dtype(), torch.bfloat16)
+    return torch.bfloat16
+
+
+def _place(cfg, state, hf, tensor, file, filled, experts_filled, packed) -> None:
+    m = _HF_EXPERT_RE.match(hf[len(_hf_prefix(cfg)):]) if hf.startswith(_hf_prefix(cfg)) else None
+    if m:
+        stack = f"{m.group(1)}.mlp.experts.{m.group(3)}"
+        e, kind = int(m.group(2)), m.group(4)
+        if stack not in state:
+            raise CheckpointError(f"{file}: unexpected tensor {hf} (layer has no routed experts)")
+        param = state[stack]
+        if e >= param.shape[0]:
+            raise CheckpointError(f"{file}: unexpected tensor {hf}: expert {e} >= num_experts "
+                                  f"{param.shape[0]}")
+        if kind == "weight":
+            value = tensor
+        else:
+            parts = packed[(stack, e, m.group(3))]
+            parts[kind] = tensor
+            if len(parts) < 2:
+                return
+            want_packed = (param.shape[1], param.shape[2] // 2)
+            if tuple(parts["weight_packed"].shape) != want_packed:
+                raise _shape_error(hf.rsplit(".", 1)[0] + ".weight_packed", file,
+                                   parts["weight_packed"].shape, want_packed)
+            value = mxfp4_dequantize(parts["weight_packed"], parts["weight_scale"], dtype=torch.float32)
+        if tuple(value.shape) != tuple(param.shape[1:]):
+            raise _shape_error(hf, file, value.shape, param.shape[1:])
+        with torch.no_grad():
+            param[e].copy_(value)
+        experts_filled[stack].add(e)
+        return
+    name = from_hf_name(cfg, hf)
+    if name is None or name not in state:
+        raise CheckpointError(f"{file}: unexpected tensor {hf} (no such parameter in a "
+                              f"{cfg.arch} model of this config)")
+    target = state[name]
+    if name.endswith("self_attn.A_log"):
+        tensor = _unpad_a_log(tensor, target.shape[0], hf, file)
+    if tuple(tensor.shape) != tuple(target.shape):
+        raise _shape_error(hf, file, tensor.shape, target.shape)
+    with torch.no_grad():
+        target.copy_(tensor)
+    filled.add(name)
+
+
+def _unpad_a_log(t: torch.Tensor, heads: int, hf: str, file: Path) -> torch.Tensor:
+    """K3 stores A_log as [128] zero-padded, Kimi Linear as [1, 1, H, 1]; ours is [H]."""
+    flat = t.reshape(-1)
+    if flat.numel() < heads or (flat.numel() > heads and torch.any(flat[heads:] != 0)):
+        raise CheckpointError(f"{file}: tensor {hf} has shape {tuple(t.shape)}; expected {heads} "
+                              "head values (zero-padded entries beyond them)")
+    return flat[:heads]
+
+
+# ---- saving -----------------------------------------------------------------------------
+
+def _hf_tensors(model: KimiForCausalLM, experts: str):
+    """Yield (hf_name, tensor) in checkpoint layout."""
+    cfg = model.cfg
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if cfg.tie_word_embeddings and name == "lm_head.weight":
+            continue
+        t = t.detach()
+        m = _EXPERT_RE.match(name)
+        if m:
+            base = _hf_prefix(cfg) + f"{m.group(1)}.block_sparse_moe.experts"
+            for e in range(t.shape[0]):
+                stem = f"{base}.{e}.{m.group(2)}"
+                if experts == "mxfp4":
+                    packed, scale = mxfp4_quantize(t[e].float())
+                    yield stem + ".weight_packed", packed
+                    yield stem + ".weight_scale", scale
+                else:
+                    yield stem + ".weight", t[e]
+            continue
+        if name.endswith("self_attn.A_log"):
+            t = (torch.nn.functional.pad(t, (0, max(K3_ALOG_PAD - t.shape[0], 0))) if cfg.is_k3
+                 else t.view(1, 1, -1, 1))
+        yield to_hf_name(cfg, name), t
+
+
+def mxfp4_quantization_config() -> dict:
+    """The compressed-tensors block of the official K3 release: only routed experts are packed."""
+    return {
+        "quant_method": "compressed-tensors",
+        "format": MXFP4_FORMAT,
+        "quantization_status": "compressed",
+        "config_groups": {"group_0": {
+            "format": MXFP4_FORMAT,
+            "targets": ["Linear"],
+            "input_activations": None,
+            "output_activations": None,
+            "weights": {"num_bits": 4, "type": "float", "group_size": MX_GROUP, "symmetric": True,
+                        "strategy": "group", "scale_dtype": "torch.uint8", "dynamic": False},
+        }},
+        "ignore": ["re:.*self_attn.*", "re:.*shared_experts.*",
+                   r"re:.*mlp\.(gate|up|gate_up|down)_proj.*", "re:.*lm_head.*",
+                   "re:.*vision_tower.*", "re:.*mm_projector.*"],
+    }
+
+
+def save_pretrained(model: KimiForCausalLM, path: str | os.PathLike, experts: str = "bf16",
+                    max_shard_bytes: int = 4 << 30) -> None:
+    """Write ``config.json`` + sharded safetensors + index to ``path`` atomically.
+
+    ``experts="mxfp4"`` packs the routed experts (K3 only); ``"bf16"`` keeps the model's dtype.
+    The files are written to a temporary directory beside ``path`` and renamed into place.
+    """
+    if experts not in ("bf16", "mxfp4"):
+        raise ValueError(f"save_pretrained: experts={experts!r} must be 'bf16' or 'mxfp4'")
+    cfg = model.cfg
+    if experts == "mxfp4" and cfg.moe_intermediate_size % MX_GROUP:
+        raise ValueError(f"save_pretrained: experts='mxfp4' needs moe_intermediate_size divisible by {MX_GROUP}")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    try:
+        shards: list[dict[str, torch.Tensor]] = [{}]
+        size = 0
+        for name, t in _hf_tensors(model, experts):
+            nbytes = t.numel() * t.element_size()
+            if shards[-1] and size + nbytes > max_shard_bytes:
+                shards.append({})
+                size = 0
+            shards[-1][name] = t.contiguous().cpu()
+            size += nbytes
+        weight_map, total = {}, 0
+        for i, shard in enumerate(shards):
+            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(tmp / fname), metadata={"format": "pt"})
+            for n, t in shard.items():
+                weight_map[n] = fname
+                total += t.numel() * t.element_size()
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+        qc = mxfp4_quantization_config() if experts == "mxfp4" else None
+        (tmp / "config.json").write_text(json.dumps(to_hf(cfg, quantization_config=qc), indent=2))
+        if path.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
+            os.replace(path, old / "prev")
+            os.replace(tmp, path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

@@ -1,0 +1,53 @@
+"""Per-sequence decoding cache for the generate path (the serving engine has its own paged one).
+
+KDA layers keep a fixed-size state: the recurrent state ``S`` [B, H, K, V] (fp32) and the last
+``W-1`` conv inputs of q, k and v ([B, H*K, W-1] each). MLA layers keep the 576-wide latent
+per token: the normalised ``c`` [B, T, kv_lora_rank] and the shared key part ``k_r``
+[B, T, qk_rope_head_dim].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class KDAState:
+    recurrent: torch.Tensor | None = None  # [B, H, K, V] fp32
+    conv_q: torch.Tensor | None = None  # [B, H*K, W-1]
+    conv_k: torch.Tensor | None = None
+    conv_v: torch.Tensor | None = None
+
+
+@dataclass
+class MLAState:
+    latent: torch.Tensor | None = None  # [B, T, kv_lora_rank], after kv_a_layernorm
+    k_rope: torch.Tensor | None = None  # [B, T, qk_rope_head_dim]
+
+    @property
+    def length(self) -> int:
+        return 0 if self.latent is None else self.latent.shape[1]
+
+    def append(self, latent: torch.Tensor, k_rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append this step's latents; returns the whole cached sequence."""
+        if self.latent is None:
+            self.latent, self.k_rope = latent, k_rope
+        else:
+            self.latent = torch.cat([self.latent, latent], dim=1)
+            self.k_rope = torch.cat([self.k_rope, k_rope], dim=1)
+        return self.latent, self.k_rope
+
+
+@dataclass
+class ModelCache:
+    """One entry per decoder layer; ``seq_len`` counts the tokens already consumed."""
+
+    layers: list[KDAState | MLAState] = field(default_factory=list)
+    seq_len: int = 0
+
+    @classmethod
+    def for_config(cls, cfg) -> "ModelCache":
+        return cls([MLAState() if cfg.is_mla_layer(i) else KDAState()
+                    for i in range(cfg.num_hidden_layers)])

@@ -1,0 +1,177 @@
+"""The K3 / Kimi Linear decoder and causal LM (K3_SPEC §1.7 for the residual wiring).
+
+Parameter names mirror the HF checkpoint (minus the ``language_model.`` prefix and with the
+routed experts stacked); ``openk3.checkpoint`` is the only place that maps between the two.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from openk3.config import ModelConfig
+from openk3.model.cache import ModelCache
+from openk3.model.kda import KDAttention
+from openk3.model.mla import MLAttention, RMSNorm
+from openk3.model.moe import MLP, MoE
+from openk3.ops.attnres import attn_res_agg
+
+
+class AttnResQuery(nn.Module):
+    """One AttnRes read: the key norm's weight (``*_res_norm``) and the pseudo-query
+    (``*_res_proj``, a [1, d] linear). Zero-initialised query = uniform mixture."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.norm = nn.Module()
+        self.norm.weight = nn.Parameter(torch.ones(d))
+        self.proj = nn.Linear(d, 1, bias=False)
+        nn.init.zeros_(self.proj.weight)
+
+    def forward(self, sources: list[torch.Tensor], eps: float) -> torch.Tensor:
+        return attn_res_agg(sources, self.proj.weight[0], self.norm.weight, eps)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int):
+        super().__init__()
+        self.cfg, self.index = cfg, index
+        self.is_mla = cfg.is_mla_layer(index)
+        self.self_attn = MLAttention(cfg) if self.is_mla else KDAttention(cfg)
+        self.mlp = MoE(cfg) if cfg.is_moe_layer(index) else MLP(cfg, cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.attn_res_block_size is not None:
+            self.self_attention_res = AttnResQuery(cfg.hidden_size)
+            self.mlp_res = AttnResQuery(cfg.hidden_size)
+
+    def forward(self, p: torch.Tensor, bank: list[torch.Tensor], state=None) -> torch.Tensor:
+        """Block AttnRes step (K3) or plain pre-norm residual (Kimi Linear).
+
+        p: the running partial sum [B, T, d]; ``bank`` (K3 only) holds the sealed block
+        representations and is appended to in place when this layer starts a new block.
+        """
+        cfg, eps = self.cfg, self.cfg.rms_norm_eps
+        if cfg.attn_res_block_size is None:
+            h = p + self.self_attn(self.input_layernorm(p), state)
+            return h + self.mlp(self.post_attention_layernorm(h))
+        h = self.self_attention_res(bank + [p], eps) if bank else p
+        attn_out = self.self_attn(self.input_layernorm(h), state)
+        if self.index % cfg.attn_res_block_size == 0:
+            bank.append(p)
+            p = attn_out
+        else:
+            p = p + attn_out
+        h = self.mlp_res(bank + [p], eps)
+        return p + self.mlp(self.post_attention_layernorm(h))
+
+
+@dataclass
+class CausalLMOutput:
+    logits: torch.Tensor  # [B, T, vocab] (only the kept positions)
+    hidden: torch.Tensor | None = None  # [B, T, d], the final-normed hidden state
+
+
+class KimiModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        d = cfg.hidden_size
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, d)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(d, cfg.rms_norm_eps)
+        if cfg.attn_res_block_size is not None:
+            self.output_attn_res = AttnResQuery(d)
+
+    def forward(self, input_ids: torch.Tensor, cache: ModelCache | None = None) -> torch.Tensor:
+        p = self.embed_tokens(input_ids)
+        bank: list[torch.Tensor] = []
+        for i, layer in enumerate(self.layers):
+            p = layer(p, bank, None if cache is None else cache.layers[i])
+        if self.cfg.attn_res_block_size is not None:
+            p = self.output_attn_res(bank + [p], self.cfg.rms_norm_eps)
+        return self.norm(p)
+
+
+class KimiForCausalLM(nn.Module):
+    """``forward(input_ids, cache=None, return_hidden=False, logits_to_keep=0)``.
+
+    With a ``ModelCache``, the call continues the cached sequences and updates the cache, so
+    feeding a sequence token by token reproduces the full-sequence logits.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.model = KimiModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, cache: ModelCache | None = None,
+                return_hidden: bool = False, logits_to_keep: int = 0) -> CausalLMOutput:
+        """input_ids: [B, T]. ``logits_to_keep=n`` computes logits of the last n positions only."""
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [B, T], got {tuple(input_ids.shape)}")
+        hidden = self.model(input_ids, cache)
+        if cache is not None:
+            cache.seq_len += input_ids.shape[1]
+        kept = hidden[:, -logits_to_keep:] if logits_to_keep else hidden
+        return CausalLMOutput(self.lm_head(kept), hidden if return_hidden else None)
+
+    def new_cache(self) -> ModelCache:
+        return ModelCache.for_config(self.cfg)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int | None = None) -> None:
+        """Training-from-scratch init: normal(0, initializer_range) matrices, output projections
+        scaled by 1/sqrt(2 * layers), unit norms, zero AttnRes queries and router biases."""
+        if seed is not None:
+            torch.manual_seed(seed)
+        std = self.cfg.initializer_range
+        out_std = std / math.sqrt(2 * self.cfg.num_hidden_layers)
+        for name, p in self.named_parameters():
+            if p.dim() >= 2:
+                is_out = name.endswith(("o_proj.weight", "down_proj.weight", "experts.w2",
+                                        "routed_expert_up_proj.weight"))
+                nn.init.normal_(p, 0.0, out_std if is_out else std)
+            elif name.endswith("weight"):
+                nn.init.ones_(p)
+        for m in self.modules():
+            if isinstance(m, KDAttention):
+                m.init_weights()
+                for conv in (m.q_conv1d, m.k_conv1d, m.v_conv1d):
+                    nn.init.normal_(conv.weight, 0.0, 1.0 / math.sqrt(conv.weight.shape[-1]))
+            elif isinstance(m, AttnResQuery):
+                nn.init.zeros_(m.proj.weight)
+        for buf_name, b in self.named_buffers():
+            if buf_name.endswith("e_score_correction_bias"):
+                b.zero_()
+
+
+def build_model(cfg: ModelConfig, device: torch.device | str | None = None,
+                dtype: torch.dtype | None = None, init: bool = True, seed: int | None = 0) -> KimiForCausalLM:
+    """Build the model; on ``device='meta'`` nothing is allocated (parameter counting, loading)."""
+    with torch.device(device or "cpu"):
+        model = KimiForCausalLM(cfg)
+    if init and str(device) != "meta":
+        model.init_weights(seed)
+    if dtype is not None:
+        model.to(dtype)
+        _keep_fp32(model)
+    return model
+
+
+def _keep_fp32(model: nn.Module) -> None:
+    """Router weights and biases, KDA decay parameters stay fp32 whatever the model dtype."""
+    for m in model.modules():
+        if isinstance(m, KDAttention):
+            m.A_log.data = m.A_log.data.float()
+            m.dt_bias.data = m.dt_bias.data.float()
+    for name, m in model.named_modules():
+        if name.endswith(".gate") and hasattr(m, "e_score_correction_bias"):
+            m.weight.data = m.weight.data.float()
+            m.e_score_correction_bias.data = m.e_score_correction_bias.data.float()

@@ -1,0 +1,146 @@
+"""MLPs, the sigmoid router, and Stable LatentMoE (K3_SPEC §1.4–1.5).
+
+K3:          y = W_up(RMSNorm_latent(sum_j w_j E_j(W_down x))) + Shared(x)
+Kimi Linear: y = sum_j w_j E_j(x) + Shared(x)         (full width, SwiGLU, scaling 2.446)
+
+Routed experts are stored stacked (``w1``/``w3``: [E, F, D], ``w2``: [E, D, F]) and run as one
+grouped matmul over expert-sorted tokens on CUDA (``torch.nn.functional.grouped_mm``); the
+reference loops over the experts that received tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from openk3.config import ModelConfig
+from openk3.model.mla import RMSNorm
+from openk3.ops.fast import use_fast_path
+from openk3.ops.situ import situ_glu, swiglu_ref
+
+
+def glu_act(cfg: ModelConfig, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    if cfg.hidden_act == "situ":
+        return situ_glu(gate, up, cfg.situ_beta1, cfg.situ_beta2)
+    return swiglu_ref(gate, up)
+
+
+class MLP(nn.Module):
+    """Dense GLU MLP: ``down(act(gate(x), up(x)))``."""
+
+    def __init__(self, cfg: ModelConfig, dim: int, width: int):
+        super().__init__()
+        self.cfg = cfg
+        self.gate_proj = nn.Linear(dim, width, bias=False)
+        self.up_proj = nn.Linear(dim, width, bias=False)
+        self.down_proj = nn.Linear(width, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(glu_act(self.cfg, self.gate_proj(x), self.up_proj(x)))
+
+
+class Router(nn.Module):
+    """Sigmoid scores in fp32; top-k chosen on ``s + bias``; weights from the unbiased ``s``.
+
+    ``e_score_correction_bias`` is the balancing bias (Quantile Balancing updates it during
+    training; frozen at inference). It only affects *which* experts are chosen.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.weight = nn.Parameter(torch.zeros(cfg.num_experts, cfg.hidden_size, dtype=torch.float32))
+        self.register_buffer("e_score_correction_bias", torch.zeros(cfg.num_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: [N, d] -> (scores [N, E] fp32, topk_idx [N, k], topk_weight [N, k] fp32)."""
+        cfg = self.cfg
+        scores = torch.sigmoid(F.linear(x.float(), self.weight.float()))
+        biased = scores + self.e_score_correction_bias
+        if cfg.num_expert_group > 1:  # group-limited routing: keep the best topk_group groups
+            N, G = biased.shape[0], cfg.num_expert_group
+            grouped = biased.view(N, G, -1)
+            group_score = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)  # [N, G]
+            keep = torch.zeros_like(group_score, dtype=torch.bool)
+            keep.scatter_(1, group_score.topk(cfg.topk_group, dim=-1).indices, True)
+            biased = biased.masked_fill(~keep.unsqueeze(-1).expand_as(grouped).reshape(N, -1), float("-inf"))
+        topk_idx = biased.topk(cfg.num_experts_per_token, dim=-1).indices
+        weight = scores.gather(1, topk_idx)
+        if cfg.moe_renormalize:
+            weight = weight / (weight.sum(-1, keepdim=True) + 1e-20)
+        return scores, topk_idx, weight * cfg.routed_scaling_factor
+
+
+class RoutedExperts(nn.Module):
+    """E GLU experts of input width D and hidden width F, stored stacked."""
+
+    def __init__(self, cfg: ModelConfig, dim: int):
+        super().__init__()
+        self.cfg = cfg
+        E, Fw = cfg.num_experts, cfg.moe_intermediate_size
+        self.w1 = nn.Parameter(torch.empty(E, Fw, dim))  # gate
+        self.w3 = nn.Parameter(torch.empty(E, Fw, dim))  # up
+        self.w2 = nn.Parameter(torch.empty(E, dim, Fw))  # down
+
+    def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor) -> torch.Tensor:
+        """x: [N, D]; topk_idx, topk_weight: [N, k]. Returns sum_j w_j E_j(x) in fp32, [N, D]."""
+        N, k = topk_idx.shape
+        flat_idx = topk_idx.reshape(-1)
+        order = flat_idx.argsort(stable=True)  # pairs sorted by expert
+        token_of_pair = order // k
+        counts = torch.bincount(flat_idx, minlength=self.cfg.num_experts)
+        xs = x[token_of_pair]  # [N*k, D], expert-sorted
+        if use_fast_path(x) and x.dtype == torch.bfloat16:
+            ys = self._grouped(xs, counts)
+        else:
+            ys = self._looped(xs, counts)
+        ys = ys.float() * topk_weight.reshape(-1)[order].unsqueeze(-1)
+        out = torch.zeros(N, x.shape[-1], dtype=torch.float32, device=x.device)
+        return out.index_add_(0, token_of_pair, ys)
+
+    def _looped(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        ys = torch.empty_like(xs)
+        start = 0
+        for e, n in enumerate(counts.tolist()):
+            if n:
+                xe = xs[start:start + n]
+                h = glu_act(self.cfg, xe @ self.w1[e].T, xe @ self.w3[e].T)
+                ys[start:start + n] = h @ self.w2[e].T
+                start += n
+        return ys
+
+    def _grouped(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        offs = counts.cumsum(0).to(torch.int32)
+        gate = F.grouped_mm(xs, self.w1.transpose(-2, -1), offs=offs)
+        up = F.grouped_mm(xs, self.w3.transpose(-2, -1), offs=offs)
+        return F.grouped_mm(glu_act(self.cfg, gate, up), self.w2.transpose(-2, -1), offs=offs)
+
+
+class MoE(nn.Module):
+    """Stable LatentMoE (K3) or full-width MoE (Kimi Linear), plus shared experts."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        d, latent = cfg.hidden_size, cfg.moe_latent_size
+        self.gate = Router(cfg)
+        if latent is not None:
+            self.routed_expert_down_proj = nn.Linear(d, latent, bias=False)
+            self.routed_expert_norm = RMSNorm(latent, cfg.rms_norm_eps)
+            self.routed_expert_up_proj = nn.Linear(latent, d, bias=False)
+        self.experts = RoutedExperts(cfg, latent or d)
+        self.shared_experts = MLP(cfg, d, cfg.moe_intermediate_size * cfg.num_shared_experts)
+        self.last_topk_idx: torch.Tensor | None = None  # [N, k], for load statistics
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        xf = x.reshape(-1, shape[-1])  # [N, d]
+        _, topk_idx, topk_weight = self.gate(xf)
+        self.last_topk_idx = topk_idx.detach()
+        if self.cfg.moe_latent_size is not None:
+            u = self.experts(self.routed_expert_down_proj(xf), topk_idx, topk_weight)
+            routed = self.routed_expert_up_proj(self.routed_expert_norm(u).to(x.dtype))  # norm in fp32
+        else:
+            routed = self.experts(xf, topk_idx, topk_weight).to(x.dtype)
+        return routed.view(shape) + self.shared_experts(x)

@@ -1,0 +1,60 @@
+"""Block Attention Residuals aggregation (K3_SPEC §1.7).
+
+``agg(sources) = sum_i softmax_i(<RMSNorm(V_i), w * q>) V_i``
+
+* ``sources`` V: the sealed block bank plus the live partial sum, each ``[B, T, D]``.
+* ``query`` q: the layer's pseudo-query (``*_res_proj.weight[0]``), ``[D]``;
+  ``norm_weight`` w: the key norm's weight (``*_res_norm.weight``), folded into the query.
+* The key RMSNorm has no weight of its own and uses ``eps = rms_norm_eps``; keys, logits,
+  softmax and the weighted sum are all fp32; the values are the *un-normalised* sources;
+  the result is cast once to the sources' dtype.
+With a zero query the softmax is uniform and ``agg`` is the mean of the sources.
+
+Fast path (CUDA): fla-core's ``fused_attnres``, whose math is exactly this when called without
+its fused output norm (checked in tests/ops/test_attnres.py against its naive reference and on
+the device against the fused kernel).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import torch
+
+from openk3.ops.fast import use_fast_path
+
+
+def attn_res_agg_ref(sources: Sequence[torch.Tensor], query: torch.Tensor, norm_weight: torch.Tensor,
+                     eps: float) -> torch.Tensor:
+    """sources: S tensors [..., D]; query, norm_weight: [D]. Returns [..., D] in sources' dtype."""
+    v = torch.stack(tuple(sources)).float()  # [S, ..., D]
+    keys = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)
+    logits = (keys * (norm_weight.float() * query.float())).sum(-1)  # [S, ...]
+    weights = torch.softmax(logits, dim=0)
+    return (weights.unsqueeze(-1) * v).sum(0).to(sources[0].dtype)
+
+
+@functools.cache
+def _fla_fused_attnres():
+    try:
+        from fla.ops.attnres import fused_attnres
+    except ImportError:
+        return None
+    return fused_attnres
+
+
+def attn_res_agg(sources: Sequence[torch.Tensor], query: torch.Tensor, norm_weight: torch.Tensor,
+                 eps: float) -> torch.Tensor:
+    """Aggregate ``S >= 1`` sources of equal shape ``[..., D]``."""
+    if not sources:
+        raise ValueError("attn_res_agg: needs at least one source")
+    D = sources[0].shape[-1]
+    if any(s.shape != sources[0].shape for s in sources) or query.shape != (D,) or norm_weight.shape != (D,):
+        raise ValueError(f"attn_res_agg: sources {[tuple(s.shape) for s in sources]} must share one "
+                         f"shape [..., D]; query {tuple(query.shape)} and norm_weight "
+                         f"{tuple(norm_weight.shape)} must be [D]")
+    fused = _fla_fused_attnres() if use_fast_path(sources[0]) else None
+    if fused is not None:
+        return fused(query, list(sources), norm_weight, rms_eps=eps)
+    return attn_res_agg_ref(sources, query, norm_weight, eps)

@@ -1,0 +1,116 @@
+"""RMSNorm, gated RMSNorm, SiTU-GLU and AttnRes aggregation against the spec and fla."""
+
+import pytest
+import torch
+
+from openk3.ops.attnres import attn_res_agg, attn_res_agg_ref
+from openk3.ops.norm import gated_rms_norm_ref, rms_norm_ref
+from openk3.ops.situ import situ_glu_ref
+from tests.helpers import load_fla_file
+
+
+def test_rms_norm_formula_and_dtype():
+    x = torch.randn(3, 5, 64, dtype=torch.bfloat16)
+    w = torch.rand(64, dtype=torch.bfloat16) + 0.5
+    xf = x.float()
+    want = w * (xf / torch.sqrt((xf * xf).mean(-1, keepdim=True) + 1e-5)).to(torch.bfloat16)
+    got = rms_norm_ref(x, w, 1e-5)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_gated_rms_norm_is_fp32_throughout():
+    x, g = torch.randn(4, 7, 16, dtype=torch.bfloat16), torch.randn(4, 7, 16, dtype=torch.bfloat16)
+    w = torch.rand(16) + 0.5
+    xf = x.float()
+    want = (w * xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5) * torch.sigmoid(g.float()))
+    torch.testing.assert_close(gated_rms_norm_ref(x, w, g, 1e-5), want.to(torch.bfloat16), rtol=0, atol=0)
+
+
+def test_situ_values_and_bound():
+    gate = torch.tensor([0.0, 1.0, -3.0, 50.0, -50.0, 1e4])
+    up = torch.tensor([1.0, 2.0, 100.0, 1e4, 1e4, 1e4])
+    want = (4 * torch.tanh(gate / 4) * torch.sigmoid(gate)) * (25 * torch.tanh(up / 25))
+    torch.testing.assert_close(situ_glu_ref(gate, up), want)
+    big = torch.randn(10000) * 1e3
+    h = situ_glu_ref(big, big.flip(0))
+    assert h.abs().max() <= 100.0
+    assert situ_glu_ref(torch.tensor([1e4]), torch.tensor([1e4])).item() == pytest.approx(100.0, rel=1e-4)
+    # near the origin SiTU-GLU follows SwiGLU to first order: h ~ silu(g) * u
+    g, u = torch.tensor([1e-3]), torch.tensor([2e-3])
+    assert situ_glu_ref(g, u).item() == pytest.approx((torch.nn.functional.silu(g) * u).item(), rel=1e-3)
+    # the sigmoid takes the uncapped gate: at gate=8, tanh cap gives 4*tanh(2), sigmoid(8) not sigmoid(4tanh2)
+    assert situ_glu_ref(torch.tensor([8.0]), torch.tensor([25.0])).item() == pytest.approx(
+        4 * torch.tanh(torch.tensor(2.0)).item() * torch.sigmoid(torch.tensor(8.0)).item()
+        * 25 * torch.tanh(torch.tensor(1.0)).item(), rel=1e-6)
+
+
+def test_attn_res_zero_query_is_mean():
+    srcs = [torch.randn(2, 5, 32) * (i + 1) for i in range(4)]
+    out = attn_res_agg(srcs, torch.zeros(32), torch.ones(32), 1e-5)
+    torch.testing.assert_close(out, torch.stack(srcs).mean(0))
+
+
+def test_attn_res_single_source_is_identity():
+    x = torch.randn(3, 4, 16)
+    torch.testing.assert_close(attn_res_agg([x], torch.randn(16), torch.rand(16), 1e-5), x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attn_res_matches_fla_naive(dtype):
+    fla = load_fla_file("ops/attnres/naive.py")
+    torch.manual_seed(0)
+    srcs = [torch.randn(2, 9, 48, dtype=dtype) * s for s in (0.01, 1.0, 30.0)]
+    q, w = torch.randn(48), torch.rand(48) + 0.5
+    want = fla.naive_attnres(q, srcs, w, rms_eps=1e-5)
+    got = attn_res_agg_ref(srcs, q, w, 1e-5)
+    # fp32: only summation order differs (fla uses F.rms_norm and einsum); bf16: one final rounding
+    tol = dict(rtol=2e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(got, want, **tol)
+
+
+def test_attn_res_eps_matters_and_gradients_match_fla():
+    fla = load_fla_file("ops/attnres/naive.py")
+    srcs = [(torch.randn(2, 3, 8) * 1e-3).requires_grad_() for _ in range(3)]
+    q, w = torch.randn(8, requires_grad=True), torch.rand(8, requires_grad=True)
+    a = attn_res_agg_ref(srcs, q, w, 1e-5)
+    b = attn_res_agg_ref(srcs, q, w, 1e-6)
+    assert not torch.allclose(a, b, rtol=1e-3)  # sources ~1e-3: eps is visible, use exactly 1e-5
+    want = fla.naive_attnres(q, srcs, w, rms_eps=1e-5)
+    g = torch.randn_like(a)
+    ours = torch.autograd.grad(a, [*srcs, q, w], g)
+    theirs = torch.autograd.grad(want, [*srcs, q, w], g)
+    for x, y in zip(ours, theirs):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+
+
+def test_attn_res_bad_shapes():
+    with pytest.raises(ValueError, match="query"):
+        attn_res_agg([torch.randn(2, 3, 8)], torch.randn(7), torch.ones(8), 1e-5)
+    with pytest.raises(ValueError, match="at least one"):
+        attn_res_agg([], torch.randn(8), torch.ones(8), 1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fast_paths_match_references_on_gpu():
+    torch.manual_seed(0)
+    dev = "cuda"
+    srcs = [torch.randn(2, 1000, 1024, device=dev, dtype=torch.bfloat16) * s for s in (1, 3, 0.1, 10)]
+    srcs = [s.requires_grad_() for s in srcs]
+    q = torch.randn(1024, device=dev, requires_grad=True)
+    w = (torch.rand(1024, device=dev) + 0.5).requires_grad_()
+    fast = attn_res_agg(srcs, q, w, 1e-5)
+    ref = attn_res_agg_ref(srcs, q, w, 1e-5)
+    torch.testing.assert_close(fast, ref, rtol=1e-2, atol=1e-2)
+    g = torch.randn_like(fast)
+    for a, b in zip(torch.autograd.grad(fast, [*srcs, q, w], g), torch.autograd.grad(ref, [*srcs, q, w], g)):
+        assert ((a.float() - b.float()).norm() / b.float().norm()) < 1e-2
+    x = torch.randn(4, 333, 2048, device=dev, dtype=torch.bfloat16)
+    wn = torch.rand(2048, device=dev, dtype=torch.bfloat16)
+    from openk3.ops.norm import gated_rms_norm, rms_norm
+    from openk3.ops.situ import situ_glu
+    torch.testing.assert_close(rms_norm(x, wn, 1e-5), rms_norm_ref(x, wn, 1e-5), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(gated_rms_norm(x, wn, x.flip(-1), 1e-5),
+                               gated_rms_norm_ref(x, wn, x.flip(-1), 1e-5), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(situ_glu(x * 5, x), situ_glu_ref(x * 5, x), rtol=1e-2, atol=1e-2)
