@@ -111,10 +111,11 @@ class RoutedExperts(nn.Module):
         return ys
 
     def _grouped(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        offs = counts.cumsum(0).to(torch.int32)
-        gate = F.grouped_mm(xs, self.w1.transpose(-2, -1), offs=offs)
-        up = F.grouped_mm(xs, self.w3.transpose(-2, -1), offs=offs)
-        return F.grouped_mm(glu_act(self.cfg, gate, up), self.w2.transpose(-2, -1), offs=offs)
+        mm = getattr(F, "grouped_mm", None) or torch._grouped_mm  # public from torch 2.10
+        offs = counts.cumsum(0).to(torch.int32)  # end of each expert's rows in xs
+        gate = mm(xs, self.w1.transpose(-2, -1), offs=offs)
+        up = mm(xs, self.w3.transpose(-2, -1), offs=offs)
+        return mm(glu_act(self.cfg, gate, up), self.w2.transpose(-2, -1), offs=offs)
 
 
 class MoE(nn.Module):

@@ -23,6 +23,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from openk3.ops.fast import use_fast_path
+
 # The spec's lower bound: with g >= -5 a 16-token chunk keeps its cumulative log-decay in
 # (-80, 0], which is what lets the dense (bounded) intra-chunk path divide by the decay.
 SAFE_LOWER_BOUND = -5.0
@@ -71,7 +73,7 @@ def kda_gate(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
             longer than ``H`` (the K3 checkpoint pads it to 128); only the first ``H`` are used.
         dt_bias: ``[H*K]`` per-channel bias.
         lower_bound: K3's bounded gate ``g = lower_bound * sigmoid(exp(A_log[h]) * (f + dt_bias))``,
-            so ``g`` is in ``(lower_bound, 0)``; ``None`` selects Kimi Linear's unbounded
+            so ``g`` is in ``[lower_bound, 0]`` (closed once sigmoid rounds); ``None`` selects Kimi Linear's unbounded
             ``g = -exp(A_log[h]) * softplus(f + dt_bias)``.
         num_heads: ``H``; needed only for a 3-D ``f``, since a padded ``A_log`` cannot tell it.
 
@@ -124,8 +126,7 @@ def kda_recurrent_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     for t in range(T):
         o_t, S = _delta_step(S, q[:, t], k[:, t], vf[:, t], g[:, t], beta[:, t])
         outs.append(o_t)
-    o = torch.stack(outs, dim=1) if outs else vf.new_zeros(vf.shape)
-    return o.to(v.dtype), (S if output_final_state else None)
+    return torch.stack(outs, dim=1).to(v.dtype), (S if output_final_state else None)
 
 
 def _to_chunks(x: torch.Tensor, chunk_size: int) -> torch.Tensor:
@@ -176,10 +177,11 @@ def kda_chunk_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
 
     G = g.cumsum(-2)                                          # [B, H, N, C, K] log Gamma
     decay = G.exp()                                           # Gamma, in (0, 1]
+    q_dec = q * decay                                         # reads S_0 through the decay
     if bounded_gate:
         # Checking the cumulative decay itself (not chunk_size * min(g)) is the exact condition
         # for exp(-G) below to stay finite; with g >= -5 and C = 16 it always holds.
-        min_log_decay = G.min().item() if G.numel() else 0.0
+        min_log_decay = G.min().item()
         if min_log_decay < -_MAX_RECIPROCAL_LOG_DECAY:
             raise ValueError(
                 f"bounded_gate=True but the cumulative log-decay in a chunk of {C} reaches "
@@ -188,7 +190,7 @@ def kda_chunk_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
                 f"or bounded_gate=False")
         k_inv = k * (-G).exp()                                # k_s / Gamma_s, <= e^85 * |k|
         A_kk = (k * decay) @ k_inv.transpose(-1, -2)          # [B, H, N, C, C]
-        A_qk = (q * decay) @ k_inv.transpose(-1, -2)          # [B, H, N, C, C]
+        A_qk = q_dec @ k_inv.transpose(-1, -2)                # [B, H, N, C, C]
     else:
         causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
         # [B, H, N, C(r), C(s), K]: exp(G_r - G_s), masked before exp so r < s never overflows
@@ -205,7 +207,6 @@ def kda_chunk_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
                                       unitriangular=True)     # [B, H, N, C, V]
     W = torch.linalg.solve_triangular(L, beta[..., None] * k * decay, upper=False,
                                       unitriangular=True)     # [B, H, N, C, K]
-    q_dec = q * decay                                         # reads S_0 through the decay
     G_last = G[..., -1:, :]                                   # [B, H, N, 1, K]
     k_to_end = k * (G_last - G).exp()                         # decay from s to chunk end, <= 1
 
@@ -350,7 +351,7 @@ def kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor,
         initial_state: ``[B, H, K, V]``, any float dtype (used as fp32).
         backend: ``"fla"`` runs fla-core's Triton kernels (``chunk_kda``; ``fused_recurrent_kda``
             for a T == 1 step without autograd), ``"torch"`` the chunkwise reference,
-            ``"auto"`` picks fla for CUDA inputs when it imports.
+            ``"auto"`` picks fla for CUDA inputs when it imports (unless ``OPENK3_REFERENCE=1``).
 
     Returns:
         o ``[B, T, H, V]`` in v.dtype; final state ``[B, H, K, V]`` fp32, or None unless
@@ -370,7 +371,7 @@ def kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor,
     B, T, H, K = q.shape
     f = f.reshape(B, T, H, K)
     if backend == "auto":
-        backend = "fla" if q.is_cuda and fla_available() else "torch"
+        backend = "fla" if use_fast_path(q) and fla_available() else "torch"
     if backend == "fla":
         if not q.is_cuda:
             raise ValueError(f"backend='fla' needs CUDA tensors, got q on {q.device}")

@@ -1,0 +1,190 @@
+"""K3-format checkpoints: round trips, MXFP4 experts, A_log padding, and every error path."""
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+import openk3
+from openk3 import build_model, preset
+from openk3.checkpoint import CheckpointError
+from openk3.ops.mx import fake_quant_mxfp4, mxfp4_dequantize
+
+
+@pytest.fixture(scope="module")
+def k3_model():
+    model = build_model(preset("debug"), seed=1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            b.copy_(0.01 * torch.randn_like(b))
+    return model.eval()
+
+
+def _state_equal(a, b):
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        assert sa[k].dtype == sb[k].dtype, k
+        assert torch.equal(sa[k], sb[k]), k
+
+
+def test_k3_roundtrip_exact_and_names(tmp_path, k3_model):
+    openk3.save_pretrained(k3_model, tmp_path / "ck", max_shard_bytes=2_000_000)
+    files = sorted(p.name for p in (tmp_path / "ck").glob("*.safetensors"))
+    assert len(files) > 1  # sharded, with an index
+    index = json.loads((tmp_path / "ck" / "model.safetensors.index.json").read_text())["weight_map"]
+    names = set(index)
+    pre = "language_model.model."
+    assert "language_model.lm_head.weight" in names
+    assert pre + "output_attn_res_proj.weight" in names and pre + "layers.1.mlp_res_norm.weight" in names
+    assert pre + "layers.1.block_sparse_moe.experts.7.w2.weight" in names
+    assert pre + "layers.0.mlp.gate_proj.weight" in names
+    assert pre + "layers.1.block_sparse_moe.gate.e_score_correction_bias" in names
+    with safe_open(str(tmp_path / "ck" / index[pre + "layers.0.self_attn.A_log"]), "pt") as f:
+        a_log = f.get_tensor(pre + "layers.0.self_attn.A_log")
+    assert a_log.shape == (128,) and torch.all(a_log[preset("debug").linear_num_heads:] == 0)
+    loaded = openk3.load_pretrained(tmp_path / "ck")
+    _state_equal(k3_model, loaded)
+    ids = torch.randint(0, 4096, (1, 12))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, k3_model(ids).logits)
+
+
+def test_mxfp4_experts_roundtrip(tmp_path, k3_model):
+    openk3.save_pretrained(k3_model, tmp_path / "mx", experts="mxfp4")
+    cfg_json = json.loads((tmp_path / "mx" / "config.json").read_text())
+    assert cfg_json["text_config"]["quantization_config"]["format"] == "mxfp4-pack-quantized"
+    tensors = {}
+    for f in (tmp_path / "mx").glob("*.safetensors"):
+        tensors.update(load_file(str(f)))
+    stem = "language_model.model.layers.2.block_sparse_moe.experts.5.w1"
+    assert tensors[stem + ".weight_packed"].dtype == torch.uint8
+    assert stem + ".weight" not in tensors
+    loaded = openk3.load_pretrained(tmp_path / "mx")
+    w = loaded.model.layers[2].mlp.experts.w1[5]
+    # bit-exact decode of what is stored ...
+    want = mxfp4_dequantize(tensors[stem + ".weight_packed"], tensors[stem + ".weight_scale"], torch.float32)
+    assert torch.equal(w, want)
+    # ... which is the MXFP4 fake-quantisation of the original expert
+    assert torch.equal(w, fake_quant_mxfp4(k3_model.model.layers[2].mlp.experts.w1[5].detach()))
+    # once on the grid, packing again is lossless
+    openk3.save_pretrained(loaded, tmp_path / "mx2", experts="mxfp4")
+    _state_equal(loaded, openk3.load_pretrained(tmp_path / "mx2"))
+
+
+def test_vision_tensors_are_skipped_with_a_note(tmp_path, k3_model, capsys):
+    openk3.save_pretrained(k3_model, tmp_path / "ck")
+    save_file({"vision_tower.patch_embed.weight": torch.zeros(2, 2),
+               "mm_projector.proj.0.weight": torch.zeros(2)}, str(tmp_path / "ck" / "vision.safetensors"))
+    idx_path = tmp_path / "ck" / "model.safetensors.index.json"
+    idx = json.loads(idx_path.read_text())
+    idx["weight_map"].update({"vision_tower.patch_embed.weight": "vision.safetensors",
+                              "mm_projector.proj.0.weight": "vision.safetensors"})
+    idx_path.write_text(json.dumps(idx))
+    _state_equal(k3_model, openk3.load_pretrained(tmp_path / "ck"))
+    assert "skipped 2 vision tensors" in capsys.readouterr().err
+
+
+def _rewrite(tmp_path, k3_model, edit):
+    ck = tmp_path / "ck"
+    openk3.save_pretrained(k3_model, ck)
+    (f,) = list(ck.glob("*.safetensors"))
+    tensors = load_file(str(f))
+    edit(tensors)
+    save_file(tensors, str(f))
+    idx_path = ck / "model.safetensors.index.json"
+    idx = json.loads(idx_path.read_text())
+    idx["weight_map"] = {k: f.name for k in tensors}
+    idx_path.write_text(json.dumps(idx))
+    return ck
+
+
+PRE = "language_model.model."
+
+
+def test_missing_tensor_is_named(tmp_path, k3_model):
+    ck = _rewrite(tmp_path, k3_model, lambda t: t.pop(PRE + "layers.3.post_attention_layernorm.weight"))
+    with pytest.raises(CheckpointError, match=r"layers\.3\.post_attention_layernorm\.weight"):
+        openk3.load_pretrained(ck)
+
+
+def test_missing_expert_is_named(tmp_path, k3_model):
+    ck = _rewrite(tmp_path, k3_model, lambda t: t.pop(PRE + "layers.2.block_sparse_moe.experts.6.w3.weight"))
+    with pytest.raises(CheckpointError, match=r"layers\.2\.mlp\.experts\.w3 \(experts \[6\]\)"):
+        openk3.load_pretrained(ck)
+
+
+def test_unexpected_tensor_is_named(tmp_path, k3_model):
+    ck = _rewrite(tmp_path, k3_model, lambda t: t.update({PRE + "layers.1.bogus.weight": torch.zeros(1)}))
+    with pytest.raises(CheckpointError, match=r"unexpected tensor .*layers\.1\.bogus\.weight"):
+        openk3.load_pretrained(ck)
+
+
+def test_misshaped_tensor_names_both_shapes(tmp_path, k3_model):
+    name = PRE + "layers.1.self_attn.q_proj.weight"
+    ck = _rewrite(tmp_path, k3_model, lambda t: t.update({name: torch.zeros(3, 5)}))
+    with pytest.raises(CheckpointError, match=r"q_proj\.weight has shape \(3, 5\), the model expects \(64, 128\)"):
+        openk3.load_pretrained(ck)
+
+
+def test_nonzero_a_log_padding_rejected(tmp_path, k3_model):
+    name = PRE + "layers.0.self_attn.A_log"
+    ck = _rewrite(tmp_path, k3_model, lambda t: t[name].__setitem__(100, 1.0))
+    with pytest.raises(CheckpointError, match="A_log"):
+        openk3.load_pretrained(ck)
+
+
+def test_truncated_file_names_the_file(tmp_path, k3_model):
+    ck = tmp_path / "ck"
+    openk3.save_pretrained(k3_model, ck)
+    (f,) = list(ck.glob("*.safetensors"))
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=f.name):
+        openk3.load_pretrained(ck)
+    f.write_bytes(b"\x00\x01garbage")
+    with pytest.raises(CheckpointError, match=f.name):
+        openk3.load_pretrained(ck)
+
+
+def test_index_naming_absent_shard(tmp_path, k3_model):
+    ck = tmp_path / "ck"
+    openk3.save_pretrained(k3_model, ck)
+    (f,) = list(ck.glob("*.safetensors"))
+    f.unlink()
+    with pytest.raises(CheckpointError, match=f.name):
+        openk3.load_pretrained(ck)
+
+
+def test_save_is_atomic_on_failure(tmp_path, k3_model, monkeypatch):
+    ck = tmp_path / "ck"
+    openk3.save_pretrained(k3_model, ck)
+    before = sorted(p.name for p in ck.iterdir())
+    import openk3.checkpoint.hf as hf
+
+    def boom(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(hf, "save_file", boom)
+    with pytest.raises(OSError):
+        openk3.save_pretrained(k3_model, ck)
+    assert sorted(p.name for p in ck.iterdir()) == before
+    assert [p.name for p in tmp_path.iterdir()] == ["ck"]  # no temporary left behind
+    _state_equal(k3_model, openk3.load_pretrained(ck))
+
+
+def test_load_streams_into_meta_model(tmp_path, k3_model, monkeypatch):
+    """Loading never builds a second, initialised copy: the model is made on meta first."""
+    openk3.save_pretrained(k3_model, tmp_path / "ck")
+    import openk3.checkpoint.hf as hf
+
+    devices = []
+    real = hf.build_model
+    monkeypatch.setattr(hf, "build_model", lambda cfg, device=None, **k: devices.append(device) or real(cfg, device=device, **k))
+    openk3.load_pretrained(tmp_path / "ck")
+    assert devices == ["meta"]
