@@ -1,15 +1,19 @@
-"""The ``openk3`` command: ``params``, ``generate``."""
+"""The ``openk3`` command: ``params``, ``generate``, ``train``, ``plot``."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
 import sys
 import time
+import typing
+from pathlib import Path
 
 import torch
 
-from openk3.config import PRESETS, preset
+from openk3.config import PRESETS, RunConfig, preset, run_preset
 
 
 def _fmt(n: int) -> str:
@@ -45,8 +49,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.checkpoint:
         from openk3.checkpoint import load_pretrained
 
-        model = load_pretrained(args.checkpoint, dtype=dtype, device=device)
-        tok = load_tokenizer(args.checkpoint)
+        ckpt_dir = Path(args.checkpoint)
+        if (ckpt_dir / "run_config.json").exists():  # a training run: use its export
+            ckpt_dir = ckpt_dir / "export"
+        model = load_pretrained(ckpt_dir, dtype=dtype, device=device)
+        tok = load_tokenizer(ckpt_dir)
     elif args.random_init:
         from openk3.model import build_model
 
@@ -85,6 +92,56 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_run_config_flags(p: argparse.ArgumentParser) -> None:
+    """One flag per RunConfig field, same name (``--max-steps`` is ``max_steps``); a flag left
+    out keeps the preset's (or, with --resume, the run's) value."""
+    hints = typing.get_type_hints(RunConfig)
+    for f in dataclasses.fields(RunConfig):
+        flag = "--" + f.name.replace("_", "-")
+        help_ = f"RunConfig.{f.name} (default {f.default if f.default is not dataclasses.MISSING else '{}'})"
+        t = hints[f.name]
+        if t is bool:
+            p.add_argument(flag, dest=f.name, action="store_true", default=None, help=help_)
+        elif f.name == "data":
+            p.add_argument(flag, dest=f.name, nargs="+", default=None, metavar="PATH", help=help_)
+        elif f.name == "model_overrides":
+            p.add_argument(flag, dest=f.name, type=json.loads, default=None, metavar="JSON", help=help_)
+        else:
+            base = next((a for a in typing.get_args(t) if a is not type(None)), t)
+            p.add_argument(flag, dest=f.name, type=base, default=None, help=help_)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from openk3.train.trainer import TrainingDiverged, train
+
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(RunConfig)
+             if getattr(args, f.name) is not None}
+    name = given.pop("preset", "debug")
+    cfg = run_preset(name, **given)
+    saved = Path(cfg.out) / "run_config.json"
+    if cfg.resume and saved.exists():  # continue the run as it was configured
+        prev = json.loads(saved.read_text())["run"]
+        cfg = RunConfig.from_dict({**prev, **given, "resume": True})
+    try:
+        summary = train(cfg)
+    except TrainingDiverged as e:
+        print(f"openk3 train: {e}", file=sys.stderr)
+        return 1
+    if summary.get("first_loss") is not None and os.environ.get("RANK", "0") == "0":
+        print(f"openk3 train: steps {summary['start_step']}..{summary['end_step']}, loss "
+              f"{summary['first_loss']:.3f} -> {summary['last_loss']:.3f}; run in {cfg.out}",
+              file=sys.stderr)
+    return 0
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from openk3.train.plot import plot_run
+
+    for path in plot_run(args.run_dir, args.out):
+        print(path)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="openk3", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
@@ -106,6 +163,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     g.add_argument("--dtype", default=None, choices=sorted(_DTYPES))
     g.set_defaults(fn=cmd_generate)
+
+    t = sub.add_parser("train", help="train a model (torchrun for several processes)")
+    _add_run_config_flags(t)
+    t.set_defaults(fn=cmd_train)
+
+    pl = sub.add_parser("plot", help="write PNG charts of a run's metrics")
+    pl.add_argument("run_dir")
+    pl.add_argument("--out", default=None, help="output directory (default RUN_DIR/plots)")
+    pl.set_defaults(fn=cmd_plot)
     return ap
 
 

@@ -47,22 +47,31 @@ class DecoderLayer(nn.Module):
         if cfg.attn_res_block_size is not None:
             self.self_attention_res = AttnResQuery(cfg.hidden_size)
             self.mlp_res = AttnResQuery(cfg.hidden_size)
+            if index == 0:  # reads the bare embedding (empty bank): in checkpoints, never used
+                self.self_attention_res.requires_grad_(False)
+
+    @property
+    def starts_block(self) -> bool:
+        """This layer seals the running sum into the bank after its attention (every
+        ``attn_res_block_size`` layers, starting with layer 0, which seals the embedding)."""
+        size = self.cfg.attn_res_block_size
+        return size is not None and self.index % size == 0
 
     def forward(self, p: torch.Tensor, bank: list[torch.Tensor], state=None) -> torch.Tensor:
-        """Block AttnRes step (K3) or plain pre-norm residual (Kimi Linear).
+        """Block AttnRes step (K3) or plain pre-norm residual (Kimi Linear); returns the new p.
 
-        p: the running partial sum [B, T, d]; ``bank`` (K3 only) holds the sealed block
-        representations and is appended to in place when this layer starts a new block.
+        p: the running partial sum [B, T, d]; ``bank``: the sealed block representations. When
+        ``starts_block``, the caller appends the old p to its bank after this call. (Neither the
+        bank nor p is returned or mutated here: wrappers such as FSDP may pass copies.)
         """
-        cfg, eps = self.cfg, self.cfg.rms_norm_eps
-        if cfg.attn_res_block_size is None:
+        eps = self.cfg.rms_norm_eps
+        if self.cfg.attn_res_block_size is None:
             h = p + self.self_attn(self.input_layernorm(p), state)
             return h + self.mlp(self.post_attention_layernorm(h))
         h = self.self_attention_res(bank + [p], eps) if bank else p
         attn_out = self.self_attn(self.input_layernorm(h), state)
-        if self.index % cfg.attn_res_block_size == 0:
-            bank.append(p)
-            p = attn_out
+        if self.starts_block:
+            bank, p = bank + [p], attn_out
         else:
             p = p + attn_out
         h = self.mlp_res(bank + [p], eps)
@@ -90,7 +99,10 @@ class KimiModel(nn.Module):
         p = self.embed_tokens(input_ids)
         bank: list[torch.Tensor] = []
         for i, layer in enumerate(self.layers):
-            p = layer(p, bank, None if cache is None else cache.layers[i])
+            p_next = layer(p, bank, None if cache is None else cache.layers[i])
+            if layer.starts_block:
+                bank = bank + [p]
+            p = p_next
         if self.cfg.attn_res_block_size is not None:
             p = self.output_attn_res(bank + [p], self.cfg.rms_norm_eps)
         return self.norm(p)

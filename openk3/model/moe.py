@@ -132,13 +132,17 @@ class MoE(nn.Module):
             self.routed_expert_up_proj = nn.Linear(latent, d, bias=False)
         self.experts = RoutedExperts(cfg, latent or d)
         self.shared_experts = MLP(cfg, d, cfg.moe_intermediate_size * cfg.num_shared_experts)
-        self.last_topk_idx: torch.Tensor | None = None  # [N, k], for load statistics
+        # Routing of the last training forward, read by the trainer for load balancing
+        # (bias updates, auxiliary loss) and load statistics; not kept in eval mode.
+        self.last_scores: torch.Tensor | None = None  # [N, E] fp32 sigmoid scores (with graph)
+        self.last_topk_idx: torch.Tensor | None = None  # [N, k]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         xf = x.reshape(-1, shape[-1])  # [N, d]
-        _, topk_idx, topk_weight = self.gate(xf)
-        self.last_topk_idx = topk_idx.detach()
+        scores, topk_idx, topk_weight = self.gate(xf)
+        if self.training:
+            self.last_scores, self.last_topk_idx = scores, topk_idx
         if self.cfg.moe_latent_size is not None:
             u = self.experts(self.routed_expert_down_proj(xf), topk_idx, topk_weight)
             routed = self.routed_expert_up_proj(self.routed_expert_norm(u).to(x.dtype))  # norm in fp32

@@ -109,11 +109,13 @@ def test_backward_reaches_every_parameter():
     assert out.hidden.shape == (2, 24, cfg.hidden_size)
     torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), ids.flatten()).backward()
     no_grad = [n for n, p in model.named_parameters()
-               if p.grad is None or not p.grad.abs().sum() > 0]
+               if p.requires_grad and (p.grad is None or not p.grad.abs().sum() > 0)]
+    assert no_grad == []
     # layer 0 reads the bare embedding (the bank is empty), so its attention-input AttnRes
-    # query is unused, though the checkpoint carries it
-    assert no_grad == ["model.layers.0.self_attention_res.norm.weight",
-                       "model.layers.0.self_attention_res.proj.weight"]
+    # query is unused (frozen), though the checkpoint carries it
+    frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+    assert frozen == ["model.layers.0.self_attention_res.norm.weight",
+                      "model.layers.0.self_attention_res.proj.weight"]
 
 
 def test_k3_parameter_count():

@@ -1,0 +1,313 @@
+"""Router load balancing: Quantile Balancing (K3_SPEC §1.6) and the two baselines.
+
+The router (``openk3.model.moe.Router``) picks the top-k of ``s + b`` per token, where ``s`` [N, E]
+are fp32 sigmoid scores and ``b`` [E] is the ``e_score_correction_bias`` buffer; the bias only
+changes *which* experts are chosen, never the weights. Balancing means choosing ``b`` so that every
+expert receives about ``q = N*k/E`` of the N*k (token, slot) pairs of a batch.
+
+- ``qb_update_exact``: Quantile Balancing on one process (the exact per-expert quantile).
+- ``qb_update_histogram``: the same with a fixed histogram of margins and one all-reduce, for data
+  parallelism; error at most one bin.
+- ``sign_update``: DeepSeek-V3's sign step ``b_j -= gamma * sign(load_j - mean load)``.
+- ``switch_aux_loss``: the Switch Transformer auxiliary loss (differentiable, no bias).
+- ``Balancer``: applies one of these to every MoE layer of a model after each training step.
+
+All router math here runs in fp32 and is vectorised over tokens and experts. See
+``docs/balancing.md`` for the derivation and measurements.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+METHODS = ("qb", "qb_hist", "sign", "aux", "none")
+DEFAULT_NUM_BINS = 1024
+DEFAULT_MIN_BIN_WIDTH = 1e-6  # ~8 fp32 ulps of a score near 1: finer bins would only bin rounding
+
+
+def _dist_active() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _all_reduce_sum_(t: torch.Tensor, group=None) -> torch.Tensor:
+    """In-place SUM across ``group`` when torch.distributed is initialised, else a no-op."""
+    if _dist_active():
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    return t
+
+
+def _check_routing(scores: torch.Tensor, bias: torch.Tensor, k: int) -> None:
+    if scores.dim() != 2:
+        raise ValueError(f"scores must be [N, E], got shape {tuple(scores.shape)}")
+    N, E = scores.shape
+    if bias.shape != (E,):
+        raise ValueError(f"bias must be [E]=[{E}], got shape {tuple(bias.shape)}")
+    if not 1 <= k < E:
+        raise ValueError(f"top_k must be in 1..E-1={E - 1} (QB routes k+1 experts), got {k}")
+    if N == 0:
+        raise ValueError("scores has no tokens")
+
+
+def target_load(num_tokens: int, k: int, num_experts: int) -> int:
+    """q = floor(N*k/E): the per-expert load QB aims for.
+
+    Flooring keeps ``q + 1 <= N`` (so the (q+1)-th largest margin exists) and an integer rank
+    for the quantile; it is below the mean load ``N*k/E`` by less than one pair per expert.
+    """
+    return (num_tokens * k) // num_experts
+
+
+def qb_margins(scores: torch.Tensor, bias: torch.Tensor, k: int) -> torch.Tensor:
+    """Margins of every (token, expert) pair against the token's (k+1)-th biased score.
+
+    scores: [N, E] sigmoid scores; bias: [E]. Returns r [N, E] fp32 with
+    ``r_ij = s_ij + b_j - a_i``, ``a_i`` = the (k+1)-th largest of ``s_i + b``.
+    Expert j is among token i's top-k exactly when ``r_ij > 0`` (barring ties), and the runner-up
+    (the (k+1)-th) has ``r_ij = 0``: one threshold per token that separates chosen from not chosen.
+
+    >>> s = torch.tensor([[0.9, 0.5, 0.2]]); qb_margins(s, torch.zeros(3), k=1)
+    tensor([[ 0.4000,  0.0000, -0.3000]])
+    """
+    _check_routing(scores, bias, k)
+    biased = scores.float() + bias.float()  # [N, E]
+    a = biased.topk(k + 1, dim=-1).values[:, k]  # [N]
+    return biased - a.unsqueeze(-1)
+
+
+def qb_update_exact(scores: torch.Tensor, bias: torch.Tensor, k: int) -> torch.Tensor:
+    """One Quantile Balancing step on a single process. Returns the new bias [E] fp32 (mean 0).
+
+    scores: [N, E] sigmoid scores of the batch just routed with ``bias`` [E]; k: experts per token.
+
+    With the margins ``r`` of ``qb_margins``, expert j's load on this batch is ``#{i: r_ij > 0}``.
+    Let ``t_j`` be the (q+1)-th largest of ``r_:j`` over tokens (q = ``target_load``). Shifting
+    the bias to ``b_j - t_j`` shifts column j of the margins by ``-t_j``, and exactly q entries
+    (the q largest, barring ties) stay positive: with the per-token thresholds ``a_i`` held fixed,
+    every expert's load on this batch becomes q. The thresholds do move once all biases change
+    together (a token whose chosen experts all got cheaper now needs to beat a higher runner-up),
+    so re-routing the batch gives loads close to q rather than exactly q. Repeated on one batch
+    the step is a fixed-point iteration whose fixed points (``t`` equal for all experts) are
+    balanced up to ties; in training it is applied once and the *next* batch, drawn from nearly
+    the same distribution, is routed with the new bias. The current batch is never re-routed: its
+    forward pass has already happened. Finally the mean over experts is removed: adding a
+    constant to every bias changes no top-k choice, and centring keeps ``b`` from drifting.
+
+    Unlike the sign step there is no step size: the correction is measured, not guessed.
+    """
+    r = qb_margins(scores, bias, k)  # [N, E]
+    N, E = r.shape
+    q = target_load(N, k, E)
+    t = r.kthvalue(N - q, dim=0).values  # (q+1)-th largest == (N-q)-th smallest, [E]
+    new = bias.float() - t
+    return new - new.mean()
+
+
+def margin_bin_edges(bias: torch.Tensor, num_bins: int = DEFAULT_NUM_BINS,
+                     margin_range: tuple[float, float] | None = None,
+                     min_width: float = DEFAULT_MIN_BIN_WIDTH) -> torch.Tensor:
+    """Edges [B+1] fp32 of the margin histogram, shared by all experts and all ranks.
+
+    Default (``margin_range=None``): symmetric about 0 and log-spaced, ``0, ±min_width * rho^m``,
+    reaching ``±R`` with ``R = 1 + (max b - min b)``, which provably contains every margin: ``s``
+    is in (0, 1), so ``s_ij + b_j`` is in ``(b_j, 1 + b_j)`` and the runner-up ``a_i`` in
+    ``(c, 1 + c)`` with c the (k+1)-th largest bias; hence ``|r_ij| < 1 + |b_j - c| <= R``. The
+    bins are finest at 0 because that is where the quantile lives once the router is nearly
+    balanced (expert j's load is ``#{r_:j > 0}``, so ``t_j ~ 0`` means load ~ q): a bin there is
+    ``min_width`` wide, and a bin at ``|t|`` is a fixed fraction ``rho - 1`` of ``|t|``
+    (rho - 1 = 2.8% for 1024 bins), so the estimate is as good relative to the correction as it is
+    needed. R follows the bias as it drifts; every rank computes the same edges from the same bias.
+
+    ``margin_range=(lo, hi)``: B uniform bins of width ``(hi - lo) / B``; margins outside fall in
+    the under/overflow bins and the quantile clamps to ``lo``/``hi`` (a bounded bias step).
+    """
+    if margin_range is not None:
+        lo, hi = (float(v) for v in margin_range)
+        if not hi > lo or num_bins < 1:
+            raise ValueError(f"need margin_range lo < hi and num_bins >= 1, got {margin_range}, {num_bins}")
+        return torch.linspace(lo, hi, num_bins + 1, device=bias.device)
+    if num_bins < 4 or num_bins % 2:
+        raise ValueError(f"num_bins must be even and >= 4 for log-spaced bins, got {num_bins}")
+    bias = bias.float()
+    R = 1.0 + (bias.max() - bias.min())
+    # positive edges min_width * rho^m, m = 0..B/2-1, the last one exactly R (geometric spacing)
+    frac = torch.linspace(0.0, 1.0, num_bins // 2, device=bias.device)
+    pos = min_width * (R / min_width) ** frac  # [B/2]
+    return torch.cat([-pos.flip(0), pos.new_zeros(1), pos])
+
+
+def qb_histogram(scores: torch.Tensor, bias: torch.Tensor, k: int, edges: torch.Tensor) -> torch.Tensor:
+    """Bin this rank's margins per expert: counts [E, B+2] int64 for edges [B+1].
+
+    Bin 0 counts margins below ``edges[0]``, bin m (1..B) covers ``[edges[m-1], edges[m])``, bin
+    B+1 counts margins at or above ``edges[B]``; out-of-range margins are thus counted, so the
+    quantile's rank stays right. Every margin lands in exactly one bin: each row sums to N.
+    """
+    r = qb_margins(scores, bias, k)  # [N, E]
+    E, B2 = r.shape[1], edges.numel() + 1
+    pos = torch.bucketize(r, edges.to(r.dtype), right=True)  # [N, E] in 0..B+1
+    pos += torch.arange(E, device=r.device) * B2  # a separate run of bins per expert
+    return torch.bincount(pos.view(-1), minlength=E * B2).view(E, B2)
+
+
+def histogram_quantile(counts: torch.Tensor, edges: torch.Tensor, k: int) -> torch.Tensor:
+    """QB's quantile from global margin counts [E, B+2]: t_hat [E] fp32, an upper bin edge.
+
+    q = floor(N*k/E) with N read off the counts (every row sums to the global N, so no second
+    collective). Scans each row from the top (a reversed cumsum) for the bin holding the (q+1)-th
+    largest margin t and returns that bin's *upper* edge: ``t <= t_hat <= t + (that bin's width)``.
+    Erring upward lowers the bias slightly, so with the batch's thresholds fixed an expert keeps
+    at most q pairs: the estimate never overloads. Underflow returns ``edges[0]``, overflow clamps
+    to ``edges[-1]``. No host synchronisation.
+    """
+    E, B2 = counts.shape
+    q = counts[0].sum() * k // E  # 0-dim tensor
+    tail = counts.flip(-1).cumsum(-1).flip(-1)  # tail[j, m] = #margins of expert j in bins >= m
+    m = (tail >= q + 1).sum(-1) - 1  # the highest bin whose tail still holds q+1 margins, [E]
+    return edges.float()[m.clamp(max=B2 - 2)]
+
+
+def qb_bias_from_histogram(counts: torch.Tensor, bias: torch.Tensor, edges: torch.Tensor, k: int) -> torch.Tensor:
+    """New bias [E] (mean 0) from global margin counts [E, B+2]: ``b - t_hat``, centred."""
+    new = bias.float() - histogram_quantile(counts, edges, k)
+    return new - new.mean()
+
+
+def qb_update_histogram(scores: torch.Tensor, bias: torch.Tensor, k: int, num_bins: int = DEFAULT_NUM_BINS,
+                        margin_range: tuple[float, float] | None = None, group=None) -> torch.Tensor:
+    """Quantile Balancing across data-parallel ranks with ONE all-reduce. Returns the new bias [E].
+
+    scores: [N_rank, E] this rank's sigmoid scores; bias: [E], identical on every rank (it is
+    replicated and every rank applies the same update). Each rank bins its margins into
+    E x (B+2) int64 counts (``qb_histogram``, edges from ``margin_bin_edges``), one SUM
+    all-reduce over ``group`` (when torch.distributed is initialised) makes the global histogram,
+    and the quantile is read off it (``histogram_quantile``). The result equals the
+    single-process histogram of the whole batch exactly, and the exact QB quantile within one
+    bin: ``t <= t_hat <= t + max(1e-6, 0.028 |t|)`` with the default 1024 log-spaced bins,
+    ``t <= t_hat <= t + (hi - lo) / B`` for a uniform ``margin_range`` (clamped outside it).
+    """
+    edges = margin_bin_edges(bias, num_bins, margin_range)
+    counts = _all_reduce_sum_(qb_histogram(scores, bias, k, edges), group)
+    return qb_bias_from_histogram(counts, bias, edges, k)
+
+
+def expert_loads(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Number of (token, slot) pairs routed to each expert: [N, k] -> [E] int64."""
+    return torch.bincount(topk_idx.reshape(-1), minlength=num_experts)
+
+
+def sign_update(topk_idx: torch.Tensor, bias: torch.Tensor, num_experts: int, gamma: float = 1e-3,
+                group=None) -> torch.Tensor:
+    """DeepSeek-V3 bias step: ``b_j - gamma * sign(load_j - mean load)``. Returns the new bias [E].
+
+    topk_idx: [N, k] this rank's routing; the loads [E] are summed over ``group`` with one
+    all-reduce when torch.distributed is initialised.
+    """
+    loads = _all_reduce_sum_(expert_loads(topk_idx, num_experts), group).float()
+    return bias.float() - gamma * torch.sign(loads - loads.mean())
+
+
+def switch_aux_loss(scores: torch.Tensor, topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Switch Transformer balancing loss ``E * sum_j f_j * P_j`` (scalar, differentiable in scores).
+
+    scores: [N, E] router scores (with graph); topk_idx: [N, k]. ``f_j``: fraction of the N*k
+    routed (token, slot) pairs that went to expert j (not differentiable); ``P_j``: mean over tokens
+    of the normalised probability ``s_ij / sum_j s_ij``. Equals 1 for perfectly uniform routing,
+    larger when load and probability mass concentrate on the same experts.
+    """
+    f = expert_loads(topk_idx, num_experts).float() / topk_idx.numel()  # [E]
+    s = scores.float()
+    P = (s / s.sum(-1, keepdim=True)).mean(0)  # [E]
+    return num_experts * (f * P).sum()
+
+
+def load_stats(topk_idx: torch.Tensor, num_experts: int) -> dict[str, float]:
+    """Balance of one routing [N, k]: max/mean and min/mean of the expert loads, and their
+    coefficient of variation (population std / mean). Perfect balance: 1, 1, 0."""
+    loads = expert_loads(topk_idx, num_experts).float()
+    mean = loads.mean()
+    return {"max_over_mean": (loads.max() / mean).item(), "min_over_mean": (loads.min() / mean).item(),
+            "cv": (loads.std(unbiased=False) / mean).item()}
+
+
+class Balancer:
+    """Balances every MoE layer of a model, once per training step.
+
+    method: ``"qb"`` (exact Quantile Balancing; switches to the histogram estimator when
+    torch.distributed is initialised with world size > 1), ``"qb_hist"`` (always the histogram),
+    ``"sign"`` (DeepSeek-V3 sign step, ``gamma``), ``"aux"`` (Switch auxiliary loss, which the
+    trainer scales by its coefficient and adds to the loss) or ``"none"``.
+
+    ``update`` reads each MoE's ``last_scores`` / ``last_topk_idx`` (the routing of the last
+    training forward) and writes the router's ``e_score_correction_bias`` in place; call it after
+    the step, on every rank (it is a collective when distributed: one all-reduce for all layers).
+    """
+
+    def __init__(self, method: str, num_experts: int, top_k: int, *, num_bins: int = DEFAULT_NUM_BINS,
+                 margin_range: tuple[float, float] | None = None, gamma: float = 1e-3, group=None):
+        if method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+        if not 1 <= top_k < num_experts:
+            raise ValueError(f"top_k must be in 1..num_experts-1, got {top_k} (num_experts={num_experts})")
+        self.method, self.num_experts, self.top_k = method, num_experts, top_k
+        self.num_bins, self.margin_range, self.gamma = num_bins, margin_range, gamma
+        self.group = group
+
+    def _routing(self, moe) -> tuple[torch.Tensor, torch.Tensor]:
+        scores, topk_idx = moe.last_scores, moe.last_topk_idx
+        if scores is None or topk_idx is None:
+            raise ValueError("an MoE layer has no routing recorded: run a forward in training mode first")
+        if scores.shape[-1] != self.num_experts or topk_idx.shape[-1] != self.top_k:
+            raise ValueError(f"routing shapes {tuple(scores.shape)}, {tuple(topk_idx.shape)} do not match "
+                             f"num_experts={self.num_experts}, top_k={self.top_k}")
+        if self.method in ("qb", "qb_hist") and getattr(getattr(moe, "cfg", None), "num_expert_group", 1) > 1:
+            raise ValueError("Quantile Balancing assumes ungrouped routing (num_expert_group=1, as in K3)")
+        return scores.detach().float(), topk_idx.detach()
+
+    def _use_histogram(self) -> bool:
+        if self.method == "qb_hist":
+            return True
+        return self.method == "qb" and _dist_active() and dist.get_world_size(self.group) > 1
+
+    @torch.no_grad()
+    def update(self, moe_modules) -> None:
+        """Update the router bias of every module in ``moe_modules`` in place (no-op for aux/none)."""
+        if self.method in ("aux", "none"):
+            return
+        moes = list(moe_modules)
+        routings = [self._routing(m) for m in moes]
+        biases = [m.gate.e_score_correction_bias for m in moes]
+        E, k = self.num_experts, self.top_k
+        if self.method == "sign":
+            loads = torch.stack([expert_loads(idx, E) for _, idx in routings])  # [L, E]
+            loads = _all_reduce_sum_(loads, self.group).float()
+            new = [b.float() - self.gamma * torch.sign(ld - ld.mean()) for b, ld in zip(biases, loads)]
+        elif self._use_histogram():
+            edges = [margin_bin_edges(b, self.num_bins, self.margin_range) for b in biases]
+            counts = torch.stack([qb_histogram(s, b, k, e) for (s, _), b, e in zip(routings, biases, edges)])
+            counts = _all_reduce_sum_(counts, self.group)  # [L, E, B+2]: one collective for all layers
+            new = [qb_bias_from_histogram(c, b, e, k) for c, b, e in zip(counts, biases, edges)]
+        else:
+            new = [qb_update_exact(s, b, k) for (s, _), b in zip(routings, biases)]
+        for b, nb in zip(biases, new):
+            b.copy_(nb)
+
+    def aux_loss(self, moe_modules) -> torch.Tensor:
+        """Sum over layers of ``switch_aux_loss`` (unscaled) for method "aux", else a zero scalar."""
+        moes = list(moe_modules)
+        if self.method != "aux":
+            device = moes[0].last_scores.device if moes and moes[0].last_scores is not None else None
+            return torch.zeros((), device=device)
+        if not moes:
+            return torch.zeros(())
+        losses = []
+        for m in moes:
+            if m.last_scores is None:
+                raise ValueError("an MoE layer has no routing recorded: run a forward in training mode first")
+            losses.append(switch_aux_loss(m.last_scores, m.last_topk_idx, self.num_experts))
+        return torch.stack(losses).sum()
+
+    @torch.no_grad()
+    def stats(self, moe_modules) -> list[float]:
+        """Max/mean expert load of each layer's last routing (this rank's tokens; no collective)."""
+        return [load_stats(m.last_topk_idx, self.num_experts)["max_over_mean"] for m in moe_modules]

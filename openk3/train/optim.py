@@ -1,0 +1,270 @@
+"""Per-head Muon, the AdamW split, and learning-rate schedules (K3_SPEC §3).
+
+Muon (MomentUm Orthogonalized by Newton-Schulz) replaces each matrix's momentum ``M`` by the
+nearest semi-orthogonal matrix ``U V^T`` (``M = U S V^T``), computed approximately by a few
+Newton-Schulz iterations, and scales it so that its RMS is 0.2 — about the RMS of an AdamW
+update, so both optimisers share one learning rate ("RMS-matched scaling").
+
+K3 orthogonalises each attention head's slice on its own (**per-head Muon**): the rows of a
+head in the q/k/v/g projections and its columns in ``o_proj``. Heads then get updates of equal
+strength instead of the large heads' directions dominating the whole matrix's spectrum.
+MLA's ``kv_b_proj`` holds, per head, the key rows then the value rows; those are two matrices.
+Routed experts (stacked ``[E, F, D]``) are orthogonalised expert by expert.
+
+Everything else — embeddings, ``lm_head``, the router, AttnRes pseudo-queries, convolution
+filters, norms and other 1-D parameters — goes to AdamW.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from openk3.model.kda import KDAttention
+from openk3.model.mla import MLAttention
+from openk3.model.model import AttnResQuery
+from openk3.model.moe import Router
+
+NS_COEFFS = (3.4445, -4.7750, 2.0315)  # quintic Newton-Schulz, a / b / c
+UPDATE_RMS = 0.2  # Muon's update RMS, matched to a typical AdamW update
+
+
+def zeropower_via_newtonschulz(G: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
+    """Approximate ``U V^T`` of ``G = U S V^T``. G: [..., m, n], batched over leading dims.
+
+    Quintic iteration ``X <- a X + (b A + c A^2) X`` with ``A = X X^T``. Its coefficients are
+    tuned for speed, not exactness: the singular values land in a band around 1 (about
+    [0.7, 1.2]) instead of converging to 1, which Muon does not need.
+
+    Runs in bf16 on CUDA and fp32 elsewhere. The iteration is self-correcting (each step pulls
+    every singular value back towards the band), so bf16 rounding does not accumulate and the
+    matmuls run at full tensor-core rate; CPUs have no fast bf16 matmul, so fp32 costs nothing
+    extra there. Returns G's dtype.
+    """
+    if G.dim() < 2:
+        raise ValueError(f"zeropower_via_newtonschulz: needs a matrix [..., m, n], got {tuple(G.shape)}")
+    a, b, c = NS_COEFFS
+    X = G.bfloat16() if G.is_cuda else G.float()
+    transposed = X.shape[-2] > X.shape[-1]
+    if transposed:  # iterate on the wide form: A = X X^T is then the smaller Gram matrix
+        X = X.mT
+    # Frobenius >= spectral norm, so every singular value starts in (0, 1]
+    X = X / (X.norm(dim=(-2, -1), keepdim=True) + eps)
+    for _ in range(steps):
+        A = X @ X.mT  # [..., m, m]
+        X = a * X + (b * A + c * A @ A) @ X
+    if transposed:
+        X = X.mT
+    return X.to(G.dtype)
+
+
+@dataclass(frozen=True)
+class HeadSplit:
+    """How a weight matrix splits into per-head blocks.
+
+    ``dim``: 0 when a head owns rows (q/k/v/g projections), 1 when it owns columns (o_proj).
+    ``sizes``: the lengths, along ``dim``, of the blocks one head owns, in order; the pattern
+    repeats once per head. ``(K,)`` for a KDA projection; ``(qk_nope_head_dim, v_head_dim)``
+    for MLA's ``kv_b_proj``, whose key and value rows are orthogonalised separately.
+    """
+
+    dim: int
+    sizes: tuple[int, ...]
+
+    def __post_init__(self):
+        if self.dim not in (0, 1):
+            raise ValueError(f"HeadSplit.dim must be 0 (rows) or 1 (columns), got {self.dim}")
+        if not self.sizes or any(s <= 0 for s in self.sizes):
+            raise ValueError(f"HeadSplit.sizes must be positive block lengths, got {self.sizes}")
+
+    @property
+    def period(self) -> int:
+        return sum(self.sizes)
+
+
+def head_slices(model: nn.Module) -> dict[nn.Parameter, HeadSplit]:
+    """Per-head split of every attention matrix of ``model``, read from the attention modules'
+    head counts and dimensions. Matrices shared by all heads (``q_a_proj``,
+    ``kv_a_proj_with_mqa``, the KDA decay projections ``f_a/f_b/b_proj``) are not listed and
+    are orthogonalised whole."""
+    splits: dict[nn.Parameter, HeadSplit] = {}
+    for m in model.modules():
+        if isinstance(m, KDAttention):
+            rows = HeadSplit(0, (m.head_dim,))
+            gate = m.g_proj if hasattr(m, "g_proj") else m.g_b_proj  # K3 / Kimi Linear
+            for proj in (m.q_proj, m.k_proj, m.v_proj, gate):
+                splits[proj.weight] = rows
+            splits[m.o_proj.weight] = HeadSplit(1, (m.head_dim,))
+        elif isinstance(m, MLAttention):
+            q = m.q_proj if hasattr(m, "q_proj") else m.q_b_proj
+            splits[q.weight] = HeadSplit(0, (m.nope + m.rope,))
+            splits[m.kv_b_proj.weight] = HeadSplit(0, (m.nope, m.v_dim))
+            if hasattr(m, "g_proj"):
+                splits[m.g_proj.weight] = HeadSplit(0, (m.v_dim,))
+            splits[m.o_proj.weight] = HeadSplit(1, (m.v_dim,))
+    return splits
+
+
+def _orthogonalise_scaled(X: torch.Tensor, ns_steps: int) -> torch.Tensor:
+    """X: [..., r, c] -> NS(X) scaled to RMS 0.2 (a semi-orthogonal r x c matrix has RMS
+    1/sqrt(max(r, c)))."""
+    return zeropower_via_newtonschulz(X, ns_steps) * (UPDATE_RMS * math.sqrt(max(X.shape[-2:])))
+
+
+def muon_update(M: torch.Tensor, split: HeadSplit | None = None, ns_steps: int = 5) -> torch.Tensor:
+    """The Muon step direction for momentum ``M`` [..., rows, cols], before the learning rate.
+
+    Without ``split``: the whole matrix (each one of a leading batch, e.g. experts) is
+    orthogonalised. With one: the blocks of each head are, each scaled with its own block
+    shape. Returns a tensor of M's shape and dtype.
+    """
+    if split is None:
+        return _orthogonalise_scaled(M, ns_steps)
+    X = M.mT if split.dim == 1 else M  # a column split is a row split of the transpose
+    *lead, R, C = X.shape
+    if R % split.period:
+        raise ValueError(f"muon_update: {'columns' if split.dim else 'rows'} ({R}) of a "
+                         f"{tuple(M.shape)} matrix are not a multiple of the head period {split.sizes}")
+    heads = X.reshape(*lead, R // split.period, split.period, C)  # [..., H, period, C]
+    blocks = [_orthogonalise_scaled(b, ns_steps) for b in heads.split(split.sizes, dim=-2)]
+    out = torch.cat(blocks, dim=-2).reshape(*lead, R, C)
+    return out.mT if split.dim == 1 else out
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon with Nesterov momentum, optional per-head orthogonalisation and decoupled weight
+    decay. Every parameter must be at least 2-D (leading dims are a batch of matrices).
+
+    ``head_splits`` maps parameters to their ``HeadSplit`` (see ``head_slices``); it is held by
+    the optimiser, not its state, so ``state_dict`` stays plain tensors and numbers. Per group:
+    ``lr``, ``momentum``, ``nesterov``, ``weight_decay``, ``ns_steps``.
+    """
+
+    def __init__(self, params, lr: float = 1e-3, momentum: float = 0.95, nesterov: bool = True,
+                 weight_decay: float = 0.0, ns_steps: int = 5,
+                 head_splits: dict[nn.Parameter, HeadSplit] | None = None):
+        if lr < 0 or not 0 <= momentum < 1 or weight_decay < 0 or ns_steps < 1:
+            raise ValueError(f"Muon: invalid lr={lr}, momentum={momentum}, "
+                             f"weight_decay={weight_decay} or ns_steps={ns_steps}")
+        defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
+                        ns_steps=ns_steps)
+        super().__init__(params, defaults)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.dim() < 2:
+                    raise ValueError(f"Muon: parameters must be matrices, got shape {tuple(p.shape)}; "
+                                     "give 1-D parameters to AdamW")
+        self.head_splits = dict(head_splits or {})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, mu, wd = group["lr"], group["momentum"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                g = p.grad
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(g)
+                buf = state["momentum_buffer"]
+                buf.mul_(mu).add_(g)
+                m = g.add(buf, alpha=mu) if group["nesterov"] else buf
+                update = muon_update(m, self.head_splits.get(p), group["ns_steps"])
+                if wd:
+                    p.mul_(1 - lr * wd)
+                p.add_(update.to(p.dtype), alpha=-lr)
+        return loss
+
+
+def _classify(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter], list[nn.Parameter]]:
+    """(muon, adamw with weight decay, adamw without), each parameter once (tied ones too)."""
+    lm_head = getattr(model, "lm_head", None)
+    decayed_whole = set()  # matrices that AdamW handles, with weight decay
+    no_decay = set()  # AdamW, no weight decay: gains, biases, AttnRes queries
+    for m in model.modules():
+        if isinstance(m, (nn.Embedding, Router, nn.Conv1d)):
+            decayed_whole.add(m.weight)
+        elif isinstance(m, AttnResQuery):
+            no_decay.add(m.proj.weight)
+    if isinstance(lm_head, nn.Linear):
+        decayed_whole.add(lm_head.weight)
+    muon, decay, nodecay = [], [], []
+    for p in model.parameters():  # deduplicates tied parameters
+        if not p.requires_grad:
+            continue
+        if p in no_decay or p.dim() < 2:
+            nodecay.append(p)
+        elif p in decayed_whole:
+            decay.append(p)
+        else:
+            muon.append(p)
+    return muon, decay, nodecay
+
+
+def build_optimizers(model: nn.Module, lr: float, weight_decay: float,
+                     betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
+                     muon_momentum: float = 0.95, optimizer: str = "muon") -> list[torch.optim.Optimizer]:
+    """``optimizer="muon"``: [per-head Muon for the matrices, AdamW for the rest];
+    ``"adamw"``: [AdamW for everything] (the baseline). Both share the base ``lr`` and decay
+    embeddings, ``lm_head`` and matrices by ``weight_decay``, never 1-D parameters or AttnRes
+    queries. Every param group records ``initial_lr`` for ``set_lr``."""
+    if optimizer not in ("muon", "adamw"):
+        raise ValueError(f"optimizer must be 'muon' or 'adamw', got {optimizer!r}")
+    muon, decay, nodecay = _classify(model)
+    if optimizer == "adamw":
+        decay, muon = decay + muon, []
+    adam_groups = [dict(params=decay, weight_decay=weight_decay, initial_lr=lr),
+                   dict(params=nodecay, weight_decay=0.0, initial_lr=lr)]
+    adamw = torch.optim.AdamW([g for g in adam_groups if g["params"]], lr=lr, betas=betas, eps=eps)
+    if not muon:
+        return [adamw]
+    splits = head_slices(model)
+    opt = Muon([dict(params=muon, initial_lr=lr)], lr=lr, momentum=muon_momentum,
+               weight_decay=weight_decay, head_splits={p: splits[p] for p in muon if p in splits})
+    return [opt, adamw]
+
+
+def lr_multiplier(step: int, max_steps: int, warmup_steps: int, schedule: str = "cosine",
+                  min_lr_ratio: float = 0.1, decay_fraction: float = 0.2) -> float:
+    """Learning-rate multiplier of 0-indexed ``step`` in a run of ``max_steps`` steps.
+
+    Linear warmup ``(step + 1) / warmup_steps``, reaching 1 at step ``warmup_steps - 1``; then
+    ``"cosine"``: cosine from 1 down to ``min_lr_ratio`` at the last step, ``max_steps - 1``;
+    ``"wsd"`` (warmup-stable-decay): 1 until the last ``decay_fraction`` of the run, then linear
+    down to ``min_lr_ratio`` at the last step. Steps past the end keep ``min_lr_ratio``.
+    """
+    if schedule not in ("cosine", "wsd"):
+        raise ValueError(f"schedule must be 'cosine' or 'wsd', got {schedule!r}")
+    if max_steps < 1 or not 0 <= warmup_steps < max_steps:
+        raise ValueError(f"need max_steps >= 1 and 0 <= warmup_steps < max_steps, "
+                         f"got {max_steps}, {warmup_steps}")
+    if not 0 <= min_lr_ratio <= 1 or not 0 <= decay_fraction <= 1:
+        raise ValueError(f"min_lr_ratio and decay_fraction must be in [0, 1], "
+                         f"got {min_lr_ratio}, {decay_fraction}")
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    last = max_steps - 1
+    if schedule == "cosine":
+        progress = min(1.0, (step - warmup_steps) / max(1, last - warmup_steps))
+        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    decay_start = max(warmup_steps, last - round(decay_fraction * max_steps))
+    if step <= decay_start:
+        return 1.0
+    progress = min(1.0, (step - decay_start) / max(1, last - decay_start))
+    return 1 - (1 - min_lr_ratio) * progress
+
+
+def set_lr(optimizers: Iterable[torch.optim.Optimizer], multiplier: float) -> None:
+    """``lr = initial_lr * multiplier`` for every param group of every optimiser."""
+    for opt in optimizers:
+        for group in opt.param_groups:
+            group["lr"] = group["initial_lr"] * multiplier

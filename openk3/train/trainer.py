@@ -1,0 +1,317 @@
+"""The training loop behind ``openk3 train``.
+
+One process per device. Under ``torchrun`` the process group is initialised here and FSDP2 is
+applied from outside the model (``openk3.parallel.fsdp``); the model code stays single-device.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from openk3.config import RunConfig
+from openk3.model import build_model
+from openk3.model.moe import MoE
+from openk3.train import state as ckpt
+from openk3.train.balance import Balancer
+from openk3.train.data import TokenStream, prepare_data, val_batches
+from openk3.train.metrics import MetricsLog, Progress, flops_per_token, peak_flops
+from openk3.train.optim import build_optimizers, lr_multiplier, set_lr
+
+
+class TrainingDiverged(RuntimeError):
+    """A non-finite loss: the run stops, the last good checkpoint stays as it was."""
+
+
+@dataclass
+class Env:
+    rank: int
+    world_size: int
+    device: torch.device
+    dtype: torch.dtype
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def setup_env(cfg: RunConfig) -> Env:
+    """Device, dtype and (under torchrun) the process group: NCCL on GPUs, gloo on CPUs."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("RunConfig.device='cuda' but no CUDA device is available")
+    if use_cuda:
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+    else:
+        device = torch.device("cpu")
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if use_cuda else "gloo")
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(
+        cfg.dtype, torch.bfloat16 if use_cuda else torch.float32)
+    return Env(rank, world, device, dtype)
+
+
+def _log(env: Env, msg: str) -> None:
+    if env.is_main:
+        print(msg, file=sys.stderr, flush=True)
+
+
+class _StopFlag:
+    """Ctrl-C sets a flag; the loop saves a checkpoint after the current step and exits."""
+
+    def __init__(self) -> None:
+        self.stop = False
+
+    def __enter__(self):
+        self._old = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, *_) -> None:
+        if self.stop:  # a second Ctrl-C: give up at once
+            raise KeyboardInterrupt
+        self.stop = True
+        print("\nopenk3 train: interrupted, saving a checkpoint after this step "
+              "(Ctrl-C again to abort)", file=sys.stderr, flush=True)
+
+    def __exit__(self, *exc) -> None:
+        signal.signal(signal.SIGINT, self._old)
+
+
+def _moe_layers(model) -> list[MoE]:
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+class _ActivationProbe:
+    """max |p| after each decoder layer, recorded only on logging steps."""
+
+    def __init__(self, model) -> None:
+        self.values: dict[int, torch.Tensor] = {}
+        self.active = False
+        for i, layer in enumerate(model.model.layers):
+            layer.register_forward_hook(self._hook(i))
+
+    def _hook(self, i: int):
+        def hook(_module, _inputs, output):
+            if self.active:
+                self.values[i] = output.detach().abs().max().float()
+        return hook
+
+    def read(self) -> list[float]:
+        out = [float(self.values[i]) for i in sorted(self.values)]
+        self.values.clear()
+        return out
+
+
+@torch.no_grad()
+def evaluate(model, data, cfg: RunConfig, env: Env) -> float:
+    model.eval()
+    total, n = torch.zeros((), device=env.device), 0
+    for inputs, targets in val_batches(data.val_path, data.dtype, cfg.seq_len, cfg.batch_size,
+                                       cfg.eval_batches):
+        logits = model(inputs.to(env.device)).logits
+        total += F.cross_entropy(logits.flatten(0, 1).float(), targets.to(env.device).flatten())
+        n += 1
+    model.train()
+    if env.world_size > 1:
+        dist.all_reduce(total)
+        total /= env.world_size
+    return (total / max(n, 1)).item()
+
+
+def _oom_message(cfg: RunConfig) -> str:
+    return (f"out of memory with preset={cfg.preset!r}, batch_size={cfg.batch_size}, "
+            f"seq_len={cfg.seq_len}, grad_accum={cfg.grad_accum}: lower batch_size or seq_len "
+            "(raise grad_accum to keep the tokens per step), or choose a smaller preset")
+
+
+def train(cfg: RunConfig) -> dict:
+    """Run (or resume) a training run; returns a summary dict. See ``openk3 train --help``."""
+    env = setup_env(cfg)
+    run_dir = Path(cfg.out)
+    model_cfg = cfg.model_config()  # validated before anything is allocated
+    if env.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    prev = ckpt.latest_checkpoint(run_dir) if cfg.resume else None
+    if not cfg.resume and ckpt.latest_checkpoint(run_dir) is not None:
+        raise ValueError(f"{run_dir} already holds a run; pass --resume to continue it or choose "
+                         "another --out")
+
+    def prepare():
+        return prepare_data(list(cfg.data) or None, vocab_size=model_cfg.vocab_size,
+                            tokenizer_path=cfg.tokenizer, log=lambda m: _log(env, m))
+
+    if env.world_size > 1:  # rank 0 tokenises; the others then find it in the cache
+        data = prepare() if env.is_main else None
+        dist.barrier()
+        data = data or prepare()
+    else:
+        data = prepare()
+    if data.vocab_size > model_cfg.vocab_size:
+        raise ValueError(f"tokenizer has {data.vocab_size} tokens but the model's vocab_size is "
+                         f"{model_cfg.vocab_size}; set --vocab_size {data.vocab_size}")
+
+    torch.manual_seed(cfg.seed)
+    # fp32 master weights; bf16 compute comes from autocast (one device) or FSDP's policy
+    model = build_model(model_cfg, device=env.device, seed=cfg.seed)
+    model.train()
+    if env.world_size > 1:
+        from openk3.parallel.fsdp import apply_fsdp
+        apply_fsdp(model, env)
+    optimizers = build_optimizers(model, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                  optimizer=cfg.optimizer)
+    balancer = Balancer(cfg.balance, model_cfg.num_experts, model_cfg.num_experts_per_token)
+    stream = TokenStream(data.train_path, data.dtype, cfg.seq_len, cfg.batch_size, seed=cfg.seed,
+                         rank=env.rank, world_size=env.world_size)
+    start = 0
+    if prev is not None:
+        trainer_state = ckpt.load_checkpoint(prev, model, optimizers)
+        stream.load_state_dict(trainer_state["data"])
+        start = trainer_state["step"]
+        _log(env, f"resumed from {prev} at step {start}")
+    if env.is_main:
+        (run_dir / "run_config.json").write_text(json.dumps(
+            {"run": cfg.to_dict(), "model": model_cfg.to_dict(), "world_size": env.world_size},
+            indent=1))
+
+    tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum * env.world_size
+    flops_tok = flops_per_token(model_cfg, cfg.seq_len)
+    peak = peak_flops(env.device, env.dtype) * env.world_size
+    metrics = MetricsLog(run_dir / "metrics.jsonl", enabled=env.is_main)
+    probe = _ActivationProbe(model)
+    moes = _moe_layers(model)
+    last_saved = start
+    summary: dict = {"start_step": start}
+    amp = (torch.autocast("cuda", dtype=env.dtype) if env.device.type == "cuda"
+           and env.dtype != torch.float32 else nullcontext())
+
+    def save(step: int) -> None:
+        nonlocal last_saved
+        ckpt.save_checkpoint(run_dir, step, model, optimizers,
+                             {"data": stream.state_dict()}, cfg.keep_last)
+        last_saved = step
+
+    with _StopFlag() as flag, Progress(cfg.max_steps, start, enabled=env.is_main) as bar:
+        t_last, step_last, step = time.perf_counter(), start, start
+        losses: list[float] = []
+        for step in range(start + 1, cfg.max_steps + 1):
+            mult = lr_multiplier(step - 1, cfg.max_steps, cfg.warmup_steps, cfg.schedule,
+                                 cfg.min_lr_ratio)
+            set_lr(optimizers, mult)
+            logging_step = step % cfg.log_interval == 0 or step == cfg.max_steps
+            probe.active = logging_step
+            loss_sum = torch.zeros((), device=env.device)
+            try:
+                for _ in range(cfg.grad_accum):
+                    inputs, targets = stream.next_batch()
+                    inputs, targets = inputs.to(env.device), targets.to(env.device)
+                    with amp:
+                        logits = model(inputs).logits
+                    loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+                    loss = loss + cfg.aux_loss_coef * balancer.aux_loss(moes)
+                    (loss / cfg.grad_accum).backward()
+                    loss_sum += loss.detach()
+                    balancer.update(moes)  # biases for the *next* batch; never re-route this one
+            except torch.cuda.OutOfMemoryError as e:
+                raise RuntimeError(_oom_message(cfg)) from e
+            loss_val = loss_sum / cfg.grad_accum
+            if env.world_size > 1:
+                dist.all_reduce(loss_val)
+                loss_val /= env.world_size
+            loss_f = loss_val.item()
+            if not math.isfinite(loss_f):
+                raise TrainingDiverged(
+                    f"non-finite loss {loss_f} at step {step}; stopping. The last good checkpoint "
+                    f"is step {last_saved} in {run_dir / ckpt.CKPT_DIR} (resume with --resume, "
+                    "perhaps with a lower --lr)")
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(),
+                                                       cfg.clip_grad if cfg.clip_grad > 0 else 1e30)
+            for opt in optimizers:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            losses.append(loss_f)
+            bar.update(step, loss=loss_f, lr=cfg.lr * mult)
+
+            if logging_step:
+                now = time.perf_counter()
+                tok_s = tokens_per_step * (step - step_last) / max(now - t_last, 1e-9)
+                t_last, step_last = now, step
+                row = {"step": step, "loss": loss_f, "lr": cfg.lr * mult,
+                       "grad_norm": float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor")
+                                          else grad_norm),
+                       "tokens_per_s": tok_s, "tokens": step * tokens_per_step,
+                       "load_max_over_mean": balancer.stats(moes),
+                       "max_abs_activation": probe.read()}
+                if env.device.type == "cuda":
+                    row["mfu"] = tok_s * flops_tok / peak
+                if step % cfg.eval_interval == 0 or step == cfg.max_steps:
+                    row["val_loss"] = evaluate(model, data, cfg, env)
+                metrics.write(row)
+                bar.log_line(row)
+            if step % cfg.ckpt_interval == 0 or step == cfg.max_steps:
+                save(step)
+            if flag.stop:
+                if last_saved != step:
+                    save(step)
+                _log(env, f"saved step {step}; resume with --resume")
+                break
+    summary.update(end_step=step, first_loss=losses[0] if losses else None,
+                   last_loss=losses[-1] if losses else None, losses=losses)
+    if last_saved == step:
+        export(run_dir, model, model_cfg, data, env)
+    if env.is_main and not flag.stop and cfg.num_samples:
+        summary["samples"] = print_samples(model, data, cfg, env)
+    if dist.is_initialized():
+        dist.barrier()
+    return summary
+
+
+def export(run_dir: Path, model, model_cfg, data, env: Env) -> None:
+    """save_pretrained the current weights (+ tokenizer) to RUN_DIR/export (collective)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from openk3.checkpoint import save_pretrained
+
+    if env.world_size > 1:  # gather the FSDP shards to a CPU copy on rank 0
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                    cpu_offload=True))
+        if not env.is_main:
+            return
+        model = build_model(model_cfg, device="meta")
+        model.load_state_dict(full, assign=True)
+    save_pretrained(model, run_dir / "export")
+    (run_dir / "export" / "tokenizer.json").write_bytes(Path(data.tokenizer_path).read_bytes())
+
+
+def print_samples(model, data, cfg: RunConfig, env: Env) -> list[str]:
+    from openk3.generate import generate
+    from openk3.tokenizer import HFTokenizer
+
+    tok = HFTokenizer(Path(data.tokenizer_path))
+    prompts = ["def ", "class ", "import "][: cfg.num_samples]
+    prompts += ["    "] * (cfg.num_samples - len(prompts))
+    model.eval()
+    texts = []
+    for i, prompt in enumerate(prompts):
+        ids = tok.encode(prompt)
+        out = generate(model, ids, cfg.sample_tokens, temperature=cfg.sample_temperature,
+                       top_p=0.95, seed=cfg.seed + i, eos_token_id=data.eos_id)
+        text = tok.decode(ids + out)
+        texts.append(text)
+        print(f"--- sample {i + 1} ---\n{text}\n", flush=True)
+    model.train()
+    return texts

@@ -1,0 +1,285 @@
+"""Per-head Muon, the Muon/AdamW parameter split and the learning-rate schedules."""
+
+from __future__ import annotations
+
+import io
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from openk3 import build_model, preset
+from openk3.model.kda import KDAttention
+from openk3.model.mla import MLAttention
+from openk3.train.optim import (HeadSplit, Muon, build_optimizers, head_slices, lr_multiplier,
+                                muon_update, set_lr, zeropower_via_newtonschulz)
+
+# Quintic NS with (3.4445, -4.7750, 2.0315) and 5 steps leaves well-conditioned inputs'
+# singular values in about [0.68, 1.14] (observed on Gaussian matrices of aspect >= 2).
+SV_LO, SV_HI = 0.6, 1.2
+
+
+def _tiny(name: str = "debug", **changes):
+    cfg = preset("debug").replace(vocab_size=256, **changes)
+    if name == "kimi-linear":
+        cfg = cfg.replace(arch="kimi_linear", kda_gate_lower_bound=None, moe_latent_size=None,
+                          attn_res_block_size=None, q_lora_rank=None, hidden_act="silu")
+    return cfg
+
+
+def _loss(model, ids):
+    logits = model(ids[:, :-1]).logits
+    return F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+
+
+def _batch(cfg, seed, B=2, T=17):
+    return torch.randint(0, cfg.vocab_size, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+def _train(model, opts, ids):
+    for opt in opts:
+        opt.zero_grad(set_to_none=True)
+    _loss(model, ids).backward()
+    for opt in opts:
+        opt.step()
+
+
+def _block_svals(u: torch.Tensor) -> torch.Tensor:
+    """Singular values of an update block divided by its RMS-matching scale."""
+    return torch.linalg.svdvals(u) / (0.2 * math.sqrt(max(u.shape[-2:])))
+
+
+@pytest.mark.parametrize("shape", [(256, 64), (64, 256), (4, 48, 160), (3, 2, 40, 96)])
+def test_newton_schulz_singular_values(shape):
+    G = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    X = zeropower_via_newtonschulz(G)
+    assert X.shape == G.shape and X.dtype == G.dtype
+    s = torch.linalg.svdvals(X)
+    assert s.min() > SV_LO and s.max() < SV_HI, (s.min().item(), s.max().item())
+    # the singular vectors are G's: X is close to the exact polar factor U V^T
+    U, _, Vh = torch.linalg.svd(G, full_matrices=False)
+    assert ((X - U @ Vh).norm() / (U @ Vh).norm()) < 0.25
+
+
+def test_newton_schulz_keeps_dtype_and_zero():
+    G = torch.randn(32, 64, dtype=torch.bfloat16)
+    assert zeropower_via_newtonschulz(G).dtype == torch.bfloat16
+    assert zeropower_via_newtonschulz(torch.zeros(8, 16)).abs().max() == 0
+
+
+@pytest.fixture(scope="module")
+def debug_grads():
+    """A debug model after one backward pass on random tokens (real gradients)."""
+    torch.manual_seed(0)
+    cfg = _tiny()
+    model = build_model(cfg)
+    _loss(model, _batch(cfg, 0, B=4, T=65)).backward()
+    return model
+
+
+def test_per_head_update_is_orthogonal_per_head(debug_grads):
+    attn = next(m for m in debug_grads.modules() if isinstance(m, KDAttention))
+    H, K = attn.num_heads, attn.head_dim
+    g = attn.q_proj.weight.grad  # [H*K, d]
+    split = head_slices(debug_grads)[attn.q_proj.weight]
+    assert split == HeadSplit(0, (K,))
+    u = muon_update(g, split)
+    for h in range(H):
+        s = _block_svals(u[h * K:(h + 1) * K])
+        assert s.min() > SV_LO and s.max() < SV_HI, (h, s.min().item(), s.max().item())
+    whole = muon_update(g)  # same scale here (max(K, d) == max(H*K, d)), different directions
+    assert (u - whole).norm() > 0.1 * whole.norm()
+
+
+def test_one_head_per_head_muon_equals_plain_muon():
+    g = torch.randn(64, 96, generator=torch.Generator().manual_seed(1))
+    plain = muon_update(g)
+    assert torch.equal(muon_update(g, HeadSplit(0, (64,))), plain)
+    assert torch.equal(muon_update(g, HeadSplit(1, (96,))), plain)
+    # end to end: a one-head model trains identically with and without its head splits.
+    # kv_b_proj stays split in both runs: its key and value rows are two matrices even then.
+    cfg = _tiny(linear_num_heads=1, num_attention_heads=1)
+    runs = []
+    for per_head in (True, False):
+        model = build_model(cfg, seed=0)
+        opts = build_optimizers(model, lr=1e-2, weight_decay=0.1)
+        kv_b = {p: s for p, s in opts[0].head_splits.items() if len(s.sizes) == 2}
+        assert len(kv_b) == 2 and len(opts[0].head_splits) > len(kv_b)
+        if not per_head:
+            opts[0].head_splits = kv_b
+        for step in range(2):
+            _train(model, opts, _batch(cfg, step))
+        runs.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+def test_column_split_for_o_proj_and_separate_k_v_blocks(debug_grads):
+    splits = head_slices(debug_grads)
+    kda = next(m for m in debug_grads.modules() if isinstance(m, KDAttention))
+    mla = next(m for m in debug_grads.modules() if isinstance(m, MLAttention))
+    assert splits[kda.o_proj.weight] == HeadSplit(1, (kda.head_dim,))
+    assert splits[mla.o_proj.weight] == HeadSplit(1, (mla.v_dim,))
+    assert splits[mla.kv_b_proj.weight] == HeadSplit(0, (mla.nope, mla.v_dim))
+    assert splits[mla.q_b_proj.weight] == HeadSplit(0, (mla.nope + mla.rope,))
+    assert splits[mla.g_proj.weight] == HeadSplit(0, (mla.v_dim,))
+    assert mla.q_a_proj.weight not in splits and mla.kv_a_proj_with_mqa.weight not in splits
+
+    g = kda.o_proj.weight.grad  # [d, H*K]: head h owns columns h*K:(h+1)*K
+    u, K = muon_update(g, splits[kda.o_proj.weight]), kda.head_dim
+    for h in range(kda.num_heads):
+        cols = slice(h * K, (h + 1) * K)
+        torch.testing.assert_close(u[:, cols], muon_update(g[:, cols]), rtol=1e-5, atol=1e-6)
+        s = _block_svals(u[:, cols])
+        assert s.min() > SV_LO and s.max() < SV_HI
+
+    # kv_b_proj with unequal key / value widths: each head's k rows and v rows are two matrices
+    nope, v, H, r = 24, 40, 3, 16
+    g = torch.randn(H * (nope + v), r, generator=torch.Generator().manual_seed(2))
+    u = muon_update(g, HeadSplit(0, (nope, v)))
+    for h in range(H):
+        k_rows, v_rows = slice(h * (nope + v), h * (nope + v) + nope), slice(h * (nope + v) + nope, (h + 1) * (nope + v))
+        torch.testing.assert_close(u[k_rows], muon_update(g[k_rows]), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(u[v_rows], muon_update(g[v_rows]), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="multiple of the head period"):
+        muon_update(torch.randn(50, 8), HeadSplit(0, (nope, v)))
+
+
+def test_kimi_linear_head_splits():
+    model = build_model(_tiny("kimi-linear"))
+    splits = head_slices(model)
+    kda = next(m for m in model.modules() if isinstance(m, KDAttention))
+    mla = next(m for m in model.modules() if isinstance(m, MLAttention))
+    assert splits[kda.g_b_proj.weight] == HeadSplit(0, (kda.head_dim,))
+    assert kda.g_a_proj.weight not in splits
+    assert splits[mla.q_proj.weight] == HeadSplit(0, (mla.nope + mla.rope,))
+    assert not hasattr(mla, "g_proj")
+
+
+def test_routed_experts_orthogonalised_one_by_one():
+    g = torch.randn(8, 64, 96, generator=torch.Generator().manual_seed(3))  # [E, F, D]
+    u = muon_update(g)
+    for e in range(8):
+        torch.testing.assert_close(u[e], muon_update(g[e]), rtol=1e-5, atol=1e-6)
+        s = _block_svals(u[e])
+        assert s.min() > SV_LO and s.max() < SV_HI
+
+
+@pytest.mark.parametrize("name", ["debug", "kimi-linear"])
+def test_every_parameter_in_exactly_one_optimizer(name):
+    model = build_model(_tiny(name))
+    named = dict(model.named_parameters())
+    muon, adamw = build_optimizers(model, lr=1e-3, weight_decay=0.1)
+    assert isinstance(muon, Muon) and isinstance(adamw, torch.optim.AdamW)
+    seen = [p for opt in (muon, adamw) for g in opt.param_groups for p in g["params"]]
+    assert len(seen) == len({id(p) for p in seen}) == len(named)
+
+    in_muon = {id(p) for g in muon.param_groups for p in g["params"]}
+    decay, no_decay = ({id(p) for p in g["params"]} for g in adamw.param_groups)
+    assert adamw.param_groups[0]["weight_decay"] == 0.1 and adamw.param_groups[1]["weight_decay"] == 0
+    for n, p in named.items():
+        if p.dim() < 2 or n.endswith("_res.proj.weight"):
+            assert id(p) in no_decay, n
+        elif n.endswith(("embed_tokens.weight", "lm_head.weight", "gate.weight", "conv1d.weight")):
+            assert id(p) in decay, n
+        else:
+            assert id(p) in in_muon, n
+    assert id(model.model.layers[1].mlp.experts.w1) in in_muon
+    assert all(g["initial_lr"] == 1e-3 for opt in (muon, adamw) for g in opt.param_groups)
+
+    (baseline,) = build_optimizers(model, lr=1e-3, weight_decay=0.1, optimizer="adamw")
+    decay, no_decay = ({id(p) for p in g["params"]} for g in baseline.param_groups)
+    assert decay | no_decay == {id(p) for p in named.values()} and not decay & no_decay
+    assert in_muon <= decay
+
+
+def test_decoupled_weight_decay_with_zero_gradient():
+    model = build_model(_tiny())
+    lr, wd = 0.01, 0.5
+    muon, adamw = build_optimizers(model, lr=lr, weight_decay=wd)
+    w, emb, norm = (model.model.layers[0].self_attn.q_proj.weight, model.model.embed_tokens.weight,
+                    model.model.norm.weight)
+    before = [t.detach().clone() for t in (w, emb, norm)]
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    muon.step()
+    adamw.step()
+    torch.testing.assert_close(w, before[0] * (1 - lr * wd))
+    torch.testing.assert_close(emb, before[1] * (1 - lr * wd))
+    assert torch.equal(norm, before[2])  # 1-D: no decay
+
+
+def test_muon_update_rms_is_matched():
+    model = build_model(_tiny())
+    w = model.model.layers[0].mlp.gate_proj.weight
+    (opt,) = [Muon([w], lr=0.1, momentum=0.0, nesterov=False)]
+    before = w.detach().clone()
+    w.grad = torch.randn(w.shape, generator=torch.Generator().manual_seed(4))
+    opt.step()
+    rms = ((w - before) / 0.1).pow(2).mean().sqrt()
+    assert 0.15 < rms < 0.22  # 0.2 times the RMS of NS's singular values (about 0.9)
+
+
+@pytest.mark.parametrize("optimizer", ["muon", "adamw"])
+def test_state_dict_round_trip(optimizer):
+    cfg = _tiny()
+    model = build_model(cfg, seed=0)
+    opts = build_optimizers(model, lr=3e-3, weight_decay=0.1, optimizer=optimizer)
+    for step in range(2):
+        set_lr(opts, lr_multiplier(step, 6, 2))
+        _train(model, opts, _batch(cfg, step))
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opts": [o.state_dict() for o in opts]}, buf)
+    buf.seek(0)
+    ckpt = torch.load(buf, weights_only=True)
+
+    resumed = build_model(cfg, seed=1)
+    resumed.load_state_dict(ckpt["model"])
+    resumed_opts = build_optimizers(resumed, lr=3e-3, weight_decay=0.1, optimizer=optimizer)
+    for o, sd in zip(resumed_opts, ckpt["opts"]):
+        o.load_state_dict(sd)
+    for step in range(2, 4):
+        for m, o in ((model, opts), (resumed, resumed_opts)):
+            set_lr(o, lr_multiplier(step, 6, 2))
+            _train(m, o, _batch(cfg, step))
+    for a, b in zip(model.parameters(), resumed.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_warmup_and_cosine():
+    kw = dict(max_steps=100, warmup_steps=10, min_lr_ratio=0.1)
+    assert lr_multiplier(0, **kw) == pytest.approx(0.1)
+    assert lr_multiplier(9, **kw) == pytest.approx(1.0)
+    assert lr_multiplier(10, **kw) == pytest.approx(1.0)
+    assert lr_multiplier(99, **kw) == pytest.approx(0.1)
+    assert lr_multiplier(500, **kw) == pytest.approx(0.1)
+    mid = (10 + 99) / 2
+    assert lr_multiplier(int(mid), **kw) == pytest.approx(0.55, abs=0.02)
+    values = [lr_multiplier(s, **kw) for s in range(10, 100)]
+    assert all(a >= b for a, b in zip(values, values[1:]))
+
+
+def test_wsd_shape():
+    kw = dict(max_steps=100, warmup_steps=10, schedule="wsd", min_lr_ratio=0.0, decay_fraction=0.2)
+    assert lr_multiplier(0, **kw) == pytest.approx(0.1)
+    assert all(lr_multiplier(s, **kw) == 1.0 for s in range(9, 80))
+    assert lr_multiplier(99, **kw) == pytest.approx(0.0)
+    decay = [lr_multiplier(s, **kw) for s in range(79, 100)]
+    steps = [a - b for a, b in zip(decay, decay[1:])]
+    assert all(d == pytest.approx(steps[0]) for d in steps) and steps[0] > 0  # linear
+
+
+def test_schedule_validation_and_set_lr():
+    with pytest.raises(ValueError, match="schedule"):
+        lr_multiplier(0, 10, 1, schedule="linear")
+    with pytest.raises(ValueError, match="warmup_steps"):
+        lr_multiplier(0, 10, 10)
+    model = build_model(_tiny())
+    opts = build_optimizers(model, lr=2e-3, weight_decay=0.0)
+    set_lr(opts, 0.25)
+    assert all(g["lr"] == pytest.approx(5e-4) for o in opts for g in o.param_groups)
+
+
+def test_muon_rejects_vectors():
+    with pytest.raises(ValueError, match="matrices"):
+        Muon([torch.nn.Parameter(torch.zeros(4))])

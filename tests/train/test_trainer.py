@@ -1,0 +1,163 @@
+"""The training loop end to end on CPU: exact resume, guardrails, metrics, plots, DDP over gloo."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from openk3.config import RunConfig, run_preset
+from openk3.train import trainer as trainer_mod
+from openk3.train.trainer import TrainingDiverged, train
+
+TINY_MODEL = {"num_hidden_layers": 4, "full_attn_layers": [4], "hidden_size": 64,
+              "linear_head_dim": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+              "v_head_dim": 16, "kv_lora_rank": 16, "q_lora_rank": 32, "intermediate_size": 96,
+              "moe_intermediate_size": 32, "moe_latent_size": 48, "attn_res_block_size": 2}
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    root = tmp_path_factory.mktemp("corpus")
+    words = "the quick brown fox jumps over the lazy dog while seven wizards quietly hex".split()
+    g = torch.Generator().manual_seed(0)
+    for i in range(12):
+        idx = torch.randint(0, len(words), (400,), generator=g).tolist()
+        (root / f"doc{i}.txt").write_text(" ".join(words[j] for j in idx) + "\n")
+    return root
+
+
+@pytest.fixture(autouse=True)
+def cache_dir(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("OPENK3_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+
+
+def tiny(corpus, out, **kw) -> RunConfig:
+    base = dict(data=[str(corpus)], out=str(out), vocab_size=300, model_overrides=TINY_MODEL,
+                seq_len=32, batch_size=2, max_steps=6, warmup_steps=2, log_interval=2,
+                eval_interval=3, eval_batches=2, ckpt_interval=3, num_samples=0)
+    base.update(kw)
+    return run_preset("debug", **base)
+
+
+def test_resume_is_exact(corpus, tmp_path):
+    straight = train(tiny(corpus, tmp_path / "a"))["losses"]
+    first = train(tiny(corpus, tmp_path / "b", max_steps=3))["losses"]
+    second = train(tiny(corpus, tmp_path / "b", resume=True))
+    assert second["start_step"] == 3
+    assert first + second["losses"] == straight  # bit-identical, not merely close
+
+
+def test_metrics_plots_and_generate_from_run_dir(corpus, tmp_path, capsys):
+    out = tmp_path / "run"
+    summary = train(tiny(corpus, out, num_samples=1, sample_tokens=8))
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [2, 4, 6]
+    for key in ("loss", "lr", "grad_norm", "tokens_per_s", "load_max_over_mean", "max_abs_activation"):
+        assert key in rows[-1], key
+    assert "val_loss" in rows[-1]  # last step is always evaluated
+    assert len(rows[-1]["load_max_over_mean"]) == 3  # MoE layers 1..3
+    assert len(rows[-1]["max_abs_activation"]) == 4
+    assert "samples" in summary and "--- sample 1 ---" in capsys.readouterr().out
+    from openk3.train.plot import plot_run
+    pngs = plot_run(out)
+    assert {p.name for p in pngs} == {"loss.png", "load_balance.png", "activations.png"}
+    assert all(p.stat().st_size > 1000 for p in pngs)
+    from openk3.cli import main
+    assert main(["generate", "--checkpoint", str(out), "--prompt", "the quick", "--max-new-tokens", "5",
+                 "--temperature", "0"]) == 0
+
+
+def test_keep_last_and_refuse_to_overwrite(corpus, tmp_path):
+    out = tmp_path / "run"
+    train(tiny(corpus, out, max_steps=6, ckpt_interval=1, keep_last=2))
+    kept = sorted(p.name for p in (out / "checkpoints").iterdir() if p.is_dir())
+    assert kept == ["step_000005", "step_000006"]
+    assert (out / "checkpoints" / "LATEST").read_text() == "step_000006"
+    with pytest.raises(ValueError, match="--resume"):
+        train(tiny(corpus, out))
+
+
+def test_nan_loss_stops_and_keeps_last_good_checkpoint(corpus, tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    real = torch.nn.functional.cross_entropy
+    calls = {"n": 0}
+
+    def poisoned(*a, **k):
+        calls["n"] += 1
+        loss = real(*a, **k)
+        return loss * float("nan") if calls["n"] == 5 else loss
+
+    monkeypatch.setattr(trainer_mod.F, "cross_entropy", poisoned)
+    with pytest.raises(TrainingDiverged, match=r"at step 5.*step 3"):
+        train(tiny(corpus, out, eval_interval=100))
+    assert (out / "checkpoints" / "LATEST").read_text() == "step_000003"
+    assert not (out / "checkpoints" / "step_000005").exists()
+
+
+@pytest.mark.parametrize("field,value", [("batch_size", 0), ("balance", "magic"), ("lr", -1.0),
+                                         ("schedule", "linear")])
+def test_invalid_run_config_names_field(field, value):
+    with pytest.raises(ValueError, match=f"RunConfig.{field}"):
+        run_preset("debug", **{field: value})
+
+
+def test_invalid_model_override_names_field():
+    with pytest.raises(ValueError, match="full_attn_layers"):
+        run_preset("debug", model_overrides={"full_attn_layers": [99]})
+
+
+def _cli(args, **kw):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, "-m", "openk3", *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
+
+
+def _train_args(corpus, out, steps):
+    return ["train", "--data", str(corpus), "--out", str(out), "--vocab-size", "300",
+            "--model-overrides", json.dumps(TINY_MODEL), "--seq-len", "32", "--batch-size", "2",
+            "--max-steps", str(steps), "--warmup-steps", "1", "--log-interval", "1", "--eval-interval", "1000",
+            "--ckpt-interval", "1000", "--num-samples", "0"]
+
+
+def test_ctrl_c_saves_and_exits_cleanly(corpus, tmp_path):
+    out = tmp_path / "run"
+    proc = _cli(_train_args(corpus, out, 100000))
+    lines = []
+    deadline = time.time() + 120
+    for line in proc.stdout:  # wait until a few steps have run
+        lines.append(line)
+        if line.startswith("step") and int(line.split()[1]) >= 3 or time.time() > deadline:
+            break
+    proc.send_signal(signal.SIGINT)
+    rest, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, "".join(lines) + rest
+    assert "saved step" in rest
+    latest = (out / "checkpoints" / "LATEST").read_text()
+    assert int(latest.split("_")[1]) >= 3
+
+
+def test_two_process_gloo_run_matches_one_process(corpus, tmp_path):
+    """2 ranks x batch 1 see the same global batch as 1 rank x batch 2: same losses (fp32)."""
+    args = _train_args(corpus, tmp_path / "ddp", 3)
+    args[args.index("--batch-size") + 1] = "1"
+    args += ["--balance", "sign"]  # exact QB on one rank vs its histogram estimate on two would differ
+    env = {**os.environ, "OPENK3_CACHE": os.environ["OPENK3_CACHE"], "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "openk3", *args]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    ddp = [json.loads(line)["loss"] for line in (tmp_path / "ddp" / "metrics.jsonl").read_text().splitlines()]
+    single = train(tiny(Path(args[args.index("--data") + 1]), tmp_path / "one", max_steps=3,
+                        warmup_steps=1, log_interval=1, eval_interval=1000, ckpt_interval=1000, balance="sign"))["losses"]
+    assert len(ddp) == 3
+    for a, b in zip(ddp, single):
+        assert abs(a - b) < 1e-4 * abs(b), (ddp, single)
+    assert (tmp_path / "ddp" / "export" / "config.json").exists()
