@@ -3,10 +3,12 @@
 A fixed router ``s = sigmoid(x W + c)`` with a strong per-expert skew ``c`` sees a fresh batch
 of tokens ``x ~ N(0, I)`` every step. Each method routes the batch with its current bias, records
 the max/mean expert load of that routing (the load the experts really get), then updates the bias
-for the next batch. "uniform" is a peer that ignores the router: k distinct experts drawn at random
+for the next batch. "sign" is DeepSeek-V3's step with its gamma = 1e-3, "sign:1e-2" the same with
+10x the step. "uniform" is a peer that ignores the router: k distinct experts drawn at random
 per token, the sampling-noise floor that no bias can beat on a fresh batch of this size.
 
-Run (CPU, ~2 min): ``python benchmarks/balance_synthetic.py [--steps 200] [--tokens 8192]``.
+Run from the repository root (2 CPU cores: ~10 min, ~8 more with ``--bins``):
+``python -m benchmarks.balance_synthetic [--steps 200] [--tokens 8192] [--bins]``.
 Prints a table of max/mean load at a few steps and writes ``docs/img/balance_synthetic.png``.
 """
 
@@ -113,15 +115,20 @@ def main() -> None:
 
     if args.plot:
         import matplotlib
+        import matplotlib.ticker
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
         fig, axes = plt.subplots(1, len(SETTINGS), figsize=(6 * len(SETTINGS), 4.2))
         for ax, (E, k) in zip(axes, SETTINGS):
             for m, h in results[(E, k)].items():
-                ax.plot(range(1, len(h) + 1), h, label=m, lw=1.3, ls=":" if m == "uniform" else "-")
+                ax.plot(range(1, len(h) + 1), h, label=m, lw=1.3,
+                        ls={"uniform": ":", "qb_hist": "--"}.get(m, "-"))
             ax.set(xlabel="step", ylabel="max / mean expert load", yscale="log",
                    title=f"E={E}, k={k}, {args.tokens} tokens/step")
+            ax.set_yticks([1, 1.2, 1.5, 2, 3, 5, 10, 20, 40])
+            ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+            ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
             ax.grid(alpha=0.3, which="both")
             ax.legend(fontsize=8)
         fig.tight_layout()

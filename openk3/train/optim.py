@@ -198,9 +198,9 @@ def _classify(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter],
     if isinstance(lm_head, nn.Linear):
         decayed_whole.add(lm_head.weight)
     muon, decay, nodecay = [], [], []
+    # Frozen parameters are included too: they never get a gradient, so no step touches them,
+    # and "every parameter is in exactly one optimiser" stays true.
     for p in model.parameters():  # deduplicates tied parameters
-        if not p.requires_grad:
-            continue
         if p in no_decay or p.dim() < 2:
             nodecay.append(p)
         elif p in decayed_whole:

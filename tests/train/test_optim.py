@@ -138,7 +138,8 @@ def test_column_split_for_o_proj_and_separate_k_v_blocks(debug_grads):
     g = torch.randn(H * (nope + v), r, generator=torch.Generator().manual_seed(2))
     u = muon_update(g, HeadSplit(0, (nope, v)))
     for h in range(H):
-        k_rows, v_rows = slice(h * (nope + v), h * (nope + v) + nope), slice(h * (nope + v) + nope, (h + 1) * (nope + v))
+        start = h * (nope + v)
+        k_rows, v_rows = slice(start, start + nope), slice(start + nope, start + nope + v)
         torch.testing.assert_close(u[k_rows], muon_update(g[k_rows]), rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(u[v_rows], muon_update(g[v_rows]), rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="multiple of the head period"):
@@ -212,7 +213,7 @@ def test_decoupled_weight_decay_with_zero_gradient():
 def test_muon_update_rms_is_matched():
     model = build_model(_tiny())
     w = model.model.layers[0].mlp.gate_proj.weight
-    (opt,) = [Muon([w], lr=0.1, momentum=0.0, nesterov=False)]
+    opt = Muon([w], lr=0.1, momentum=0.0, nesterov=False)
     before = w.detach().clone()
     w.grad = torch.randn(w.shape, generator=torch.Generator().manual_seed(4))
     opt.step()

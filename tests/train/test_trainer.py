@@ -152,8 +152,14 @@ def test_two_process_gloo_run_matches_one_process(corpus, tmp_path):
     env = {**os.environ, "OPENK3_CACHE": os.environ["OPENK3_CACHE"], "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "openk3", *args]
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stdout + res.stderr
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # so a hang can be killed with its workers
+    try:
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, out
     ddp = [json.loads(line)["loss"] for line in (tmp_path / "ddp" / "metrics.jsonl").read_text().splitlines()]
     single = train(tiny(Path(args[args.index("--data") + 1]), tmp_path / "one", max_steps=3,
                         warmup_steps=1, log_interval=1, eval_interval=1000, ckpt_interval=1000, balance="sign"))["losses"]
