@@ -418,7 +418,7 @@ class RunConfig:
     # optimisation
     max_steps: int = 400
     optimizer: str = "muon"  # "muon" (per-head Muon + AdamW) or "adamw"
-    lr: float = 3e-3
+    lr: float = 1e-2  # shared by Muon (RMS-matched) and AdamW; best of a sweep on debug, docs/muon.md
     weight_decay: float = 0.1
     warmup_steps: int = 20
     schedule: str = "cosine"  # "cosine" or "wsd"
