@@ -22,8 +22,23 @@ from typing import Any
 ARCHS = ("kimi_k3", "kimi_linear")
 
 
+class _DictIO:
+    """JSON-friendly ``to_dict`` / ``from_dict`` for the config dataclasses (tuples -> lists;
+    unknown keys are an error naming them)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]):
+        unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise ValueError(f"{cls.__name__}: unknown fields {unknown}")
+        return cls(**d)
+
+
 @dataclass
-class ModelConfig:
+class ModelConfig(_DictIO):
     """Every field of the K3 / Kimi Linear text backbone (K3_SPEC §1, §2).
 
     Layer kinds come from ``full_attn_layers``: a 1-indexed list of MLA layers, exactly as the
@@ -152,19 +167,6 @@ class ModelConfig:
 
     def replace(self, **changes: Any) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
-
-    def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["full_attn_layers"] = list(self.full_attn_layers)
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"ModelConfig: unknown fields {unknown}")
-        return cls(**d)
 
 
 # ---- presets ---------------------------------------------------------------------------
@@ -397,7 +399,7 @@ def to_hf(cfg: ModelConfig, quantization_config: dict | None = None) -> dict[str
 # ---- training runs ---------------------------------------------------------------------
 
 @dataclass
-class RunConfig:
+class RunConfig(_DictIO):
     """One training run. Every ``openk3 train`` flag is a field of the same name.
 
     ``preset`` names the ModelConfig preset; ``model_overrides`` (JSON on the command line)
@@ -485,18 +487,6 @@ class RunConfig:
         except TypeError as e:
             raise ValueError(f"RunConfig.model_overrides={self.model_overrides!r}: {e}") from e
 
-    def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["data"] = list(self.data)
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "RunConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"RunConfig: unknown fields {unknown}")
-        return cls(**d)
 
 
 RUN_PRESETS = {

@@ -113,9 +113,12 @@ class RoutedExperts(nn.Module):
     def _grouped(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         mm = getattr(F, "grouped_mm", None) or torch._grouped_mm  # public from torch 2.10
         offs = counts.cumsum(0).to(torch.int32)  # end of each expert's rows in xs
-        gate = mm(xs, self.w1.transpose(-2, -1), offs=offs)
-        up = mm(xs, self.w3.transpose(-2, -1), offs=offs)
-        return mm(glu_act(self.cfg, gate, up), self.w2.transpose(-2, -1), offs=offs)
+        # grouped_mm is not autocast-aware: fp32 master weights are cast here (a no-op under
+        # FSDP's bf16 parameters or a bf16 model)
+        w1, w3, w2 = (w.to(xs.dtype).transpose(-2, -1) for w in (self.w1, self.w3, self.w2))
+        gate = mm(xs, w1, offs=offs)
+        up = mm(xs, w3, offs=offs)
+        return mm(glu_act(self.cfg, gate, up), w2, offs=offs)
 
 
 class MoE(nn.Module):

@@ -32,26 +32,28 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
 
     loads = [r.get("load_max_over_mean") or [] for r in rows]
     if any(loads):
-        fig, ax = plt.subplots(figsize=(7, 4))
-        for layer in range(max(len(x) for x in loads)):
-            ax.plot(steps, [x[layer] if layer < len(x) else float("nan") for x in loads],
-                    label=f"MoE layer {layer + 1}", lw=1)
+        ax = _per_layer_chart(plt, steps, loads, "MoE layer {}", 1)
         ax.axhline(1.0, color="k", ls=":", lw=0.8)
         ax.set(xlabel="step", ylabel="max / mean expert load", title="load balance")
-        ax.legend(fontsize=7, ncol=2)
-        written.append(_save(fig, out / "load_balance.png"))
+        written.append(_save(ax.figure, out / "load_balance.png"))
 
     acts = [r.get("max_abs_activation") or [] for r in rows]
     if any(acts):
-        fig, ax = plt.subplots(figsize=(7, 4))
-        for layer in range(max(len(x) for x in acts)):
-            ax.plot(steps, [x[layer] if layer < len(x) else float("nan") for x in acts],
-                    label=f"layer {layer}", lw=1)
+        ax = _per_layer_chart(plt, steps, acts, "layer {}", 0)
         ax.set(xlabel="step", ylabel="max |activation|", title="residual-stream activations",
                yscale="log")
-        ax.legend(fontsize=7, ncol=2)
-        written.append(_save(fig, out / "activations.png"))
+        written.append(_save(ax.figure, out / "activations.png"))
     return written
+
+
+def _per_layer_chart(plt, steps: list[int], values: list[list[float]], label: str, first: int):
+    """One line per layer from rows of per-layer values (rows may be shorter: NaN-padded)."""
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for layer in range(max(len(v) for v in values)):
+        ax.plot(steps, [v[layer] if layer < len(v) else float("nan") for v in values],
+                label=label.format(layer + first), lw=1)
+    ax.legend(fontsize=7, ncol=2)
+    return ax
 
 
 def _save(fig, path: Path) -> Path:
