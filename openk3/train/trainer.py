@@ -147,6 +147,8 @@ def train(cfg: RunConfig) -> dict:
     if env.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
     prev = ckpt.latest_checkpoint(run_dir) if cfg.resume else None
+    if cfg.resume and prev is None:
+        _log(env, f"--resume: no checkpoint in {run_dir}, starting a new run")
     if not cfg.resume and ckpt.latest_checkpoint(run_dir) is not None:
         raise ValueError(f"{run_dir} already holds a run; pass --resume to continue it or choose "
                          "another --out")
