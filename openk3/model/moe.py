@@ -72,6 +72,29 @@ class Router(nn.Module):
         return scores, topk_idx, weight * cfg.routed_scaling_factor
 
 
+def run_experts(cfg: ModelConfig, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
+                xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """GLU experts over expert-sorted rows: xs [P, D] holds ``counts[e]`` rows for expert e in
+    order; w1, w3: [E, F, D], w2: [E, D, F]. Returns [P, D] in xs.dtype.
+
+    One grouped matmul per projection on CUDA in bf16 (``grouped_mm``); the reference loops over
+    the experts that received rows."""
+    if use_fast_path(xs) and xs.dtype == torch.bfloat16:
+        mm = getattr(F, "grouped_mm", None) or torch._grouped_mm  # public from torch 2.10
+        offs = counts.cumsum(0).to(torch.int32)  # end of each expert's rows in xs
+        # grouped_mm is not autocast-aware: fp32 master weights are cast here (a no-op under
+        # FSDP's bf16 parameters or a bf16 model)
+        w1, w3, w2 = (w.to(xs.dtype).transpose(-2, -1) for w in (w1, w3, w2))
+        return mm(glu_act(cfg, mm(xs, w1, offs=offs), mm(xs, w3, offs=offs)), w2, offs=offs)
+    outs, start = [], 0
+    for e, n in enumerate(counts.tolist()):
+        if n:
+            xe = xs[start:start + n]
+            outs.append(glu_act(cfg, xe @ w1[e].T, xe @ w3[e].T) @ w2[e].T)
+            start += n
+    return torch.cat(outs) if outs else xs.new_zeros(xs.shape)
+
+
 class RoutedExperts(nn.Module):
     """E GLU experts of input width D and hidden width F, stored stacked."""
 
@@ -90,35 +113,10 @@ class RoutedExperts(nn.Module):
         order = flat_idx.argsort(stable=True)  # pairs sorted by expert
         token_of_pair = order // k
         counts = torch.bincount(flat_idx, minlength=self.cfg.num_experts)
-        xs = x[token_of_pair]  # [N*k, D], expert-sorted
-        if use_fast_path(x) and x.dtype == torch.bfloat16:
-            ys = self._grouped(xs, counts)
-        else:
-            ys = self._looped(xs, counts)
+        ys = run_experts(self.cfg, self.w1, self.w3, self.w2, x[token_of_pair], counts)
         ys = ys.float() * topk_weight.reshape(-1)[order].unsqueeze(-1)
         out = torch.zeros(N, x.shape[-1], dtype=torch.float32, device=x.device)
         return out.index_add_(0, token_of_pair, ys)
-
-    def _looped(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        ys = torch.empty_like(xs)
-        start = 0
-        for e, n in enumerate(counts.tolist()):
-            if n:
-                xe = xs[start:start + n]
-                h = glu_act(self.cfg, xe @ self.w1[e].T, xe @ self.w3[e].T)
-                ys[start:start + n] = h @ self.w2[e].T
-                start += n
-        return ys
-
-    def _grouped(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        mm = getattr(F, "grouped_mm", None) or torch._grouped_mm  # public from torch 2.10
-        offs = counts.cumsum(0).to(torch.int32)  # end of each expert's rows in xs
-        # grouped_mm is not autocast-aware: fp32 master weights are cast here (a no-op under
-        # FSDP's bf16 parameters or a bf16 model)
-        w1, w3, w2 = (w.to(xs.dtype).transpose(-2, -1) for w in (self.w1, self.w3, self.w2))
-        gate = mm(xs, w1, offs=offs)
-        up = mm(xs, w3, offs=offs)
-        return mm(glu_act(self.cfg, gate, up), w2, offs=offs)
 
 
 class MoE(nn.Module):

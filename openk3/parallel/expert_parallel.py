@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.nn.functional import all_to_all_single
 
-from openk3.model.moe import MoE, RoutedExperts, glu_act
+from openk3.model.moe import MoE, RoutedExperts, run_experts
 from openk3.parallel.moonep import plan as moonep_plan
 
 
@@ -144,14 +144,8 @@ class MoonEPExperts(nn.Module):
         slot_of_expert[reps[used]] = G + torch.nonzero(used).flatten()
         slot = slot_of_expert[experts]
         order = slot.argsort(stable=True)
-        xs_sorted = xs[order]
-        outs, start = [], 0
-        for s, n in enumerate(torch.bincount(slot, minlength=2 * G).tolist()):
-            if n:
-                xe = xs_sorted[start:start + n]
-                outs.append(glu_act(self.cfg, xe @ w1[s].T, xe @ w3[s].T) @ w2[s].T)
-                start += n
-        return torch.cat(outs)[order.argsort()]
+        ys = run_experts(self.cfg, w1, w3, w2, xs[order], torch.bincount(slot, minlength=2 * G))
+        return ys[order.argsort()]
 
 
 def apply_moonep(model: nn.Module, group=None) -> None:

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from openk3 import build_model, preset
-from openk3.model.moe import RoutedExperts
+from openk3.model.moe import RoutedExperts, run_experts
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -14,7 +14,7 @@ def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def test_grouped_mm_experts_match_loop():
+def test_grouped_mm_experts_match_loop(monkeypatch):
     cfg = preset("debug").replace(num_experts=16, moe_intermediate_size=128)
     ex = RoutedExperts(cfg, 256).cuda().bfloat16()
     with torch.no_grad():
@@ -31,10 +31,18 @@ def test_grouped_mm_experts_match_loop():
     order = flat.argsort(stable=True)
     xs = x[order // 2]
     counts = torch.bincount(flat, minlength=16)
-    torch.testing.assert_close(ex._grouped(xs, counts), ex._looped(xs, counts), rtol=2e-2, atol=2e-2)
+    def looped(xs):
+        monkeypatch.setenv("OPENK3_REFERENCE", "1")
+        try:
+            return run_experts(cfg, ex.w1, ex.w3, ex.w2, xs, counts)
+        finally:
+            monkeypatch.setenv("OPENK3_REFERENCE", "0")
+
+    grouped = run_experts(cfg, ex.w1, ex.w3, ex.w2, xs, counts)
+    torch.testing.assert_close(grouped, looped(xs), rtol=2e-2, atol=2e-2)
     g = torch.randn_like(fast)
     (gx_fast,) = torch.autograd.grad(fast, x, g)
-    ref = torch.zeros_like(fast).index_add_(0, order // 2, ex._looped(xs, counts).float()
+    ref = torch.zeros_like(fast).index_add_(0, order // 2, looped(xs).float()
                                             * w.reshape(-1)[order].unsqueeze(-1))
     (gx_ref,) = torch.autograd.grad(ref, x, g)
     assert rel(fast, ref) < 1e-2 and rel(gx_fast, gx_ref) < 1e-2
