@@ -61,6 +61,15 @@ class MetricsLog:
         with open(self.path, "a") as fh:
             fh.write(json.dumps({"time": time.time(), **row}) + "\n")
 
+    def truncate_after(self, step: int) -> None:
+        """Drop rows of steps after ``step`` (written before a crash, redone after a resume)."""
+        if self.path.exists():
+            keep = [line for line in self.path.read_text().splitlines()
+                    if line.strip() and json.loads(line)["step"] <= step]
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            tmp.write_text("".join(line + "\n" for line in keep))
+            tmp.replace(self.path)
+
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
     path = Path(run_dir) / "metrics.jsonl"

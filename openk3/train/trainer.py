@@ -165,7 +165,7 @@ def train(cfg: RunConfig) -> dict:
         data = prepare()
     if data.vocab_size > model_cfg.vocab_size:
         raise ValueError(f"tokenizer has {data.vocab_size} tokens but the model's vocab_size is "
-                         f"{model_cfg.vocab_size}; set --vocab_size {data.vocab_size}")
+                         f"{model_cfg.vocab_size}; set --vocab-size {data.vocab_size}")
 
     torch.manual_seed(cfg.seed)
     # fp32 master weights; bf16 compute comes from autocast (one device) or FSDP's policy
@@ -194,6 +194,8 @@ def train(cfg: RunConfig) -> dict:
     flops_tok = flops_per_token(model_cfg, cfg.seq_len)
     peak = peak_flops(env.device, env.dtype) * env.world_size
     metrics = MetricsLog(run_dir / "metrics.jsonl", enabled=env.is_main)
+    if start and env.is_main:  # rows logged after the checkpoint we resume from are redone
+        metrics.truncate_after(start)
     probe = _ActivationProbe(model)
     moes = _moe_layers(model)
     last_saved = start

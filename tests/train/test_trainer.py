@@ -53,6 +53,18 @@ def test_resume_is_exact(corpus, tmp_path):
     second = train(tiny(corpus, tmp_path / "b", resume=True))
     assert second["start_step"] == 3
     assert first + second["losses"] == straight  # bit-identical, not merely close
+    steps = [json.loads(x)["step"] for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [2, 3, 4, 6]
+
+
+def test_resume_drops_metrics_logged_after_the_checkpoint(corpus, tmp_path):
+    out = tmp_path / "run"
+    train(tiny(corpus, out, max_steps=3))
+    with open(out / "metrics.jsonl", "a") as fh:  # as if the run had logged step 4, then died
+        fh.write(json.dumps({"step": 4, "loss": 9.9}) + "\n")
+    train(tiny(corpus, out, resume=True))
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [2, 3, 4, 6] and rows[2]["loss"] != 9.9
 
 
 def test_metrics_plots_and_generate_from_run_dir(corpus, tmp_path, capsys):
