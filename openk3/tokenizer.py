@@ -64,7 +64,8 @@ class TiktokenTokenizer:
                                      special_tokens={v: k for k, v in names.items()})
 
     def encode(self, text: str) -> list[int]:
-        return self.enc.encode(text, disallowed_special=())
+        # special-token strings in the text (chat templates) become their ids, as Kimi's own does
+        return self.enc.encode(text, allowed_special="all")
 
     def decode(self, ids: list[int]) -> str:
         return self.enc.decode(ids)
