@@ -427,6 +427,7 @@ class RunConfig(_DictIO):
     min_lr_ratio: float = 0.1
     clip_grad: float = 1.0
     balance: str = "qb"  # "qb", "sign", "aux" or "none"
+    ep: int = 1  # expert parallelism (MoonEP): 1, or the number of processes
     aux_loss_coef: float = 1e-2
     # bookkeeping
     log_interval: int = 10
@@ -452,7 +453,7 @@ class RunConfig(_DictIO):
 
         if self.preset not in PRESETS:
             raise bad("preset", f"choose one of {sorted(PRESETS)}")
-        for name in ("seq_len", "batch_size", "grad_accum", "max_steps", "log_interval",
+        for name in ("seq_len", "batch_size", "grad_accum", "max_steps", "log_interval", "ep",
                      "eval_interval", "eval_batches", "ckpt_interval", "keep_last"):
             if getattr(self, name) <= 0:
                 raise bad(name, "must be positive")

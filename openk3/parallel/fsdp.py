@@ -12,13 +12,17 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 
-def apply_fsdp(model, env) -> None:
-    """Shard ``model`` in place over all ranks of the default process group."""
+def apply_fsdp(model, env, ignored_params: set | None = None) -> None:
+    """Shard ``model`` in place over all ranks of the default process group.
+
+    ``ignored_params`` (the rank-local expert shares of MoonEP) are left as they are."""
     mesh = init_device_mesh(env.device.type, (env.world_size,))
     mp = None
     if env.device.type == "cuda" and env.dtype != torch.float32:
         mp = MixedPrecisionPolicy(param_dtype=env.dtype, reduce_dtype=torch.float32)
-    kw = dict(mesh=mesh, mp_policy=mp) if mp is not None else dict(mesh=mesh)
+    kw = dict(mesh=mesh, ignored_params=ignored_params or None)
+    if mp is not None:
+        kw["mp_policy"] = mp
     for layer in model.model.layers:
         fully_shard(layer, **kw)
     fully_shard(model, **kw)

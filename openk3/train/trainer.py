@@ -171,9 +171,19 @@ def train(cfg: RunConfig) -> dict:
     # fp32 master weights; bf16 compute comes from autocast (one device) or FSDP's policy
     model = build_model(model_cfg, device=env.device, seed=cfg.seed)
     model.train()
+    ep_params: dict = {}
+    if cfg.ep > 1:
+        if cfg.ep != env.world_size:
+            raise ValueError(f"RunConfig.ep={cfg.ep}: must be 1 or the number of processes "
+                             f"({env.world_size}); experts are split over all ranks")
+        if model_cfg.num_experts % cfg.ep:
+            raise ValueError(f"RunConfig.ep={cfg.ep}: must divide num_experts={model_cfg.num_experts}")
+        from openk3.parallel.expert_parallel import apply_moonep, ep_parameters
+        apply_moonep(model)
+        ep_params = ep_parameters(model)
     if env.world_size > 1:
         from openk3.parallel.fsdp import apply_fsdp
-        apply_fsdp(model, env)
+        apply_fsdp(model, env, ignored_params=set(ep_params.values()))
     optimizers = build_optimizers(model, lr=cfg.lr, weight_decay=cfg.weight_decay,
                                   optimizer=cfg.optimizer)
     balancer = Balancer(cfg.balance, model_cfg.num_experts, model_cfg.num_experts_per_token)
@@ -181,7 +191,7 @@ def train(cfg: RunConfig) -> dict:
                          rank=env.rank, world_size=env.world_size)
     start = 0
     if prev is not None:
-        trainer_state = ckpt.load_checkpoint(prev, model, optimizers)
+        trainer_state = ckpt.load_checkpoint(prev, model, optimizers, ep_params)
         stream.load_state_dict(trainer_state["data"])
         start = trainer_state["step"]
         _log(env, f"resumed from {prev} at step {start}")
@@ -206,7 +216,7 @@ def train(cfg: RunConfig) -> dict:
     def save(step: int) -> None:
         nonlocal last_saved
         ckpt.save_checkpoint(run_dir, step, model, optimizers,
-                             {"data": stream.state_dict()}, cfg.keep_last)
+                             {"data": stream.state_dict()}, cfg.keep_last, ep_params)
         last_saved = step
 
     with _StopFlag() as flag, Progress(cfg.max_steps, start, enabled=env.is_main) as bar:
@@ -242,8 +252,15 @@ def train(cfg: RunConfig) -> dict:
                     f"non-finite loss {loss_f} at step {step}; stopping. The last good checkpoint "
                     f"is step {last_saved} in {run_dir / ckpt.CKPT_DIR} (resume with --resume, "
                     "perhaps with a lower --lr)")
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(),
-                                                       cfg.clip_grad if cfg.clip_grad > 0 else 1e30)
+            max_norm = cfg.clip_grad if cfg.clip_grad > 0 else 1e30
+            if ep_params:
+                from openk3.parallel.expert_parallel import clip_grad_norm_mixed
+                for p in ep_params.values():  # local experts summed every rank's loss: average
+                    if p.grad is not None:
+                        p.grad.div_(env.world_size)
+                grad_norm = clip_grad_norm_mixed(model, max_norm, ep_params)
+            else:
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
             for opt in optimizers:
                 opt.step()
                 opt.zero_grad(set_to_none=True)
@@ -275,30 +292,39 @@ def train(cfg: RunConfig) -> dict:
                 break
     summary.update(end_step=step, first_loss=losses[0] if losses else None,
                    last_loss=losses[-1] if losses else None, losses=losses)
-    if last_saved == step:
-        export(run_dir, model, model_cfg, data, env)
+    plain = export(run_dir, model, model_cfg, data, env, ep_params) if last_saved == step else None
     if env.is_main and not flag.stop and cfg.num_samples:
-        summary["samples"] = print_samples(model, data, cfg, env)
+        # sharded models need every rank for a forward: sample from the gathered copy instead
+        sampler = model if env.world_size == 1 else plain
+        if sampler is not None:
+            summary["samples"] = print_samples(sampler, data, cfg, env)
     if dist.is_initialized():
         dist.barrier()
     return summary
 
 
-def export(run_dir: Path, model, model_cfg, data, env: Env) -> None:
-    """save_pretrained the current weights (+ tokenizer) to RUN_DIR/export (collective)."""
+def export(run_dir: Path, model, model_cfg, data, env: Env, ep_params: dict):
+    """save_pretrained the current weights (+ tokenizer) to RUN_DIR/export (collective).
+
+    Returns the exported single-device model on rank 0 (a gathered CPU copy when sharded)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     from openk3.checkpoint import save_pretrained
 
-    if env.world_size > 1:  # gather the FSDP shards to a CPU copy on rank 0
+    if env.world_size > 1:  # gather FSDP shards and expert shares to a CPU copy on rank 0
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
                                                                     cpu_offload=True))
+        if ep_params:
+            from openk3.parallel.expert_parallel import gather_experts
+            for fqn, p in ep_params.items():
+                full[fqn] = gather_experts(p.detach()).cpu()
         if not env.is_main:
-            return
+            return None
         model = build_model(model_cfg, device="meta")
         model.load_state_dict(full, assign=True)
     save_pretrained(model, run_dir / "export")
     (run_dir / "export" / "tokenizer.json").write_bytes(Path(data.tokenizer_path).read_bytes())
+    return model
 
 
 def print_samples(model, data, cfg: RunConfig, env: Env) -> list[str]:

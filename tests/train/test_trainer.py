@@ -156,13 +156,9 @@ def test_ctrl_c_saves_and_exits_cleanly(corpus, tmp_path):
     assert int(latest.split("_")[1]) >= 3
 
 
-def test_two_process_gloo_run_matches_one_process(corpus, tmp_path):
-    """2 ranks x batch 1 see the same global batch as 1 rank x batch 2: same losses (fp32)."""
-    args = _train_args(corpus, tmp_path / "ddp", 3)
-    args[args.index("--batch-size") + 1] = "1"
-    args += ["--balance", "sign"]  # exact QB on one rank vs its histogram estimate on two would differ
+def _torchrun(args, nproc=2):
     env = {**os.environ, "OPENK3_CACHE": os.environ["OPENK3_CACHE"], "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            "-m", "openk3", *args]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)  # so a hang can be killed with its workers
@@ -172,10 +168,44 @@ def test_two_process_gloo_run_matches_one_process(corpus, tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, out
-    ddp = [json.loads(line)["loss"] for line in (tmp_path / "ddp" / "metrics.jsonl").read_text().splitlines()]
-    single = train(tiny(Path(args[args.index("--data") + 1]), tmp_path / "one", max_steps=3,
-                        warmup_steps=1, log_interval=1, eval_interval=1000, ckpt_interval=1000, balance="sign"))["losses"]
+    return out
+
+
+def _losses(run_dir):
+    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("parallel", [[], ["--ep", "2"]], ids=["fsdp", "fsdp+moonep"])
+def test_two_process_gloo_run_matches_one_process(corpus, tmp_path, parallel):
+    """2 ranks x batch 1 see the same global batch as 1 rank x batch 2: same losses (fp32).
+    With --ep 2 each rank also holds only half of every layer's experts (MoonEP)."""
+    args = _train_args(corpus, tmp_path / "ddp", 3)
+    args[args.index("--batch-size") + 1] = "1"
+    args[args.index("--num-samples") + 1] = "1"  # sampling after a sharded run uses the export
+    args += ["--balance", "sign", *parallel]  # exact QB on one rank vs its histogram on two differ
+    out = _torchrun(args)
+    assert "--- sample 1 ---" in out
+    single = train(tiny(corpus, tmp_path / "one", max_steps=3, warmup_steps=1, log_interval=1,
+                        eval_interval=1000, ckpt_interval=1000, balance="sign"))["losses"]
+    ddp = _losses(tmp_path / "ddp")
     assert len(ddp) == 3
     for a, b in zip(ddp, single):
         assert abs(a - b) < 1e-4 * abs(b), (ddp, single)
-    assert (tmp_path / "ddp" / "export" / "config.json").exists()
+    import openk3
+    exported = openk3.load_pretrained(tmp_path / "ddp" / "export")  # all experts gathered
+    assert exported.model.layers[1].mlp.experts.w1.shape[0] == exported.cfg.num_experts
+
+
+def test_moonep_resume_is_exact(corpus, tmp_path):
+    base = _train_args(corpus, tmp_path / "a", 4) + ["--batch-size", "1", "--balance", "sign", "--ep", "2"]
+    _torchrun(base)
+    split = _train_args(corpus, tmp_path / "b", 2) + ["--batch-size", "1", "--balance", "sign", "--ep", "2"]
+    _torchrun(split)
+    _torchrun(split[:split.index("--max-steps")] + ["--max-steps", "4", "--resume"]
+              + split[split.index("--max-steps") + 2:])
+    assert _losses(tmp_path / "b") == _losses(tmp_path / "a")
+
+
+def test_ep_must_match_world_size(corpus, tmp_path):
+    with pytest.raises(ValueError, match="RunConfig.ep=2"):
+        train(tiny(corpus, tmp_path / "x", ep=2))

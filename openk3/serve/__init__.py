@@ -1,0 +1,17 @@
+"""Serving engine: pure-policy scheduler and cache bookkeeping (no tensors)."""
+
+from openk3.serve.block_manager import (
+    Allocation,
+    BlockCopy,
+    BlockManager,
+    CacheConfig,
+    KDARestore,
+    PrefixCacheStats,
+)
+from openk3.serve.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from openk3.serve.sequence import Sequence, SequenceStatus
+
+__all__ = [
+    "Allocation", "BlockCopy", "BlockManager", "CacheConfig", "KDARestore", "PrefixCacheStats",
+    "Scheduler", "SchedulerConfig", "SchedulerOutput", "Sequence", "SequenceStatus",
+]

@@ -1,0 +1,414 @@
+"""Bookkeeping for the hybrid cache: paged MLA latents, KDA state slots, KDA-aware prefix cache.
+
+Pure policy: everything here is an integer id. The model runner owns the tensors and executes
+the instructions handed out (``BlockCopy``, ``KDARestore``) before the forward pass of the step
+that returned them.
+
+Prefix cache, in brief (K3_SPEC §5):
+- Token ids are hashed in chained fine blocks of ``hash_block_size`` tokens (default 512);
+  MLA latents live in coarse physical blocks of ``physical_block_size`` tokens (default 6144).
+- A hit at boundary ``b`` (a multiple of ``hash_block_size``) needs every hash block below ``b``
+  registered with matching token ids *and* a KDA checkpoint (recurrent + conv state of every KDA
+  layer) stored for exactly that prefix: KDA state cannot be rebuilt from the latents.
+- Physical blocks entirely below ``b`` are shared (refcount + 1); the block containing ``b`` is
+  copied into a fresh block (copy-on-write of its first ``b % physical_block_size`` tokens); the
+  checkpoint is restored into the sequence's own state slot; prefill resumes at ``b``.
+- A block whose refcount drops to zero keeps its registered hashes and stays readable until the
+  pool needs it again (least recently freed first); only then are its hashes dropped.
+- KDA checkpoints live in a separate pool of ``num_kda_checkpoints`` storage ids with LRU
+  eviction. A checkpoint pins no MLA block: without its latents it simply cannot hit.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+
+from openk3.serve.sequence import Sequence
+
+
+def hash_token_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
+    """Chained hash of one hash block; through ``parent_hash`` it depends on every earlier token.
+
+    Collisions are tolerated: every hit is verified against the stored token ids.
+    """
+    return hash((parent_hash, token_ids))
+
+
+@dataclass
+class CacheConfig:
+    """Sizes of the hybrid cache, all in tokens or in pool entries.
+
+    num_blocks: physical MLA blocks in the pool.
+    num_state_slots: KDA state slots (recurrent + conv state), one per running sequence.
+    physical_block_size: tokens per physical MLA block.
+    hash_block_size: tokens per prefix-hash block; must divide ``physical_block_size``.
+    num_kda_checkpoints: KDA checkpoint storage entries (the checkpoint memory budget).
+    kda_checkpoint_interval: a checkpoint is taken every this many tokens (and at prompt ends,
+        rounded down to a hash boundary); a multiple of ``hash_block_size``.
+    enable_prefix_caching: off means no hashes, no checkpoints, no hits.
+    """
+
+    num_blocks: int
+    num_state_slots: int
+    physical_block_size: int = 6144
+    hash_block_size: int = 512
+    num_kda_checkpoints: int = 16
+    kda_checkpoint_interval: int = 8192
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self):
+        for name in ("num_blocks", "num_state_slots", "physical_block_size", "hash_block_size",
+                     "kda_checkpoint_interval"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_kda_checkpoints < 0:
+            raise ValueError(f"num_kda_checkpoints must be >= 0, got {self.num_kda_checkpoints}")
+        if self.physical_block_size % self.hash_block_size:
+            raise ValueError(
+                f"hash_block_size ({self.hash_block_size}) must divide "
+                f"physical_block_size ({self.physical_block_size})"
+            )
+        if self.kda_checkpoint_interval % self.hash_block_size:
+            raise ValueError(
+                f"kda_checkpoint_interval ({self.kda_checkpoint_interval}) must be a multiple of "
+                f"hash_block_size ({self.hash_block_size})"
+            )
+
+
+@dataclass(frozen=True)
+class BlockCopy:
+    """Copy the first ``num_tokens`` token rows of MLA block ``src`` into block ``dst`` (every layer)."""
+
+    src: int
+    dst: int
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class KDARestore:
+    """Copy KDA checkpoint ``checkpoint_id`` (every KDA layer) into state slot ``dst_state_slot``."""
+
+    checkpoint_id: int
+    dst_state_slot: int
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """What ``allocate`` did: the hit length and the instructions the runner must execute.
+
+    With no ``kda_restore`` the sequence starts from token 0 and its state slot must be zeroed.
+    """
+
+    num_cached_tokens: int
+    block_copy: BlockCopy | None
+    kda_restore: KDARestore | None
+
+
+@dataclass
+class PrefixCacheStats:
+    queries: int = 0  # admissions that looked up the prefix cache
+    hits: int = 0
+    queried_tokens: int = 0
+    saved_tokens: int = 0  # prefill tokens skipped thanks to hits
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+    @property
+    def token_hit_rate(self) -> float:
+        return self.saved_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
+
+@dataclass(frozen=True)
+class _HashBlock:
+    """A registered hash block: its token ids and the physical block holding its latents.
+
+    ``parent_serial`` names the entry registered for the previous hash block by the same writer,
+    so a chain of verified entries proves the whole prefix, not just each block on its own.
+    """
+
+    serial: int
+    parent_serial: int | None
+    token_ids: tuple[int, ...]
+    block_id: int
+
+
+@dataclass(frozen=True)
+class _Checkpoint:
+    checkpoint_id: int
+    token_ids: tuple[int, ...]  # the whole prefix, verified on every hit
+
+
+@dataclass(frozen=True)
+class _Hit:
+    num_tokens: int
+    shared_blocks: list[int]
+    cow_src: int | None
+    checkpoint_key: int
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class BlockManager:
+    """Allocates MLA blocks and KDA state slots to sequences and runs the prefix cache."""
+
+    def __init__(self, config: CacheConfig):
+        self.config = config
+        self.block_size = config.physical_block_size
+        self.hash_block_size = config.hash_block_size
+        self.ref_counts = [0] * config.num_blocks
+        self.free_block_ids: deque[int] = deque(range(config.num_blocks))  # hold no prefix
+        # Refcount 0 but still holding registered prefixes; least recently freed first.
+        self.cached_block_ids: OrderedDict[int, None] = OrderedDict()
+        self.hash_to_block: dict[int, _HashBlock] = {}
+        self.block_to_hashes: dict[int, list[int]] = {}
+        self.free_state_slots: deque[int] = deque(range(config.num_state_slots))
+        self.checkpoints: OrderedDict[int, _Checkpoint] = OrderedDict()  # LRU first
+        self.free_checkpoint_ids: deque[int] = deque(range(config.num_kda_checkpoints))
+        self.stats = PrefixCacheStats()
+        self._serials = itertools.count()
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_block_ids) + len(self.cached_block_ids)
+
+    @property
+    def num_free_state_slots(self) -> int:
+        return len(self.free_state_slots)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of MLA blocks held by sequences."""
+        return 1.0 - self.num_free_blocks / self.config.num_blocks
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return _cdiv(num_tokens, self.block_size)
+
+    # Physical blocks and state slots.
+
+    def _take_block(self, block_id: int) -> None:
+        if self.ref_counts[block_id] == 0:
+            del self.cached_block_ids[block_id]
+        self.ref_counts[block_id] += 1
+
+    def _release_block(self, block_id: int) -> None:
+        self.ref_counts[block_id] -= 1
+        if self.ref_counts[block_id] == 0:
+            if block_id in self.block_to_hashes:
+                self.cached_block_ids[block_id] = None
+            else:
+                self.free_block_ids.append(block_id)
+
+    def _allocate_block(self) -> int:
+        if self.free_block_ids:
+            block_id = self.free_block_ids.popleft()
+        else:
+            block_id, _ = self.cached_block_ids.popitem(last=False)
+            for h in self.block_to_hashes.pop(block_id):
+                del self.hash_to_block[h]
+        self.ref_counts[block_id] = 1
+        return block_id
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        """Whether admitting ``seq`` fits: blocks for all its tokens plus the first decode token,
+        and a state slot. Never over-commits."""
+        return self._plan(seq)[1]
+
+    def allocate(self, seq: Sequence) -> Allocation:
+        """Admit ``seq``: look up the prefix cache, take blocks and a state slot.
+
+        Sets ``seq.num_computed_tokens`` to the hit length (0 on a miss).
+        """
+        if seq.block_table or seq.state_slot is not None:
+            raise RuntimeError(f"request {seq.request_id!r} already holds cache")
+        hit, fits = self._plan(seq)
+        if not fits:
+            raise RuntimeError(f"request {seq.request_id!r} does not fit; call can_allocate first")
+        if self.config.enable_prefix_caching:
+            self.stats.queries += 1
+            self.stats.queried_tokens += seq.num_tokens
+        seq.state_slot = self.free_state_slots.popleft()
+        block_copy = kda_restore = None
+        num_cached = 0
+        if hit is not None:
+            num_cached = hit.num_tokens
+            for block_id in hit.shared_blocks:
+                self._take_block(block_id)
+            seq.block_table = list(hit.shared_blocks)
+            if hit.cow_src is not None:
+                self._take_block(hit.cow_src)  # pinned so our own allocations cannot evict it
+                dst = self._allocate_block()
+                seq.block_table.append(dst)
+                block_copy = BlockCopy(hit.cow_src, dst, num_cached % self.block_size)
+            self.checkpoints.move_to_end(hit.checkpoint_key)
+            checkpoint_id = self.checkpoints[hit.checkpoint_key].checkpoint_id
+            kda_restore = KDARestore(checkpoint_id, seq.state_slot)
+            self.stats.hits += 1
+            self.stats.saved_tokens += num_cached
+        while len(seq.block_table) < self.num_blocks_for(seq.num_tokens + 1):
+            seq.block_table.append(self._allocate_block())
+        if hit is not None and hit.cow_src is not None:
+            self._release_block(hit.cow_src)
+        seq.num_computed_tokens = num_cached
+        seq.num_cached_tokens = num_cached
+        seq.num_registered_hash_blocks = num_cached // self.hash_block_size
+        return Allocation(num_cached, block_copy, kda_restore)
+
+    def can_append(self, seq: Sequence) -> bool:
+        """Whether the pool can hold all of ``seq.num_tokens`` (the next token to compute)."""
+        return self.num_blocks_for(seq.num_tokens) - len(seq.block_table) <= self.num_free_blocks
+
+    def append_slot(self, seq: Sequence) -> None:
+        """Grow ``seq`` to hold its newest token, taking a new block when the last one is full."""
+        while len(seq.block_table) < self.num_blocks_for(seq.num_tokens):
+            seq.block_table.append(self._allocate_block())
+
+    def free(self, seq: Sequence) -> None:
+        """Release the blocks and the state slot of ``seq``; registered prefixes stay cached."""
+        # Tail blocks first, so the pool reuses them before the shared heads of prefixes.
+        for block_id in reversed(seq.block_table):
+            self._release_block(block_id)
+        seq.block_table = []
+        if seq.state_slot is not None:
+            self.free_state_slots.append(seq.state_slot)
+            seq.state_slot = None
+        seq.num_registered_hash_blocks = 0
+
+    def slot_mapping(self, seq: Sequence, start: int, end: int) -> list[int]:
+        """Flat cache slot (``block_id * physical_block_size + offset``) of tokens [start, end)."""
+        return [seq.block_table[p // self.block_size] * self.block_size + p % self.block_size
+                for p in range(start, end)]
+
+    # Prefix cache.
+
+    def _hash_chain(self, seq: Sequence, num_hash_blocks: int) -> list[int]:
+        chain, size = seq.block_hashes, self.hash_block_size
+        while len(chain) < num_hash_blocks:
+            k = len(chain)
+            parent = chain[-1] if chain else None
+            chain.append(hash_token_block(parent, tuple(seq.token_ids[k * size : (k + 1) * size])))
+        return chain[:num_hash_blocks]
+
+    def _find_hit(self, seq: Sequence) -> _Hit | None:
+        if not self.config.enable_prefix_caching or not self.checkpoints:
+            return None
+        size = self.hash_block_size
+        # At least one token must be left to compute: it produces the next-token logits.
+        chain = self._hash_chain(seq, (seq.num_tokens - 1) // size)
+        entries: list[_HashBlock] = []
+        for k, h in enumerate(chain):
+            entry = self.hash_to_block.get(h)
+            parent_serial = entries[-1].serial if entries else None
+            if (entry is None or entry.parent_serial != parent_serial
+                    or entry.token_ids != tuple(seq.token_ids[k * size : (k + 1) * size])):
+                break
+            entries.append(entry)
+        for n in range(len(entries), 0, -1):
+            checkpoint = self.checkpoints.get(chain[n - 1])
+            if checkpoint is not None and checkpoint.token_ids == tuple(seq.token_ids[: n * size]):
+                break
+        else:
+            return None
+        num_tokens = n * size
+        per_block = self.block_size // size
+        # Any entry of a physical block vouches for the whole block up to that entry: its writer
+        # had the same verified prefix. Use the block's last entry (full blocks) or the hit's.
+        shared = [entries[(j + 1) * per_block - 1].block_id for j in range(num_tokens // self.block_size)]
+        cow_src = entries[n - 1].block_id if num_tokens % self.block_size else None
+        return _Hit(num_tokens, shared, cow_src, chain[n - 1])
+
+    def _fits(self, seq: Sequence, hit: _Hit | None) -> bool:
+        if not self.free_state_slots:
+            return False
+        needed = self.num_blocks_for(seq.num_tokens + 1)
+        available = self.num_free_blocks
+        if hit is not None:
+            needed -= len(hit.shared_blocks)
+            # Reviving a cached block, or pinning the copy source, uses up a free block.
+            available -= sum(self.ref_counts[b] == 0 for b in hit.shared_blocks)
+            if hit.cow_src is not None and self.ref_counts[hit.cow_src] == 0:
+                available -= 1
+        return needed <= available
+
+    def _plan(self, seq: Sequence) -> tuple[_Hit | None, bool]:
+        hit = self._find_hit(seq)
+        if hit is not None and self._fits(seq, hit):
+            return hit, True
+        # Pinning a cached copy source can cost one block; a miss may still fit.
+        return None, self._fits(seq, None)
+
+    def register_computed_blocks(self, seq: Sequence) -> None:
+        """Register the full hash blocks ``seq`` has computed so far (call after the step ran).
+
+        Walks the chain from the start so a new entry is only ever linked below a verified chain
+        for this exact prefix; a colliding or stale chain stops registration (never a wrong hit).
+        """
+        size = self.hash_block_size
+        num_full = seq.num_computed_tokens // size
+        if not self.config.enable_prefix_caching or num_full <= seq.num_registered_hash_blocks:
+            return
+        parent_serial = None
+        for k, h in enumerate(self._hash_chain(seq, num_full)):
+            token_ids = tuple(seq.token_ids[k * size : (k + 1) * size])
+            entry = self.hash_to_block.get(h)
+            if entry is None:
+                block_id = seq.block_table[k * size // self.block_size]
+                entry = _HashBlock(next(self._serials), parent_serial, token_ids, block_id)
+                self.hash_to_block[h] = entry
+                self.block_to_hashes.setdefault(block_id, []).append(h)
+            elif entry.parent_serial != parent_serial or entry.token_ids != token_ids:
+                break
+            parent_serial = entry.serial
+        seq.num_registered_hash_blocks = num_full
+
+    def is_kda_checkpoint_boundary(self, seq: Sequence, num_tokens: int) -> bool:
+        """Checkpoints sit every ``kda_checkpoint_interval`` tokens and at the prompt end rounded
+        down to a hash boundary."""
+        if not self.config.enable_prefix_caching or self.config.num_kda_checkpoints == 0 or num_tokens <= 0:
+            return False
+        prompt_end = seq.num_prompt_tokens // self.hash_block_size * self.hash_block_size
+        return num_tokens % self.config.kda_checkpoint_interval == 0 or num_tokens == prompt_end
+
+    def next_kda_checkpoint_boundary(self, seq: Sequence, after: int) -> int | None:
+        """The first checkpoint boundary strictly after token ``after``, or None when disabled."""
+        if not self.config.enable_prefix_caching or self.config.num_kda_checkpoints == 0:
+            return None
+        interval = self.config.kda_checkpoint_interval
+        boundary = (after // interval + 1) * interval
+        prompt_end = seq.num_prompt_tokens // self.hash_block_size * self.hash_block_size
+        return prompt_end if after < prompt_end < boundary else boundary
+
+    def register_kda_checkpoint(self, seq: Sequence, num_tokens: int) -> int | None:
+        """Give the runner a checkpoint storage id for the KDA state of ``seq`` after ``num_tokens``.
+
+        Returns the id the runner must write the recurrent + conv states of every KDA layer into,
+        or None when that prefix is already stored (or checkpoints are disabled). Evicts the least
+        recently used checkpoint when the pool is full.
+        """
+        if num_tokens <= 0 or num_tokens % self.hash_block_size or num_tokens > seq.num_computed_tokens:
+            raise ValueError(
+                f"request {seq.request_id!r}: a KDA checkpoint needs a computed hash boundary, "
+                f"got {num_tokens} (computed {seq.num_computed_tokens}, hash_block_size {self.hash_block_size})"
+            )
+        if not self.config.enable_prefix_caching or self.config.num_kda_checkpoints == 0:
+            return None
+        key = self._hash_chain(seq, num_tokens // self.hash_block_size)[-1]
+        token_ids = tuple(seq.token_ids[:num_tokens])
+        existing = self.checkpoints.pop(key, None)
+        if existing is not None and existing.token_ids == token_ids:
+            self.checkpoints[key] = existing
+            return None
+        if existing is not None:  # hash collision: the newer prefix takes the storage
+            checkpoint_id = existing.checkpoint_id
+        elif self.free_checkpoint_ids:
+            checkpoint_id = self.free_checkpoint_ids.popleft()
+        else:
+            _, evicted = self.checkpoints.popitem(last=False)
+            checkpoint_id = evicted.checkpoint_id
+        self.checkpoints[key] = _Checkpoint(checkpoint_id, token_ids)
+        return checkpoint_id

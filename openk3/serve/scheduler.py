@@ -1,0 +1,219 @@
+"""Continuous batching: which sequences run this step and how many tokens each. No tensors.
+
+Each ``step()`` first gives every running decode its one token, then continues running
+prefills chunk by chunk, then admits waiting requests in FIFO order, all under a token budget
+(``max_num_batched_tokens``) and a sequence cap (``max_num_seqs``). When the MLA block pool runs
+out, the running sequence last in that order (the newest prefill, else the newest decode) is
+preempted by recomputation: its cache is freed and it goes back to the front of the waiting queue with nothing computed (the prefix
+cache often gives most of it back on re-admission).
+
+Engine loop contract, per step:
+    out = scheduler.step()
+    runner executes out.block_copies and out.kda_restores, zeroes out.kda_resets, then runs
+    the forward pass for out.scheduled; for each (seq, b) in out.kda_checkpoints it calls
+    block_manager.register_kda_checkpoint(seq, b) and saves the KDA states into the id returned;
+    it samples one token for each sequence in out.sampled (all of its tokens computed);
+    scheduler.postprocess([s.request_id for s in out.sampled], token_ids)
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from openk3.serve.block_manager import BlockCopy, BlockManager, KDARestore
+from openk3.serve.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerConfig:
+    """max_num_seqs: running sequences at once. max_num_batched_tokens: tokens per step (the
+    chunked-prefill budget). max_model_len: prompt + max_tokens limit per request."""
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 131072
+
+    def __post_init__(self):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's plan. ``scheduled`` holds (sequence, tokens computed this step); the tokens are
+    ``seq.token_ids[seq.num_computed_tokens - n : seq.num_computed_tokens]`` (already advanced)."""
+
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)
+    block_copies: list[BlockCopy] = field(default_factory=list)
+    kda_restores: list[KDARestore] = field(default_factory=list)
+    kda_resets: list[int] = field(default_factory=list)  # state slots to zero before the forward
+    kda_checkpoints: list[tuple[Sequence, int]] = field(default_factory=list)
+    preempted_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+    @property
+    def sampled(self) -> list[Sequence]:
+        """Sequences whose every token is computed after this step: they get a new token."""
+        return [seq for seq, _ in self.scheduled if seq.num_computed_tokens == seq.num_tokens]
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order
+        self.requests: dict[str, Sequence] = {}  # unfinished requests by id
+        self._last_scheduled: list[Sequence] = []
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def add_request(self, seq: Sequence) -> None:
+        """Queue ``seq``; raises ValueError naming it when it can never fit."""
+        rid, limit = seq.request_id, self.config.max_model_len
+        if rid in self.requests:
+            raise ValueError(f"request {rid!r} already exists")
+        if seq.num_prompt_tokens + seq.max_tokens > limit:
+            raise ValueError(
+                f"request {rid!r}: prompt ({seq.num_prompt_tokens} tokens) + max_tokens "
+                f"({seq.max_tokens}) exceeds max_model_len ({limit})"
+            )
+        bm = self.block_manager
+        if bm.num_blocks_for(seq.num_prompt_tokens + seq.max_tokens) > bm.config.num_blocks:
+            raise ValueError(
+                f"request {rid!r}: {seq.num_prompt_tokens + seq.max_tokens} tokens exceed the "
+                f"MLA cache ({bm.config.num_blocks} blocks of {bm.block_size})"
+            )
+        self.waiting.append(seq)
+        self.requests[rid] = seq
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a request and free everything it holds; False when it is unknown or done."""
+        seq = self.requests.pop(request_id, None)
+        if seq is None:
+            return False
+        if seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        else:
+            self.block_manager.free(seq)
+            self.running.remove(seq)
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+        return True
+
+    def _num_new_tokens(self, seq: Sequence, budget: int) -> int:
+        """Tokens to compute now; a prefill chunk stops at the next KDA checkpoint boundary so the
+        runner holds the state at exactly that boundary."""
+        start = seq.num_computed_tokens
+        end = start + min(seq.num_uncomputed_tokens, budget)
+        boundary = self.block_manager.next_kda_checkpoint_boundary(seq, start)
+        if boundary is not None and boundary < end:
+            end = boundary
+        return end - start
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.block_manager.free(seq)
+        self.running.remove(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        out.preempted_ids.append(seq.request_id)
+
+    def _register_computed(self) -> None:
+        for seq in self._last_scheduled:
+            if seq.status is SequenceStatus.RUNNING:
+                self.block_manager.register_computed_blocks(seq)
+        self._last_scheduled = []
+
+    def step(self) -> SchedulerOutput:
+        self._register_computed()  # in case the engine skipped postprocess (nothing sampled)
+        bm, out = self.block_manager, SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+
+        # Running sequences: decodes first, then prefill chunks; victims come from the back.
+        pending = deque(sorted(self.running, key=lambda s: s.is_prefill))
+        while pending and budget > 0:
+            seq = pending.popleft()
+            if seq.num_uncomputed_tokens == 0:
+                continue  # its sampled token has not been reported yet
+            while not bm.can_append(seq):
+                victim = pending.pop() if pending else seq
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                break
+            bm.append_slot(seq)
+            n = self._num_new_tokens(seq, budget)
+            out.scheduled.append((seq, n))
+            budget -= n
+
+        # Waiting sequences, strictly FIFO; none while memory is short enough to preempt.
+        while (self.waiting and budget > 0 and not out.preempted_ids
+               and len(self.running) < self.config.max_num_seqs):
+            seq = self.waiting[0]
+            if not bm.can_allocate(seq):
+                break
+            allocation = bm.allocate(seq)
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            if allocation.block_copy is not None:
+                out.block_copies.append(allocation.block_copy)
+            if allocation.kda_restore is not None:
+                out.kda_restores.append(allocation.kda_restore)
+            else:
+                out.kda_resets.append(seq.state_slot)
+            n = self._num_new_tokens(seq, budget)
+            out.scheduled.append((seq, n))
+            budget -= n
+
+        for seq, n in out.scheduled:
+            seq.num_computed_tokens += n
+            if bm.is_kda_checkpoint_boundary(seq, seq.num_computed_tokens):
+                out.kda_checkpoints.append((seq, seq.num_computed_tokens))
+        self._last_scheduled = [seq for seq, _ in out.scheduled]
+        return out
+
+    def postprocess(self, seq_ids: list[str], new_token_ids: list[int]) -> list[Sequence]:
+        """Append one sampled token per sequence; finish (and free) on eos or max_tokens.
+
+        Returns the sequences that finished. Ids of requests aborted since the step are ignored.
+        """
+        if len(seq_ids) != len(new_token_ids):
+            raise ValueError(f"{len(seq_ids)} sequence ids but {len(new_token_ids)} tokens")
+        self._register_computed()
+        finished = []
+        for rid, token_id in zip(seq_ids, new_token_ids):
+            seq = self.requests.get(rid)
+            if seq is None or seq.status is not SequenceStatus.RUNNING:
+                continue
+            if seq.num_computed_tokens != seq.num_tokens:
+                raise ValueError(f"request {rid!r} was not due to sample this step")
+            seq.append_token(token_id)
+            if token_id in seq.eos_token_ids:
+                seq.finish_reason = "stop"
+            elif seq.num_output_tokens >= seq.max_tokens:
+                seq.finish_reason = "length"
+            else:
+                continue
+            self.block_manager.free(seq)
+            self.running.remove(seq)
+            del self.requests[rid]
+            seq.status = SequenceStatus.FINISHED
+            finished.append(seq)
+        return finished

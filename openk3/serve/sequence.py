@@ -1,0 +1,87 @@
+"""Per-request state that the scheduler and the block manager share. No tensors, no sampling."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    FINISHED = enum.auto()
+
+
+class Sequence:
+    """One request: its token ids (prompt followed by generated ids) and the cache it holds.
+
+    ``num_computed_tokens`` counts the leading tokens whose MLA latents sit in the paged cache and
+    whose effect is folded into the KDA state slot. The last generated token is never computed
+    until the next step, so a decoding sequence has ``num_tokens - num_computed_tokens == 1``.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        max_tokens: int,
+        eos_token_ids: Iterable[int] = (),
+    ):
+        if not prompt_token_ids:
+            raise ValueError(f"request {request_id!r}: the prompt is empty")
+        if max_tokens < 1:
+            raise ValueError(f"request {request_id!r}: max_tokens must be >= 1, got {max_tokens}")
+        self.request_id = request_id
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.max_tokens = max_tokens
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: str | None = None  # "stop", "length" or "abort"
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prefix-cache hit length at the latest admission
+        self.num_preemptions = 0
+        self.block_table: list[int] = []  # physical MLA block ids, in token order
+        self.state_slot: int | None = None  # KDA recurrent + conv state slot
+        # Chained hashes of the full hash blocks, filled lazily by the block manager; valid for
+        # the whole life of the sequence because token ids are only ever appended.
+        self.block_hashes: list[int] = []
+        self.num_registered_hash_blocks = 0
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence({self.request_id!r}, {self.status.name}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, blocks={self.block_table})"
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_prefill(self) -> bool:
+        """More than one token left to compute: a (re)prefill rather than a decode step."""
+        return self.num_uncomputed_tokens > 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)

@@ -1,0 +1,182 @@
+"""Block manager: paging, admission, and the KDA-aware prefix cache (hash 512 inside 6144 blocks)."""
+
+import random
+
+import pytest
+
+from openk3.serve import block_manager as bm_module
+from openk3.serve.block_manager import BlockCopy, BlockManager, CacheConfig, KDARestore
+from openk3.serve.sequence import Sequence
+
+
+def make_manager(**overrides) -> BlockManager:
+    config = dict(num_blocks=16, num_state_slots=4, physical_block_size=6144, hash_block_size=512,
+                  num_kda_checkpoints=8, kda_checkpoint_interval=8192)
+    config.update(overrides)
+    return BlockManager(CacheConfig(**config))
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(50_000) for _ in range(n)]
+
+
+def run_prefill(bm: BlockManager, seq: Sequence, checkpoints=()) -> list[int]:
+    """Pretend the runner computed the whole prompt and saved KDA states at ``checkpoints``."""
+    bm.allocate(seq)
+    seq.num_computed_tokens = seq.num_tokens
+    bm.register_computed_blocks(seq)
+    return [bm.register_kda_checkpoint(seq, b) for b in checkpoints]
+
+
+def test_hit_inside_physical_block_copies_on_write():
+    bm = make_manager()
+    prefix = tokens(2560, 0)
+    a = Sequence("a", prefix + tokens(440, 1), max_tokens=8)
+    (ckpt,) = run_prefill(bm, a, checkpoints=[2560])
+    b = Sequence("b", prefix + tokens(300, 2), max_tokens=8)
+    allocation = bm.allocate(b)
+    assert allocation.num_cached_tokens == 2560 == b.num_computed_tokens
+    assert allocation.block_copy == BlockCopy(a.block_table[0], b.block_table[0], 2560 % 6144)
+    assert b.block_table[0] != a.block_table[0]
+    assert allocation.kda_restore == KDARestore(ckpt, b.state_slot)
+    assert b.state_slot != a.state_slot
+    assert bm.stats.hits == 1 and bm.stats.queries == 2 and bm.stats.saved_tokens == 2560
+    assert bm.stats.hit_rate == 0.5
+
+
+def test_hit_at_physical_block_edge_shares_without_copy():
+    bm = make_manager()
+    prefix = tokens(6144, 0)
+    a = Sequence("a", prefix + tokens(100, 1), max_tokens=8)
+    run_prefill(bm, a, checkpoints=[6144])
+    b = Sequence("b", prefix + tokens(700, 2), max_tokens=8)
+    allocation = bm.allocate(b)
+    assert allocation.num_cached_tokens == 6144 and allocation.block_copy is None
+    assert allocation.kda_restore is not None
+    assert b.block_table[0] == a.block_table[0] and bm.ref_counts[a.block_table[0]] == 2
+    assert b.block_table[1] != a.block_table[1]
+    bm.free(a)
+    bm.free(b)
+    assert all(r == 0 for r in bm.ref_counts) and bm.num_free_blocks == 16
+
+
+def test_diverging_prefixes_hit_at_last_common_checkpoint():
+    bm = make_manager()
+    a = Sequence("a", tokens(3000, 0), max_tokens=8)
+    run_prefill(bm, a, checkpoints=[512, 1024, 1536, 2048])
+    b = Sequence("b", a.token_ids[:1100] + tokens(900, 5), max_tokens=8)
+    assert bm.allocate(b).num_cached_tokens == 1024
+    # Only a checkpointed boundary counts: 1024 is the last one at or below the divergence.
+    c = Sequence("c", tokens(3000, 9), max_tokens=8)
+    assert bm.allocate(c).num_cached_tokens == 0
+
+
+def test_whole_prompt_hit_leaves_one_token_to_compute():
+    bm = make_manager()
+    a = Sequence("a", tokens(1024, 0), max_tokens=8)
+    run_prefill(bm, a, checkpoints=[512, 1024])
+    b = Sequence("b", list(a.token_ids), max_tokens=8)
+    assert bm.allocate(b).num_cached_tokens == 512
+
+
+def test_no_hit_without_kda_checkpoint():
+    bm = make_manager()
+    a = Sequence("a", tokens(3000, 0), max_tokens=8)
+    run_prefill(bm, a)  # latents registered, no KDA state saved
+    b = Sequence("b", list(a.token_ids), max_tokens=8)
+    allocation = bm.allocate(b)
+    assert allocation.num_cached_tokens == 0 and allocation.kda_restore is None
+    assert bm.stats.hits == 0
+
+
+def test_token_verification_rejects_forged_hash_collision(monkeypatch):
+    monkeypatch.setattr(bm_module, "hash_token_block", lambda parent, token_ids: 42)
+    bm = make_manager()
+    a = Sequence("a", tokens(2000, 0), max_tokens=8)
+    run_prefill(bm, a, checkpoints=[512, 1024])
+    forged = Sequence("forged", tokens(2000, 1), max_tokens=8)  # every hash collides
+    assert bm.allocate(forged).num_cached_tokens == 0
+    # Same first block, different second block: the shared hash key holds a's 1024-token
+    # checkpoint, which must not be taken for a 512-token prefix either.
+    partial = Sequence("partial", a.token_ids[:512] + tokens(1500, 2), max_tokens=8)
+    assert bm.allocate(partial).num_cached_tokens == 0
+    assert bm.stats.hits == 0
+
+
+def test_checkpoint_lru_eviction_under_small_budget():
+    bm = make_manager(num_kda_checkpoints=2)
+    seqs = [Sequence(f"s{i}", tokens(600, i), max_tokens=8) for i in range(3)]
+    ids = [run_prefill(bm, s, checkpoints=[512])[0] for s in seqs]
+    assert ids[2] == ids[0]  # s0's storage was recycled
+    for s in seqs:
+        bm.free(s)
+    hits = [bm.allocate(Sequence(f"q{i}", seqs[i].token_ids[:512] + [7], max_tokens=8)).num_cached_tokens
+            for i in range(3)]
+    assert hits == [0, 512, 512]
+
+
+def test_registering_existing_checkpoint_returns_none_and_refreshes_lru():
+    bm = make_manager(num_kda_checkpoints=2)
+    s0, s1, s2 = (Sequence(f"s{i}", tokens(600, i), max_tokens=8) for i in range(3))
+    run_prefill(bm, s0, checkpoints=[512])
+    run_prefill(bm, s1, checkpoints=[512])
+    assert bm.register_kda_checkpoint(s0, 512) is None  # refresh s0: s1 is now the oldest
+    run_prefill(bm, s2, checkpoints=[512])
+    for s in (s0, s1, s2):
+        bm.free(s)
+    assert bm.allocate(Sequence("q0", s0.token_ids[:512] + [1], max_tokens=8)).num_cached_tokens == 512
+    assert bm.allocate(Sequence("q1", s1.token_ids[:512] + [1], max_tokens=8)).num_cached_tokens == 0
+
+
+def test_freed_prefix_stays_cached_until_the_pool_needs_it():
+    bm = make_manager(num_blocks=3)
+    a = Sequence("a", tokens(6144 + 10, 0), max_tokens=8)
+    run_prefill(bm, a, checkpoints=[6144])
+    bm.free(a)
+    assert bm.num_free_blocks == 3
+    b = Sequence("b", a.token_ids[:6144] + [1, 2], max_tokens=8)
+    assert bm.allocate(b).num_cached_tokens == 6144  # revived from the cached pool
+    bm.free(b)
+    filler = Sequence("f", tokens(3 * 6144 - 1, 3), max_tokens=1)  # needs every block
+    assert bm.allocate(filler).num_cached_tokens == 0
+    bm.free(filler)
+    c = Sequence("c", a.token_ids[:6144] + [1, 2], max_tokens=8)
+    assert bm.allocate(c).num_cached_tokens == 0  # latents were evicted, checkpoint alone is not enough
+
+
+def test_admission_never_over_commits():
+    bm = make_manager(num_blocks=2, num_state_slots=2)
+    a = Sequence("a", tokens(6144, 0), max_tokens=8)  # prompt + first decode token: 2 blocks
+    assert bm.can_allocate(a)
+    bm.allocate(a)
+    assert len(a.block_table) == 2 and not bm.can_allocate(Sequence("b", [1], max_tokens=1))
+    bm.free(a)
+    bm2 = make_manager(num_state_slots=1)
+    bm2.allocate(Sequence("x", [1], max_tokens=1))
+    assert not bm2.can_allocate(Sequence("y", [1], max_tokens=1))  # no state slot left
+
+
+def test_append_slot_grows_by_a_block_at_the_edge():
+    bm = make_manager(num_blocks=4, physical_block_size=8, hash_block_size=4, kda_checkpoint_interval=8)
+    s = Sequence("s", list(range(7)), max_tokens=20)
+    bm.allocate(s)
+    assert len(s.block_table) == 1  # 7 prompt tokens + 1 decode token
+    s.append_token(7)
+    bm.append_slot(s)
+    assert len(s.block_table) == 1
+    s.append_token(8)
+    assert bm.can_append(s)
+    bm.append_slot(s)
+    assert len(s.block_table) == 2
+    assert bm.slot_mapping(s, 7, 9) == [s.block_table[0] * 8 + 7, s.block_table[1] * 8]
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(physical_block_size=6144, hash_block_size=500),
+    dict(hash_block_size=512, kda_checkpoint_interval=1000),
+    dict(num_blocks=0),
+])
+def test_bad_sizes_raise(overrides):
+    with pytest.raises(ValueError):
+        make_manager(**overrides)

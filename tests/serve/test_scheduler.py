@@ -1,0 +1,214 @@
+"""Scheduler: budgets, chunked prefill, preemption, aborts, and a randomised leak/correctness check.
+
+``FakeRunner`` stands in for the model: the MLA cache holds the token id written at each slot and
+a KDA state slot holds the token ids folded into it, so every step can check that the prefix the
+scheduler claims is computed really sits in the cache and the state (copies, restores and
+checkpoints included).
+"""
+
+import random
+from collections import Counter
+
+from hypothesis import given, settings, strategies as st
+import pytest
+
+from openk3.serve.block_manager import BlockManager, CacheConfig
+from openk3.serve.scheduler import Scheduler, SchedulerConfig
+from openk3.serve.sequence import Sequence, SequenceStatus
+
+EOS = 0
+
+
+def make(num_blocks=16, max_num_seqs=4, budget=32, max_model_len=128, num_state_slots=4, **cache):
+    cache_config = dict(num_blocks=num_blocks, num_state_slots=num_state_slots, physical_block_size=16,
+                        hash_block_size=4, num_kda_checkpoints=4, kda_checkpoint_interval=8)
+    cache_config.update(cache)
+    bm = BlockManager(CacheConfig(**cache_config))
+    return Scheduler(SchedulerConfig(max_num_seqs, budget, max_model_len), bm)
+
+
+class FakeRunner:
+    def __init__(self, sched: Scheduler):
+        self.sched, self.bm = sched, sched.block_manager
+        self.kv: dict[int, int] = {}  # flat slot -> token id
+        self.state: dict[int, list[int]] = {}
+        self.checkpoints: dict[int, list[int]] = {}
+
+    def next_token(self, seq: Sequence) -> int:
+        return (sum(seq.token_ids[-3:]) * 31 + seq.num_tokens) % 23
+
+    def run(self, out) -> list[Sequence]:
+        size = self.bm.block_size
+        for c in out.block_copies:
+            for i in range(c.num_tokens):
+                self.kv[c.dst * size + i] = self.kv[c.src * size + i]
+        for r in out.kda_restores:
+            self.state[r.dst_state_slot] = list(self.checkpoints[r.checkpoint_id])
+        for slot in out.kda_resets:
+            self.state[slot] = []
+        for seq, n in out.scheduled:
+            if seq.is_finished:  # aborted after the step was planned
+                continue
+            start = seq.num_computed_tokens - n
+            assert self.state[seq.state_slot] == seq.token_ids[:start]
+            prefix_slots = self.bm.slot_mapping(seq, 0, start)
+            assert [self.kv[s] for s in prefix_slots] == seq.token_ids[:start]
+            for slot, token in zip(self.bm.slot_mapping(seq, start, start + n), seq.token_ids[start : start + n]):
+                self.kv[slot] = token
+            self.state[seq.state_slot] = seq.token_ids[: start + n]
+        for seq, b in out.kda_checkpoints:
+            if seq.is_finished:
+                continue
+            assert self.state[seq.state_slot] == seq.token_ids[:b]
+            checkpoint_id = self.bm.register_kda_checkpoint(seq, b)
+            if checkpoint_id is not None:
+                self.checkpoints[checkpoint_id] = list(seq.token_ids[:b])
+        sampled = [s for s in out.sampled if not s.is_finished]
+        return self.sched.postprocess([s.request_id for s in sampled], [self.next_token(s) for s in sampled])
+
+
+def check_invariants(sched: Scheduler, out) -> None:
+    bm, config = sched.block_manager, sched.config
+    assert out.num_batched_tokens <= config.max_num_batched_tokens
+    assert len(out.scheduled) <= config.max_num_seqs and len(sched.running) <= config.max_num_seqs
+    assert all(n > 0 for _, n in out.scheduled)
+    refs = Counter(b for seq in sched.running for b in seq.block_table)
+    assert all(bm.ref_counts[b] == refs.get(b, 0) for b in range(bm.config.num_blocks))
+    free = list(bm.free_block_ids) + list(bm.cached_block_ids)
+    assert len(free) == len(set(free)) and all(bm.ref_counts[b] == 0 for b in free)
+    assert len(free) + len(refs) == bm.config.num_blocks
+    slots = [seq.state_slot for seq in sched.running] + list(bm.free_state_slots)
+    assert sorted(slots) == list(range(bm.config.num_state_slots))
+    assert all(seq.status is SequenceStatus.WAITING and not seq.block_table for seq in sched.waiting)
+    # Preempted sequences wait at the front, the earliest admitted first.
+    k = len(out.preempted_ids)
+    assert [s.request_id for s in list(sched.waiting)[:k]] == out.preempted_ids[::-1]
+
+
+def assert_drained(sched: Scheduler) -> None:
+    bm = sched.block_manager
+    assert not sched.requests and not sched.running and not sched.waiting
+    assert all(r == 0 for r in bm.ref_counts) and bm.num_free_blocks == bm.config.num_blocks
+    assert bm.num_free_state_slots == bm.config.num_state_slots
+
+
+def test_max_length_check_names_the_request():
+    sched = make(max_model_len=64)
+    with pytest.raises(ValueError, match="'too-long'"):
+        sched.add_request(Sequence("too-long", [1] * 60, max_tokens=5))
+    with pytest.raises(ValueError, match="'empty'"):
+        Sequence("empty", [], max_tokens=5)
+
+
+def test_chunked_prefill_and_decode_share_a_step_under_the_budget():
+    sched = make(budget=10, enable_prefix_caching=False)
+    runner = FakeRunner(sched)
+    sched.add_request(Sequence("short", [1, 2, 3], max_tokens=5, eos_token_ids=[99]))
+    out = sched.step()
+    assert out.scheduled == [(sched.requests["short"], 3)]
+    runner.run(out)
+    sched.add_request(Sequence("long", list(range(1, 26)), max_tokens=5, eos_token_ids=[99]))
+    out = sched.step()
+    # The decode goes first, the prefill gets the rest of the budget.
+    assert [(s.request_id, n) for s, n in out.scheduled] == [("short", 1), ("long", 9)]
+    runner.run(out)
+    out = sched.step()
+    assert [(s.request_id, n) for s, n in out.scheduled] == [("short", 1), ("long", 9)]
+
+
+def test_prefill_chunks_stop_at_kda_checkpoint_boundaries():
+    sched = make(budget=32)
+    runner = FakeRunner(sched)
+    sched.add_request(Sequence("a", list(range(1, 15)), max_tokens=3, eos_token_ids=[99]))
+    chunks = []
+    while sched.has_unfinished():
+        out = sched.step()
+        chunks += [n for _, n in out.scheduled]
+        runner.run(out)
+    assert chunks[:2] == [8, 4]  # interval 8, then the prompt end 14 rounded down to 12
+    assert chunks[2] == 2
+
+
+def test_shared_prefix_hits_and_matches_uncached_outputs():
+    outputs = {}
+    for caching in (True, False):
+        sched = make(enable_prefix_caching=caching)
+        runner = FakeRunner(sched)
+        prefix = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]
+        done = {}
+        for i, tail in enumerate([[1, 2], [3, 4, 5], [6]]):
+            sched.add_request(Sequence(f"r{i}", prefix + tail, max_tokens=4))
+            while sched.has_unfinished():
+                for seq in runner.run(sched.step()):
+                    done[seq.request_id] = seq.output_token_ids
+        outputs[caching] = done
+        if caching:
+            assert sched.block_manager.stats.hits == 2 and sched.block_manager.stats.saved_tokens == 2 * 16
+        assert_drained(sched)
+    assert outputs[True] == outputs[False]
+
+
+def test_preempted_sequence_is_readmitted_before_newer_requests():
+    sched = make(num_blocks=4, budget=64, max_model_len=64, enable_prefix_caching=False)
+    runner = FakeRunner(sched)
+    sched.add_request(Sequence("old", [1] * 20, max_tokens=40, eos_token_ids=[99]))
+    sched.add_request(Sequence("young", [2] * 20, max_tokens=40, eos_token_ids=[99]))
+    preempted = None
+    for _ in range(40):
+        out = sched.step()
+        check_invariants(sched, out)
+        if out.preempted_ids:
+            preempted = out.preempted_ids[0]
+            break
+        runner.run(out)
+    assert preempted == "young"
+    sched.add_request(Sequence("newer", [3] * 4, max_tokens=2, eos_token_ids=[99]))
+    assert [s.request_id for s in sched.waiting] == ["young", "newer"]
+    runner.run(out)
+    while sched.has_unfinished():
+        out = sched.step()
+        check_invariants(sched, out)
+        admitted = [s.request_id for s, _ in out.scheduled if s.request_id != "old"]
+        if admitted:
+            assert admitted[0] == "young"
+            break
+        runner.run(out)
+
+
+def test_abort_frees_everything():
+    sched = make()
+    runner = FakeRunner(sched)
+    for i in range(3):
+        sched.add_request(Sequence(f"r{i}", [i + 1] * 10, max_tokens=10, eos_token_ids=[99]))
+    runner.run(sched.step())
+    assert sched.abort("r1") and not sched.abort("r1") and not sched.abort("missing")
+    sched.abort("r0")
+    sched.abort("r2")
+    assert_drained(sched)
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), num_blocks=st.integers(8, 14), budget=st.integers(4, 40),
+       max_num_seqs=st.integers(1, 4), caching=st.booleans())
+def test_random_workload_is_correct_and_leak_free(seed, num_blocks, budget, max_num_seqs, caching):
+    rng = random.Random(seed)
+    sched = make(num_blocks=num_blocks, budget=budget, max_num_seqs=max_num_seqs, num_state_slots=4,
+                 enable_prefix_caching=caching, num_kda_checkpoints=3)
+    runner = FakeRunner(sched)
+    prefixes = [[rng.randrange(1, 23) for _ in range(40)] for _ in range(3)]
+    next_id = 0
+    for step in range(400):
+        if step < 60 and rng.random() < 0.4:
+            prompt = rng.choice(prefixes)[: rng.randrange(0, 40)] + [rng.randrange(1, 23) for _ in range(rng.randrange(1, 20))]
+            sched.add_request(Sequence(f"r{next_id}", prompt, max_tokens=rng.randrange(1, 30), eos_token_ids=[EOS]))
+            next_id += 1
+        if sched.requests and rng.random() < 0.05:
+            sched.abort(rng.choice(sorted(sched.requests)))
+        if not sched.has_unfinished() and step >= 60:
+            break
+        out = sched.step()
+        check_invariants(sched, out)
+        if sched.requests and rng.random() < 0.02:  # a client disconnects mid-step
+            sched.abort(rng.choice(sorted(sched.requests)))
+        runner.run(out)
+    assert_drained(sched)
