@@ -10,22 +10,14 @@ from typing import Callable
 import torch
 
 from openk3.model.model import KimiForCausalLM
+from openk3.serve.sampler import SamplingParams, sample
 
 
 def sample_next(logits: torch.Tensor, temperature: float, top_p: float,
                 generator: torch.Generator | None) -> torch.Tensor:
     """logits: [B, V] -> token ids [B]. ``temperature == 0`` is greedy."""
-    if temperature < 0 or not 0 < top_p <= 1:
-        raise ValueError(f"temperature={temperature} must be >= 0 and top_p={top_p} in (0, 1]")
-    if temperature == 0:
-        return logits.argmax(-1)
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    if top_p < 1:
-        sorted_p, order = probs.sort(dim=-1, descending=True)
-        outside = sorted_p.cumsum(-1) - sorted_p > top_p  # keep the smallest set reaching top_p
-        sorted_p = sorted_p.masked_fill(outside, 0)
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    params = SamplingParams(temperature=temperature, top_p=top_p)
+    return sample(logits, [params] * logits.shape[0], [generator] * logits.shape[0])[0]
 
 
 @torch.no_grad()

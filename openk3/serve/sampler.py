@@ -1,0 +1,87 @@
+"""Sampling: temperature, top-k, top-p, per-request seeds, and log-probabilities.
+
+Batched over requests with per-row settings. A seeded request draws its randomness from its own
+generator (the exponential-race form of sampling: ``argmax(p / q)`` with ``q ~ Exp(1)`` per token),
+so its tokens do not depend on which other requests share the batch. Stop strings, stop token
+ids and max_tokens are the engine's business: they look at the text and counts, not at logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling settings (OpenAI-style names). ``temperature == 0`` is greedy;
+    ``top_k == 0`` and ``top_p == 1`` disable those filters; ``logprobs`` = how many top
+    alternatives to return besides the chosen token's (None: none)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    max_tokens: int = 16
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        checks = (
+            ("temperature", 0 <= self.temperature <= 100, "must be in [0, 100]"),
+            ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
+            ("top_k", self.top_k >= 0, "must be >= 0 (0 disables it)"),
+            ("max_tokens", self.max_tokens >= 1, "must be >= 1"),
+            ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, "must be in [0, 20]"),
+        )
+        for name, ok, why in checks:
+            if not ok:
+                raise ValueError(f"{name}={getattr(self, name)!r}: {why}")
+
+
+def filtered_logprobs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                      top_p: torch.Tensor) -> torch.Tensor:
+    """logits [B, V]; temperature, top_p [B] float; top_k [B] int (0 = off).
+
+    Returns fp32 log-probabilities [B, V] of the distribution each row samples from (tempered,
+    filtered, renormalised; -inf outside the kept set). Greedy rows (temperature 0) keep their
+    argmax only."""
+    logits = logits.float()
+    greedy = temperature == 0
+    scaled = logits / torch.where(greedy, 1.0, temperature).unsqueeze(-1)
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    V = logits.shape[-1]
+    rank = torch.arange(V, device=logits.device)
+    k = torch.where((top_k > 0) & ~greedy, top_k, torch.where(greedy, 1, V)).clamp(max=V)
+    drop = rank[None, :] >= k[:, None]
+    probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+    drop |= (probs.cumsum(-1) - probs) > top_p[:, None]  # keep the smallest set reaching top_p
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    out = torch.empty_like(scaled).scatter_(-1, order, sorted_logits)
+    return torch.log_softmax(out, dim=-1)
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams],
+           generators: list[torch.Generator | None]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Choose one token per row. Returns (token ids [B], their log-probabilities [B] under the
+    filtered distribution). ``generators[i]`` (or None: the global RNG) drives row i."""
+    if len(params) != logits.shape[0] or len(generators) != logits.shape[0]:
+        raise ValueError(f"sample: {logits.shape[0]} rows but {len(params)} params and "
+                         f"{len(generators)} generators")
+    dev = logits.device
+    temperature = torch.tensor([p.temperature for p in params], device=dev)
+    top_k = torch.tensor([p.top_k for p in params], device=dev)
+    top_p = torch.tensor([p.top_p for p in params], device=dev)
+    logp = filtered_logprobs(logits, temperature, top_k, top_p)
+    noise = torch.stack([torch.empty(logits.shape[-1], device=dev).exponential_(generator=g)
+                         for g in generators])
+    tokens = (logp.exp() / noise).argmax(-1)  # exponential race: exact sampling from exp(logp)
+    greedy = temperature == 0
+    tokens = torch.where(greedy, logp.argmax(-1), tokens)
+    return tokens, logp.gather(-1, tokens[:, None])[:, 0]
+
+
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
+    return None if seed is None else torch.Generator(device=device).manual_seed(seed)

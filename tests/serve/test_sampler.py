@@ -1,0 +1,60 @@
+"""Sampling: filters, exactness of the sampled distribution, per-request seeds, log-probs, errors."""
+
+import pytest
+import torch
+
+from openk3.serve.sampler import SamplingParams, filtered_logprobs, make_generator, sample
+
+
+def _logits(B=3, V=11, seed=0):
+    return torch.randn(B, V, generator=torch.Generator().manual_seed(seed)) * 2
+
+
+def test_greedy_and_degenerate_filters_pick_the_argmax():
+    logits = _logits()
+    want = logits.argmax(-1)
+    for p in (SamplingParams(temperature=0), SamplingParams(top_k=1), SamplingParams(top_p=1e-6)):
+        tokens, _ = sample(logits, [p] * 3, [make_generator(1)] * 3)
+        assert torch.equal(tokens, want), p
+
+
+def test_filtered_distribution():
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0, -1.0]])
+    one = torch.ones(1)
+    lp = filtered_logprobs(logits, one * 0.5, torch.tensor([3]), one)  # top-3 at T=0.5
+    want = torch.log_softmax(logits[0, :3] / 0.5, -1)
+    torch.testing.assert_close(lp[0, :3], want)
+    assert torch.isinf(lp[0, 3:]).all()
+    p = torch.softmax(logits[0], -1)  # top-p keeps the smallest prefix reaching p
+    lp = filtered_logprobs(logits, one, torch.tensor([0]), one * float(p[0] + p[1] - 1e-3))
+    assert torch.isfinite(lp[0, :2]).all() and torch.isinf(lp[0, 2:]).all()
+
+
+def test_samples_follow_the_distribution():
+    logits = torch.tensor([[1.0, 0.5, 0.0, -1.0]]).repeat(20000, 1)
+    g = make_generator(0)
+    tokens, _ = sample(logits, [SamplingParams(temperature=0.7)] * 20000, [g] * 20000)
+    freq = torch.bincount(tokens, minlength=4).float() / 20000
+    want = torch.softmax(logits[0] / 0.7, -1)
+    assert (freq - want).abs().max() < 0.015  # ~4 standard errors at n = 20000
+
+
+def test_seeded_rows_do_not_depend_on_the_batch():
+    logits = _logits(B=4, V=50)
+    p = SamplingParams(temperature=1.0, top_k=20)
+    alone, _ = sample(logits[2:3], [p], [make_generator(7)])
+    together, _ = sample(logits, [p] * 4, [make_generator(1), None, make_generator(7), None])
+    assert together[2] == alone[0]
+
+
+def test_logprob_of_chosen_token():
+    logits = _logits(B=2, V=7)
+    tokens, lp = sample(logits, [SamplingParams(temperature=1.0)] * 2, [make_generator(3)] * 2)
+    torch.testing.assert_close(lp, torch.log_softmax(logits, -1).gather(-1, tokens[:, None])[:, 0])
+
+
+@pytest.mark.parametrize("field,value", [("temperature", -1.0), ("top_p", 0.0), ("top_k", -2),
+                                         ("max_tokens", 0), ("logprobs", 50)])
+def test_bad_parameters_name_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
