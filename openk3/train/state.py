@@ -72,7 +72,7 @@ def _gather_expert_state(model_sd: dict, optim_sd: dict, optimizers, ep_params: 
 def _slice_expert_state(model_sd: dict, optim_sd: dict, ep_params: dict) -> None:
     from openk3.parallel.expert_parallel import home_share
 
-    for fqn, p in ep_params.items():
+    for fqn in ep_params:
         E = model_sd[fqn].shape[0]
         model_sd[fqn] = home_share(model_sd[fqn])
         for k, v in optim_sd["state"].get(fqn, {}).items():

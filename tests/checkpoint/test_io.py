@@ -17,10 +17,10 @@ from openk3.ops.mx import fake_quant_mxfp4, mxfp4_dequantize
 def k3_model():
     model = build_model(preset("debug"), seed=1)
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             if p.dim() == 1:
                 p.add_(0.1 * torch.randn_like(p))
-        for name, b in model.named_buffers():
+        for b in model.buffers():
             b.copy_(0.01 * torch.randn_like(b))
     return model.eval()
 

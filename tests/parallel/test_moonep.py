@@ -133,10 +133,9 @@ def test_zero_loads_on_many_experts(E, R):
 @pytest.mark.parametrize("R", [2, 3, 8, 16, 64])
 def test_moves_at_most_r_minus_1(R):
     """Alternating heavy/empty ranks force a chain of moves where donors become receivers."""
-    G = 2
     rank_load = torch.tensor([(3 * R if r % 2 == 0 else 0) + r for r in range(R)])
     rank_load[0] += (-int(rank_load.sum())) % R
-    load = torch.stack([rank_load - rank_load // 2, rank_load // 2], 1).reshape(-1)
+    load = torch.stack([rank_load - rank_load // 2, rank_load // 2], 1).reshape(-1)  # 2 experts per rank
     p = check_against_naive(load, R)
     assert p.moves.shape == (R - 1, 3) and p.num_moves() <= R - 1
     donors_that_received = set(p.moves[:, 0].tolist()) & set(p.moves[p.moves[:, 2] > 0, 1].tolist())
