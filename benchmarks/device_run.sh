@@ -13,9 +13,14 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" "$TRITON_CACHE_DIR"
 save_cache() { tar czf "$OUT/triton-cache.tgz" .triton-cache 2>/dev/null; }
 trap save_cache EXIT
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-timeout 240 python3 benchmarks/kda_bench.py 2>&1 | tee "$OUT/kda.log"
+timeout 200 python3 benchmarks/kda_bench.py 2>&1 | tee "$OUT/kda.log"
 save_cache
-timeout 120 python3 benchmarks/model_bench.py --preset small --batch 1 --seq 4096 2>&1 | tee "$OUT/model.log"
+timeout 80 python3 benchmarks/model_bench.py --preset small --batch 1 --seq 4096 2>&1 | tee "$OUT/model.log"
 save_cache
-timeout 120 python3 -m pytest -m gpu tests -q -p no:cacheprovider -rf 2>&1 | tee "$OUT/gpu_tests.log"
-timeout 100 python3 benchmarks/train_throughput.py --batch 4 --seq 4096 --steps 5 2>&1 | tee "$OUT/train.log"
+timeout 100 python3 -m pytest -m gpu tests -q -p no:cacheprovider -rf 2>&1 | tee "$OUT/gpu_tests.log"
+timeout 90 python3 benchmarks/train_throughput.py --batch 4 --seq 4096 --steps 5 2>&1 | tee "$OUT/train.log"
+save_cache
+# issue 3's 1-GPU bf16 run of the small preset through the real CLI (embedded corpus)
+timeout 100 python3 -m openk3 train --preset small --out /tmp/runs/small1 --max-steps 40 --log-interval 5 \
+  --eval-interval 20 --ckpt-interval 1000 --num-samples 1 --sample-tokens 32 2>&1 | tail -40 | tee "$OUT/small1.log"
+cp /tmp/runs/small1/metrics.jsonl "$OUT/small1_metrics.jsonl" 2>/dev/null

@@ -8,6 +8,8 @@
 * The key RMSNorm has no weight of its own and uses ``eps = rms_norm_eps``; keys, logits,
   softmax and the weighted sum are all fp32; the values are the *un-normalised* sources;
   the result is cast once to the sources' dtype.
+Sources of mixed dtypes (under autocast the bank holds the fp32 embedding beside bf16 layer
+outputs) are first cast to the autocast dtype, or else to their promoted dtype.
 With a zero query the softmax is uniform and ``agg`` is the mean of the sources.
 
 Fast path (CUDA): fla-core's ``fused_attnres``, whose math is exactly this when called without
@@ -54,6 +56,11 @@ def attn_res_agg(sources: Sequence[torch.Tensor], query: torch.Tensor, norm_weig
         raise ValueError(f"attn_res_agg: sources {[tuple(s.shape) for s in sources]} must share one "
                          f"shape [..., D]; query {tuple(query.shape)} and norm_weight "
                          f"{tuple(norm_weight.shape)} must be [D]")
+    if len({s.dtype for s in sources}) > 1:
+        dev = sources[0].device.type
+        dtype = (torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev)
+                 else functools.reduce(torch.promote_types, (s.dtype for s in sources)))
+        sources = [s.to(dtype) for s in sources]
     fused = _fla_fused_attnres() if use_fast_path(sources[0]) else None
     if fused is not None:
         return fused(query, list(sources), norm_weight, rms_eps=eps)

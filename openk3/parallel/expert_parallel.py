@@ -35,6 +35,7 @@ from torch.distributed.nn.functional import all_to_all_single
 
 from openk3.model.moe import MoE, RoutedExperts, run_experts
 from openk3.parallel.moonep import plan as moonep_plan
+from openk3.parallel.moonep import plan_home
 
 
 def _a2a(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
@@ -59,11 +60,15 @@ def send_matrix(counts_all: torch.Tensor, assignment: torch.Tensor) -> torch.Ten
 
 
 class MoonEPExperts(nn.Module):
-    """This rank's share of a ``RoutedExperts``: home experts ``[G, ...]`` + G replica slots."""
+    """This rank's share of a ``RoutedExperts``: home experts ``[G, ...]`` + G replica slots.
 
-    def __init__(self, full: RoutedExperts, group=None):
+    ``replicate=False`` is the baseline without MoonEP: no replica slots, every pair goes to its
+    expert's home rank and per-rank sizes are ragged (used by ``benchmarks/moonep_ep.py``).
+    """
+
+    def __init__(self, full: RoutedExperts, group=None, replicate: bool = True):
         super().__init__()
-        self.cfg, self.group = full.cfg, group
+        self.cfg, self.group, self.replicate = full.cfg, group, replicate
         self.R = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         E = full.cfg.num_experts
@@ -84,7 +89,8 @@ class MoonEPExperts(nn.Module):
         counts = torch.bincount(flat, minlength=E)
         counts_all = torch.empty(R, E, dtype=counts.dtype, device=counts.device)
         dist.all_gather(list(counts_all.unbind(0)), counts, group=group)
-        p = moonep_plan(counts_all.sum(0), R, validate=False)
+        load = counts_all.sum(0)
+        p = moonep_plan(load, R, validate=False) if self.replicate else plan_home(load, R)
         self.last_plan = p
 
         # destination of each local pair: its index in expert e's global order, then the
@@ -134,6 +140,11 @@ class MoonEPExperts(nn.Module):
     def _run_local(self, xs: torch.Tensor, experts: torch.Tensor, p) -> torch.Tensor:
         """xs [S*K, D] received pairs with their expert ids -> expert outputs [S*K, D]."""
         G, me = self.G, self.rank
+        if not self.replicate:  # every received pair belongs to a home expert
+            slot = experts - me * G
+            order = slot.argsort(stable=True)
+            ys = run_experts(self.cfg, self.w1, self.w3, self.w2, xs[order], torch.bincount(slot, minlength=G))
+            return ys[order.argsort()]
         r1, r3, r2 = self._replica_weights(p)
         w1, w3, w2 = (torch.cat([h, r]) for h, r in ((self.w1, r1), (self.w3, r3), (self.w2, r2)))
         # slot of each pair: home experts first, then this rank's replica slots
@@ -148,11 +159,11 @@ class MoonEPExperts(nn.Module):
         return ys[order.argsort()]
 
 
-def apply_moonep(model: nn.Module, group=None) -> None:
+def apply_moonep(model: nn.Module, group=None, replicate: bool = True) -> None:
     """Swap every MoE layer's routed experts for this rank's MoonEP share (in place)."""
     for m in model.modules():
         if isinstance(m, MoE):
-            m.experts = MoonEPExperts(m.experts, group)
+            m.experts = MoonEPExperts(m.experts, group, replicate)
 
 
 def ep_parameters(model: nn.Module) -> dict[str, nn.Parameter]:

@@ -8,6 +8,8 @@ pairs. Static per-rank sizes let dispatch use preallocated buffers and ``all_to_
 
 - ``plan``: the constructive planner, vectorised over experts and ranks; a fixed loop of R - 1
   moves, no host read (runs on the device of ``expert_load``).
+- ``plan_home``: the baseline without replication: every pair is processed on its expert's home
+  rank, so rank loads are ragged (what expert parallelism does without MoonEP).
 - ``plan_naive``: the same algorithm in plain Python integers with an early stop; the reference
   the tests compare ``plan`` against.
 
@@ -167,6 +169,19 @@ def plan(expert_load: torch.Tensor, num_ranks: int, *, validate: bool = True) ->
         excess_R.index_fill_(0, u, 0)
         moves[i] = torch.cat([h, u, need])
     return _assemble(home_left_RG, replicas_RG, replica_load_RG, moves)
+
+
+def plan_home(expert_load: torch.Tensor, num_ranks: int) -> MoonEPPlan:
+    """Baseline: no replicas, each expert's pairs stay on its home rank (ragged rank loads).
+
+    Same result type as ``plan`` (no host read); only the rows-sum-to-loads guarantee holds.
+    """
+    _check(expert_load, num_ranks, False)
+    R, G = num_ranks, expert_load.shape[0] // num_ranks
+    dev = expert_load.device
+    empty = torch.full((R, G), -1, dtype=torch.int64, device=dev)
+    return _assemble(expert_load.to(torch.int64).view(R, G), empty, torch.zeros_like(empty),
+                     torch.zeros(max(R - 1, 0), 3, dtype=torch.int64, device=dev))
 
 
 def plan_naive(expert_load: torch.Tensor, num_ranks: int) -> MoonEPPlan:

@@ -56,6 +56,18 @@ def test_attn_res_single_source_is_identity():
     torch.testing.assert_close(attn_res_agg([x], torch.randn(16), torch.rand(16), 1e-5), x)
 
 
+def test_attn_res_mixed_dtypes_follow_autocast():
+    """Under autocast the bank mixes the fp32 embedding with bf16 outputs (the fused kernel
+    needs one dtype): all sources become the autocast dtype first."""
+    srcs = [torch.randn(2, 3, 16)] + [torch.randn(2, 3, 16).bfloat16() for _ in range(2)]
+    q, w = torch.randn(16), torch.rand(16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = attn_res_agg(srcs, q, w, 1e-5)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, attn_res_agg_ref([s.bfloat16() for s in srcs], q, w, 1e-5))
+    assert attn_res_agg(srcs, q, w, 1e-5).dtype == torch.float32  # no autocast: promoted
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_attn_res_matches_fla_naive(dtype):
     fla = load_fla_file("ops/attnres/naive.py")
@@ -106,6 +118,11 @@ def test_fast_paths_match_references_on_gpu():
     g = torch.randn_like(fast)
     for a, b in zip(torch.autograd.grad(fast, [*srcs, q, w], g), torch.autograd.grad(ref, [*srcs, q, w], g)):
         assert ((a.float() - b.float()).norm() / b.float().norm()) < 1e-2
+    with torch.autocast("cuda", dtype=torch.bfloat16):  # fp32 embedding beside bf16 outputs
+        mixed = attn_res_agg([srcs[0].detach().float(), *(s.detach() for s in srcs[1:])],
+                             q.detach(), w.detach(), 1e-5)
+    assert mixed.dtype == torch.bfloat16
+    torch.testing.assert_close(mixed, ref.detach(), rtol=1e-2, atol=1e-2)
     x = torch.randn(4, 333, 2048, device=dev, dtype=torch.bfloat16)
     wn = torch.rand(2048, device=dev, dtype=torch.bfloat16)
     from openk3.ops.norm import gated_rms_norm, rms_norm

@@ -39,14 +39,14 @@ def _layer(num_experts: int, skew: str) -> MoE:
     return moe
 
 
-def _worker(rank: int, world: int, port: int, skew: str, results) -> None:
+def _worker(rank: int, world: int, port: int, skew: str, results, replicate: bool = True) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         torch.set_num_threads(1)
         ref = _layer(16, skew)
         ep = copy.deepcopy(ref)
-        apply_moonep(ep)
+        apply_moonep(ep, replicate=replicate)
         g = torch.Generator().manual_seed(1)
         x_all = torch.randn(world * S, ref.cfg.hidden_size, generator=g, requires_grad=True)
         cot = torch.randn(world * S, ref.cfg.hidden_size, generator=g)
@@ -60,6 +60,7 @@ def _worker(rank: int, world: int, port: int, skew: str, results) -> None:
         G = 16 // world
         home = slice(rank * G, (rank + 1) * G)
         def rel(a, b):  # max error relative to the reference's largest entry
+            a = torch.zeros_like(b) if a is None else a  # experts that saw no pair: no gradient
             return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
         errs = {
@@ -74,6 +75,7 @@ def _worker(rank: int, world: int, port: int, skew: str, results) -> None:
         errs["router"] = rel(router, ref.gate.weight.grad)
         p = ep.experts.last_plan
         errs["balanced"] = bool((p.rank_load() == S * 3).all())
+        errs["rank_load"] = p.rank_load().tolist()
         errs["replicas"] = p.num_replicas()
         results[rank] = errs
     finally:
@@ -93,6 +95,20 @@ def test_moonep_layer_equals_single_process(world, skew):
             assert errs[key] < 1e-6, (rank, key, errs)  # fp32: only summation order differs
     if skew == "one_rank":
         assert results[0]["replicas"] > 0  # the skew really needed replicas
+
+
+def test_home_only_baseline_is_exact_and_ragged():
+    """replicate=False (the benchmark's baseline): same numbers, every pair on its home rank."""
+    results = mp.Manager().dict()
+    mp.start_processes(_worker, args=(2, _free_port(), "one_rank", results, False), nprocs=2,
+                       join=True, start_method="spawn")
+    for rank in range(2):
+        errs = results[rank]
+        for key in ("out", "dx", "w1", "w2", "w3", "router"):
+            assert errs[key] < 1e-6, (rank, key, errs)
+        assert errs["replicas"] == 0
+    load = results[0]["rank_load"]
+    assert load[0] > load[1]  # the skew stays on rank 0's experts: ragged
 
 
 def test_send_matrix_rows_and_columns():
