@@ -3,7 +3,9 @@
 from openk3.checkpoint import load_pretrained, save_pretrained
 from openk3.config import ModelConfig, from_hf, preset, to_hf
 from openk3.model import KimiForCausalLM, ModelCache, build_model
+from openk3.serve.llm import LLM
+from openk3.serve.sampler import SamplingParams
 
 __all__ = ["ModelConfig", "preset", "from_hf", "to_hf", "KimiForCausalLM", "ModelCache",
-           "build_model", "load_pretrained", "save_pretrained"]
+           "build_model", "load_pretrained", "save_pretrained", "LLM", "SamplingParams"]
 __version__ = "0.1.0"

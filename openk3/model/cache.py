@@ -19,6 +19,7 @@ class KDAState:
     conv_q: torch.Tensor | None = None  # [B, H*K, W-1]
     conv_k: torch.Tensor | None = None
     conv_v: torch.Tensor | None = None
+    cu_seqlens: torch.Tensor | None = None  # always None here: one sequence per batch row
 
 
 @dataclass
@@ -29,6 +30,15 @@ class MLAState:
     @property
     def length(self) -> int:
         return 0 if self.latent is None else self.latent.shape[1]
+
+    def attend(self, layer, q: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor) -> torch.Tensor:
+        """Append this step's latents, then attend over the whole cached sequence: absorbed
+        form for a single decode token, expanded otherwise. Returns [B, T, H, v_dim]."""
+        past = self.length
+        latent, k_rope = self.append(latent, k_rope)
+        if q.shape[1] == 1 and past > 0:
+            return layer._attend_absorbed(q, latent, k_rope)
+        return layer._attend_expanded(q, latent, k_rope, past)
 
     def append(self, latent: torch.Tensor, k_rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Append this step's latents; returns the whole cached sequence."""

@@ -40,19 +40,23 @@ class KDAttention(nn.Module):
         self.o_proj = nn.Linear(H * K, d, bias=False)
 
     def forward(self, x: torch.Tensor, state: KDAState | None = None) -> torch.Tensor:
-        """x: [B, T, d]. With ``state``, continues from it and updates it in place."""
+        """x: [B, T, d]. With ``state``, continues from it and updates it in place.
+
+        ``state`` is anything with ``recurrent``, ``conv_q/k/v`` and ``cu_seqlens`` attributes:
+        the generate path's ``KDAState`` or the serving engine's view onto its state pool."""
         B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
         st = state or KDAState()
-        q, conv_q = causal_conv1d(self.q_proj(x), self.q_conv1d.weight, st.conv_q)
-        k, conv_k = causal_conv1d(self.k_proj(x), self.k_conv1d.weight, st.conv_k)
-        v, conv_v = causal_conv1d(self.v_proj(x), self.v_conv1d.weight, st.conv_v)
+        cu = st.cu_seqlens  # packed variable-length batch (serving prefill), else None
+        q, conv_q = causal_conv1d(self.q_proj(x), self.q_conv1d.weight, st.conv_q, cu)
+        k, conv_k = causal_conv1d(self.k_proj(x), self.k_conv1d.weight, st.conv_k, cu)
+        v, conv_v = causal_conv1d(self.v_proj(x), self.v_conv1d.weight, st.conv_v, cu)
         f = self.f_b_proj(self.f_a_proj(x)).view(B, T, H, K)
         beta = torch.sigmoid(self.b_proj(x).float())  # [B, T, H]
         o, final = kda(
             q.view(B, T, H, K), k.view(B, T, H, K), v.view(B, T, H, K), f, beta,
             self.A_log, self.dt_bias, lower_bound=self.cfg.kda_gate_lower_bound,
-            initial_state=st.recurrent, output_final_state=state is not None,
+            initial_state=st.recurrent, output_final_state=state is not None, cu_seqlens=cu,
         )
         if state is not None:
             state.recurrent, state.conv_q, state.conv_k, state.conv_v = final, conv_q, conv_k, conv_v

@@ -67,18 +67,17 @@ class MLAttention(nn.Module):
         return self.kv_a_layernorm(c), k_r  # [B, T, 512], [B, T, 64]
 
     def forward(self, x: torch.Tensor, state: MLAState | None = None) -> torch.Tensor:
-        """x: [B, T, d]. With ``state``, attends over the cached latents too and appends to them."""
+        """x: [B, T, d]. With ``state``, attends over the cached latents too and appends to them.
+
+        ``state.attend(self, q, c, k_r)`` stores the new latents and picks the form: the
+        generate path's ``MLAState`` or the serving engine's paged views."""
         B, T, _ = x.shape
         q = self._query(x)
         c, k_r = self._latent(x)
-        past = 0
-        if state is not None:
-            past = state.length
-            c, k_r = state.append(c, k_r)
-        if state is not None and T == 1 and past > 0:
-            o = self._attend_absorbed(q, c, k_r)
+        if state is None:
+            o = self._attend_expanded(q, c, k_r, 0)
         else:
-            o = self._attend_expanded(q, c, k_r, past)
+            o = state.attend(self, q, c, k_r)
         o = o.reshape(B, T, self.num_heads * self.v_dim)
         if self.cfg.is_k3:
             o = o * torch.sigmoid(self.g_proj(x))
@@ -100,8 +99,10 @@ class MLAttention(nn.Module):
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
         return o.transpose(1, 2)  # [B, Tq, H, v_dim]
 
-    def _attend_absorbed(self, q: torch.Tensor, c: torch.Tensor, k_r: torch.Tensor) -> torch.Tensor:
-        """Decode of one token over the latent cache. q: [B, 1, H, 192]; c: [B, Tk, 512]."""
+    def _attend_absorbed(self, q: torch.Tensor, c: torch.Tensor, k_r: torch.Tensor,
+                         mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Decode of one token over the latent cache. q: [B, 1, H, 192]; c: [B, Tk, 512];
+        ``mask`` [B, Tk] bool marks real cache entries (rows of different lengths, padded)."""
         H = self.num_heads
         w = self.kv_b_proj.weight.view(H, self.nope + self.v_dim, self.rank)
         w_k, w_v = w[:, : self.nope], w[:, self.nope:]  # [H, 128, 512], [H, 128, 512]
@@ -109,6 +110,8 @@ class MLAttention(nn.Module):
         q_lat = torch.einsum("bhd,hdc->bhc", q_nope, w_k)  # [B, H, 512]
         scores = (torch.einsum("bhc,btc->bht", q_lat, c)
                   + torch.einsum("bhr,btr->bht", q_rope, k_r)).float() * self.scale
+        if mask is not None:
+            scores = scores.masked_fill(~mask[:, None, :], float("-inf"))
         p = torch.softmax(scores, dim=-1).to(c.dtype)  # [B, H, Tk]
         o_lat = torch.einsum("bht,btc->bhc", p, c)  # [B, H, 512]
         return torch.einsum("bhc,hdc->bhd", o_lat, w_v).unsqueeze(1)  # [B, 1, H, 128]

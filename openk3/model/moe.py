@@ -112,7 +112,8 @@ class RoutedExperts(nn.Module):
         flat_idx = topk_idx.reshape(-1)
         order = flat_idx.argsort(stable=True)  # pairs sorted by expert
         token_of_pair = order // k
-        counts = torch.bincount(flat_idx, minlength=self.cfg.num_experts)
+        # scatter_add rather than bincount: no host sync (CUDA graphs of decode steps)
+        counts = flat_idx.new_zeros(self.cfg.num_experts).scatter_add_(0, flat_idx, torch.ones_like(flat_idx))
         ys = run_experts(self.cfg, self.w1, self.w3, self.w2, x[token_of_pair], counts)
         ys = ys.float() * topk_weight.reshape(-1)[order].unsqueeze(-1)
         out = torch.zeros(N, x.shape[-1], dtype=torch.float32, device=x.device)

@@ -232,19 +232,29 @@ def kda_decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     return o.to(v.dtype), S
 
 
-def causal_conv1d(x: torch.Tensor, weight: torch.Tensor,
-                  conv_state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor | None = None,
+                  cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Depthwise causal convolution followed by SiLU, in x.dtype (KDA's short conv on q, k, v).
 
     Args:
         x: ``[B, T, C]``.
         weight: ``[C, 1, W]`` (checkpoint layout, e.g. ``q_conv1d.weight`` ``[H*128, 1, 4]``).
         conv_state: ``[B, C, W-1]``, the W-1 inputs before ``x`` (zeros when None).
+        cu_seqlens: packed variable-length input: ``x`` is ``[1, sum T_i, C]`` holding N
+            sequences at ``[cu_seqlens[i], cu_seqlens[i+1])``; conv_state is then ``[N, C, W-1]``.
 
     Returns:
-        y ``[B, T, C]`` and the new conv_state ``[B, C, W-1]``: the last W-1 inputs, reaching
-        into the old state when T < W-1.
+        y ``[B, T, C]`` and the new conv_state ``[B, C, W-1]`` (``[N, C, W-1]`` with
+        cu_seqlens): the last W-1 inputs, reaching into the old state when T < W-1.
     """
+    if cu_seqlens is not None:
+        bounds = cu_seqlens.tolist()
+        if x.shape[0] != 1:
+            raise ValueError(f"cu_seqlens needs packed input [1, T, C], got {list(x.shape)}")
+        states = [None] * (len(bounds) - 1) if conv_state is None else conv_state.unbind(0)
+        ys, finals = zip(*(causal_conv1d(x[:, a:b], weight, None if st is None else st[None])
+                           for a, b, st in zip(bounds[:-1], bounds[1:], states)))
+        return torch.cat(ys, dim=1), torch.cat(finals)
     B, T, C = x.shape
     if weight.dim() != 3 or weight.shape[:2] != (C, 1):
         raise ValueError(f"`weight` must be [C, 1, W] with C = {C}, got {list(weight.shape)}")
@@ -269,7 +279,8 @@ def fla_available() -> bool:
     return True
 
 
-def _validate_kda_inputs(q, k, v, f, beta, A_log, dt_bias, lower_bound, initial_state, backend):
+def _validate_kda_inputs(q, k, v, f, beta, A_log, dt_bias, lower_bound, initial_state, backend,
+                         num_seqs):
     if backend not in ("auto", "torch", "fla"):
         raise ValueError(f"`backend` must be 'auto', 'torch' or 'fla', got {backend!r}")
     if q.dim() != 4:
@@ -293,8 +304,8 @@ def _validate_kda_inputs(q, k, v, f, beta, A_log, dt_bias, lower_bound, initial_
     if lower_bound is not None and not lower_bound < 0:
         raise ValueError(f"`lower_bound` must be negative (or None), got {lower_bound}")
     V = v.shape[-1]
-    if initial_state is not None and initial_state.shape != (B, H, K, V):
-        raise ValueError(f"`initial_state` must be [B, H, K, V] = {[B, H, K, V]}, "
+    if initial_state is not None and initial_state.shape != (num_seqs, H, K, V):
+        raise ValueError(f"`initial_state` must be [N, H, K, V] = {[num_seqs, H, K, V]}, "
                          f"got {list(initial_state.shape)}")
     tensors = {"q": q, "k": k, "v": v, "f": f, "beta": beta, "A_log": A_log, "dt_bias": dt_bias}
     if initial_state is not None:
@@ -305,7 +316,7 @@ def _validate_kda_inputs(q, k, v, f, beta, A_log, dt_bias, lower_bound, initial_
 
 
 def _kda_fla(q, k, v, f, beta, A_log, dt_bias, lower_bound, scale, initial_state,
-             output_final_state, use_qk_l2norm):
+             output_final_state, use_qk_l2norm, cu_seqlens=None):
     from fla.ops.kda import chunk_kda, fused_recurrent_kda
 
     B, T, H, K = q.shape
@@ -323,11 +334,11 @@ def _kda_fla(q, k, v, f, beta, A_log, dt_bias, lower_bound, scale, initial_state
         for t in (q, k, v, f, beta, A_log, dt_bias, initial_state))
     # fused_recurrent_kda is forward-only (no autograd), so training steps of T == 1 go
     # through chunk_kda.
-    if T == 1 and not needs_grad:
+    if T == 1 and not needs_grad and cu_seqlens is None:
         return fused_recurrent_kda(q, k, v, f, beta, scale=scale, initial_state=initial_state,
                                    output_final_state=output_final_state, **gate_args)
     return chunk_kda(q, k, v, f, beta, scale=scale, initial_state=initial_state,
-                     output_final_state=output_final_state,
+                     output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                      # fla's dense tensor-core path exists only for bounds in [-5, 0)
                      safe_gate=lower_bound is not None and lower_bound >= SAFE_LOWER_BOUND,
                      **gate_args)
@@ -337,7 +348,7 @@ def kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor,
         beta: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, *,
         lower_bound: float | None = SAFE_LOWER_BOUND, scale: float | None = None,
         initial_state: torch.Tensor | None = None, output_final_state: bool = False,
-        use_qk_l2norm: bool = True,
+        use_qk_l2norm: bool = True, cu_seqlens: torch.Tensor | None = None,
         backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor | None]:
     """Kimi Delta Attention with the decay gate fused in: the one entry point layers call.
 
@@ -349,6 +360,9 @@ def kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor,
         A_log, dt_bias, lower_bound: the gate, see ``kda_gate``.
         scale: defaults to ``K ** -0.5``.
         initial_state: ``[B, H, K, V]``, any float dtype (used as fp32).
+        cu_seqlens: packed variable-length batch (serving prefill): inputs are ``[1, sum T_i, ...]``
+            holding N sequences at ``[cu_seqlens[i], cu_seqlens[i+1])``; initial and final
+            states are ``[N, H, K, V]``. fla runs it as one kernel; the reference loops.
         backend: ``"fla"`` runs fla-core's Triton kernels (``chunk_kda``; ``fused_recurrent_kda``
             for a T == 1 step without autograd), ``"torch"`` the chunkwise reference,
             ``"auto"`` picks fla for CUDA inputs when it imports (unless ``OPENK3_REFERENCE=1``).
@@ -367,18 +381,31 @@ def kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor,
         >>> o.shape, S.shape
         (torch.Size([1, 10, 2, 16]), torch.Size([1, 2, 16, 16]))
     """
-    _validate_kda_inputs(q, k, v, f, beta, A_log, dt_bias, lower_bound, initial_state, backend)
+    if cu_seqlens is not None and q.shape[0] != 1:
+        raise ValueError(f"cu_seqlens needs packed inputs [1, T, H, K], got q {list(q.shape)}")
+    num_seqs = q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
+    _validate_kda_inputs(q, k, v, f, beta, A_log, dt_bias, lower_bound, initial_state, backend,
+                         num_seqs)
     B, T, H, K = q.shape
     f = f.reshape(B, T, H, K)
     if backend == "auto":
         backend = "fla" if use_fast_path(q) and fla_available() else "torch"
+    if cu_seqlens is not None and backend == "torch":
+        bounds = cu_seqlens.tolist()
+        outs = [kda(*(t[:, a:b] for t in (q, k, v, f, beta)), A_log, dt_bias,
+                    lower_bound=lower_bound, scale=scale, use_qk_l2norm=use_qk_l2norm,
+                    initial_state=None if initial_state is None else initial_state[i:i + 1],
+                    output_final_state=output_final_state, backend="torch")
+                for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:]))]
+        o = torch.cat([o for o, _ in outs], dim=1)
+        return o, (torch.cat([S for _, S in outs]) if output_final_state else None)
     if backend == "fla":
         if not q.is_cuda:
             raise ValueError(f"backend='fla' needs CUDA tensors, got q on {q.device}")
         if not fla_available():
             raise ValueError("backend='fla' needs fla-core and triton: pip install 'openk3[gpu]'")
         return _kda_fla(q, k, v, f, beta, A_log, dt_bias, lower_bound, scale, initial_state,
-                        output_final_state, use_qk_l2norm)
+                        output_final_state, use_qk_l2norm, cu_seqlens)
 
     g = kda_gate(f, A_log, dt_bias, lower_bound)
     if T == 1 and initial_state is not None:

@@ -13,6 +13,15 @@ from dataclasses import dataclass
 import torch
 
 
+class InvalidRequest(ValueError):
+    """A request the engine refuses; ``param`` names the offending request parameter (the
+    server answers HTTP 400 with it, in OpenAI's error format)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(f"{param}: {message}")
+        self.param = param
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling settings (OpenAI-style names). ``temperature == 0`` is greedy;
@@ -35,10 +44,11 @@ class SamplingParams:
             ("top_k", self.top_k >= 0, "must be >= 0 (0 disables it)"),
             ("max_tokens", self.max_tokens >= 1, "must be >= 1"),
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, "must be in [0, 20]"),
+            ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
         )
         for name, ok, why in checks:
             if not ok:
-                raise ValueError(f"{name}={getattr(self, name)!r}: {why}")
+                raise InvalidRequest(name, f"{getattr(self, name)!r} {why}")
 
 
 def filtered_logprobs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,

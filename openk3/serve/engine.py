@@ -1,0 +1,367 @@
+"""The engine loop: requests in, scheduler step, model runner, sampler, text out.
+
+``LLMEngine`` is synchronous and single-threaded: ``add_request`` / ``abort`` / ``step``.
+``AsyncEngine`` runs it on a background thread for the HTTP server; every request gets an async
+iterator of ``RequestOutput`` and is aborted (everything it held freed) when its consumer stops
+listening. ``openk3.LLM`` (``openk3/serve/llm.py``) is the offline API over the same engine.
+
+Text: output ids are decoded incrementally; a trailing U+FFFD (an incomplete UTF-8 sequence) is
+held back until the next token completes it. Stop strings are searched in the generated text;
+the text is cut before the stop string and the request finishes with ``finish_reason="stop"``.
+While streaming, the last ``max(len(stop)) - 1`` characters are held back, since they may
+turn out to begin a stop string.
+
+Log-probabilities are those of the model's own next-token distribution (``log_softmax`` of the
+logits, before temperature and filtering), as OpenAI reports them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import torch
+
+from openk3.serve.block_manager import BlockManager, CacheConfig
+from openk3.serve.model_runner import ModelRunner
+from openk3.serve.sampler import InvalidRequest, SamplingParams, make_generator, sample
+from openk3.serve.scheduler import Scheduler, SchedulerConfig
+from openk3.serve.sequence import Sequence
+
+
+@dataclass
+class EngineConfig:
+    """Serving settings; every default visible. Sizes are in tokens unless named otherwise.
+
+    max_model_len: prompt + max_tokens limit (None: the model's ``max_position_embeddings``,
+        capped by what the MLA cache holds).
+    num_blocks: physical MLA blocks (None: enough for ``max_num_seqs`` sequences of
+        ``max_model_len`` tokens, capped by ``cache_memory_gb``).
+    cache_memory_gb: budget for the MLA block pool when ``num_blocks`` is None.
+    cuda_graphs: capture decode steps as CUDA graphs (GPU only).
+    """
+
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 4096
+    max_model_len: int | None = None
+    num_blocks: int | None = None
+    cache_memory_gb: float = 8.0
+    physical_block_size: int = 6144
+    hash_block_size: int = 512
+    num_kda_checkpoints: int = 16
+    kda_checkpoint_interval: int = 8192
+    enable_prefix_caching: bool = True
+    cuda_graphs: bool = True
+    max_tokens_limit: int = 1 << 20  # absurd max_tokens are refused above this
+
+
+@dataclass
+class Logprob:
+    token_id: int
+    logprob: float
+    top: dict[int, float]  # the ``logprobs`` most likely tokens and their log-probabilities
+
+
+@dataclass
+class RequestOutput:
+    """A request's state after a step. ``text`` / ``token_ids`` are everything generated so far
+    (stop strings cut); ``delta_*`` is what is new since the previous output of this request."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    delta_token_ids: list[int]
+    delta_text: str
+    logprobs: list[Logprob] | None
+    finished: bool
+    finish_reason: str | None  # "stop", "length", "abort"
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class EngineStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    cache_usage: float = 0.0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    prefix_tokens_saved: int = 0
+    prompt_tokens: int = 0  # prompt tokens computed (after prefix hits)
+    generation_tokens: int = 0
+    num_preemptions: int = 0
+    num_steps: int = 0
+
+
+@dataclass
+class _Request:
+    seq: Sequence
+    params: SamplingParams
+    generator: torch.Generator | None
+    text: str = ""  # decoded output, stop strings cut
+    sent_text: int = 0  # characters already returned as deltas
+    sent_tokens: int = 0
+    logprobs: list[Logprob] | None = None
+    finish_reason: str | None = None
+    arrival: float = field(default_factory=time.monotonic)
+
+
+class LLMEngine:
+    def __init__(self, model, tokenizer, config: EngineConfig | None = None,
+                 eos_token_ids: tuple[int, ...] | None = None, model_name: str = "openk3"):
+        self.model, self.tokenizer, self.model_name = model, tokenizer, model_name
+        self.config = config = config or EngineConfig()
+        cfg = model.cfg
+        self.eos_token_ids = tuple(eos_token_ids if eos_token_ids is not None
+                                   else ([cfg.eos_token_id] if cfg.eos_token_id is not None else []))
+        self.runner = ModelRunner(model, config)
+        self.max_model_len = self.runner.max_model_len
+        cache = CacheConfig(
+            num_blocks=self.runner.num_blocks, num_state_slots=config.max_num_seqs,
+            physical_block_size=config.physical_block_size, hash_block_size=config.hash_block_size,
+            num_kda_checkpoints=config.num_kda_checkpoints,
+            kda_checkpoint_interval=config.kda_checkpoint_interval,
+            enable_prefix_caching=config.enable_prefix_caching)
+        self.block_manager = BlockManager(cache)
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len), self.block_manager)
+        self.requests: dict[str, _Request] = {}
+        self.stats = EngineStats()
+        self._ids = itertools.count()
+
+    # Requests.
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        return list(prompt)
+
+    def validate(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+        """Token ids of ``prompt``; raises ``InvalidRequest`` naming the parameter at fault.
+        Touches no engine state (the async server calls it from its own thread)."""
+        if isinstance(prompt, str) and not prompt:
+            raise InvalidRequest("prompt", "is empty")
+        ids = self.tokenize(prompt)
+        vocab = self.model.cfg.vocab_size
+        if not ids:
+            raise InvalidRequest("prompt", "is empty")
+        if any(not isinstance(i, int) or not 0 <= i < vocab for i in ids):
+            raise InvalidRequest("prompt", f"token ids must be integers in [0, {vocab})")
+        if params.max_tokens > self.config.max_tokens_limit:
+            raise InvalidRequest("max_tokens", f"{params.max_tokens} exceeds the limit "
+                                               f"{self.config.max_tokens_limit}")
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequest("prompt", f"{len(ids)} tokens do not fit the context of "
+                                           f"{self.max_model_len} tokens (one is needed to generate)")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise InvalidRequest("max_tokens", f"prompt ({len(ids)} tokens) + max_tokens "
+                                               f"({params.max_tokens}) exceeds the context of "
+                                               f"{self.max_model_len} tokens")
+        return ids
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Queue a request; returns its id. Raises ``InvalidRequest`` for bad input."""
+        params = params or SamplingParams()
+        ids = self.validate(prompt, params)
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self.requests:
+            raise InvalidRequest("request_id", f"{rid!r} already exists")
+        seq = Sequence(rid, ids, params.max_tokens, self.eos_token_ids + tuple(params.stop_token_ids))
+        self.scheduler.add_request(seq)
+        gen = make_generator(params.seed, self.runner.device)
+        self.requests[rid] = _Request(seq, params, gen, logprobs=[] if params.logprobs is not None else None)
+        return rid
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a request; everything it holds is freed. False if unknown or finished."""
+        self.requests.pop(request_id, None)
+        return self.scheduler.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # The loop.
+
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        """One scheduler step and forward pass; returns the requests that made progress."""
+        out = self.scheduler.step()
+        if not out.scheduled:
+            return []
+        self.stats.num_steps += 1
+        self.stats.num_preemptions += len(out.preempted_ids)
+        self.stats.prompt_tokens += sum(n for s, n in out.scheduled if s.num_computed_tokens <= s.num_prompt_tokens)
+        sampled = out.sampled
+        logits = self.runner.execute(out, self.block_manager)  # [len(sampled), V]
+        if not sampled:
+            return []
+        reqs = [self.requests[s.request_id] for s in sampled]
+        tokens, _ = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
+        tokens = tokens.tolist()
+        want_lp = [i for i, r in enumerate(reqs) if r.logprobs is not None]
+        if want_lp:
+            logp = torch.log_softmax(logits[want_lp].float(), dim=-1)
+            for row, i in enumerate(want_lp):
+                n = reqs[i].params.logprobs
+                top = logp[row].topk(n) if n else None
+                reqs[i].logprobs.append(Logprob(
+                    tokens[i], logp[row, tokens[i]].item(),
+                    dict(zip(top.indices.tolist(), top.values.tolist())) if n else {}))
+        self.scheduler.postprocess([s.request_id for s in sampled], tokens)
+        self.stats.generation_tokens += len(tokens)
+        return [self._output(r) for r in reqs]
+
+    def _output(self, r: _Request) -> RequestOutput:
+        seq, stops = r.seq, r.params.stop
+        finish = seq.finish_reason if seq.is_finished else None
+        ids = seq.output_token_ids
+        if finish == "stop" and ids and ids[-1] in seq.eos_token_ids:
+            text_ids = ids[:-1]  # the stop token itself is not text
+        else:
+            text_ids = ids
+        text = self.tokenizer.decode(text_ids)
+        if stops:
+            cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+            if cut >= 0:
+                text, finish = text[:cut], "stop"
+                if not seq.is_finished:
+                    self.scheduler.abort(seq.request_id)  # frees its cache
+        if finish is None:
+            # hold back an incomplete UTF-8 character and what may begin a stop string
+            hold = len(text) - len(text.rstrip("\ufffd"))
+            if stops:
+                hold = max(hold, max(len(s) for s in stops) - 1)
+            visible = text[: max(len(text) - hold, r.sent_text)]
+        else:
+            visible = text
+            self.requests.pop(seq.request_id, None)
+        r.text = visible
+        delta_text, r.sent_text = visible[r.sent_text:], len(visible)
+        delta_ids, r.sent_tokens = ids[r.sent_tokens:], len(ids)
+        return RequestOutput(seq.request_id, seq.prompt_token_ids, list(ids), visible, delta_ids,
+                             delta_text, list(r.logprobs) if r.logprobs is not None else None,
+                             finish is not None, finish, seq.num_cached_tokens)
+
+    def snapshot_stats(self) -> EngineStats:
+        bm = self.block_manager.stats
+        self.stats.num_running = self.scheduler.num_running
+        self.stats.num_waiting = self.scheduler.num_waiting
+        self.stats.cache_usage = self.block_manager.usage
+        self.stats.prefix_queries, self.stats.prefix_hits = bm.queries, bm.hits
+        self.stats.prefix_tokens_saved = bm.saved_tokens
+        return EngineStats(**vars(self.stats))
+
+    def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None,
+                 ) -> list[RequestOutput]:
+        """Run requests to completion; outputs in the order of ``prompts``."""
+        params = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(ids):
+            for o in self.step():
+                if o.finished:
+                    final[o.request_id] = o
+        return [final[i] for i in ids]
+
+
+class AsyncEngine:
+    """``LLMEngine`` on a background thread, for asyncio servers.
+
+    ``generate`` validates in the caller (raising ``InvalidRequest`` before anything is queued),
+    then yields ``RequestOutput`` objects as steps produce them. If the consumer stops early
+    (client disconnect: the async generator is closed or cancelled), the request is aborted.
+    """
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._wake = threading.Event()
+        self._stop = False
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="openk3-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def stats(self) -> EngineStats:
+        return self.engine.snapshot_stats()
+
+    def _loop(self) -> None:
+        eng = self.engine
+        while not self._stop:
+            while True:
+                try:
+                    cmd, *args = self._commands.get_nowait()
+                except queue.Empty:
+                    break
+                if cmd == "add":
+                    rid, ids, params = args
+                    try:
+                        eng.add_request(ids, params, rid)
+                    except ValueError as e:  # raced with another request of the same id
+                        self._push(rid, e)
+                else:
+                    eng.abort(args[0])
+            if not eng.has_unfinished():
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            try:
+                outputs = eng.step()
+            except Exception as e:  # noqa: BLE001 - fail every request, keep serving
+                self._error = e
+                for rid in list(eng.requests):
+                    eng.abort(rid)
+                    self._push(rid, e)
+                continue
+            for o in outputs:
+                self._push(o.request_id, o)
+
+    def _push(self, rid: str, item) -> None:
+        target = self._streams.get(rid)
+        if target is not None:
+            loop, q = target
+            loop.call_soon_threadsafe(q.put_nowait, item)
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams,
+                       request_id: str) -> AsyncIterator[RequestOutput]:
+        ids = self.engine.validate(prompt, params)
+        if request_id in self._streams:
+            raise InvalidRequest("request_id", f"{request_id!r} is already running")
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), q)
+        self._commands.put(("add", request_id, ids, params))
+        self._wake.set()
+        finished = False
+        try:
+            while not finished:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+        self._wake.set()
+
+    def shutdown(self) -> None:
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout=10)

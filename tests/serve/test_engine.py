@@ -1,0 +1,210 @@
+"""The engine through the debug model on CPU: equivalence with the plain generate path, the
+prefix cache on vs off (hits inside and at the edge of physical blocks, shared and diverging
+prefixes, preemption), sampling options, bad input, and no leaks under random workloads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from openk3 import build_model, preset
+from openk3.generate import generate
+from openk3.serve.engine import EngineConfig, LLMEngine
+from openk3.serve.sampler import InvalidRequest, SamplingParams
+from openk3.tokenizer import ByteTokenizer
+
+GREEDY = SamplingParams(temperature=0, max_tokens=10, logprobs=2)
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    m = build_model(preset("debug")).eval()
+    with torch.no_grad():  # non-uniform AttnRes mixing, so every source matters
+        for name, p in m.named_parameters():
+            if name.endswith("_res.proj.weight"):
+                p.normal_(0, 0.5)
+    return m
+
+
+def make_engine(model, **kw) -> LLMEngine:
+    cfg = dict(max_num_seqs=4, max_num_batched_tokens=48, physical_block_size=32, hash_block_size=8,
+               kda_checkpoint_interval=16, max_model_len=256, cuda_graphs=False)
+    return LLMEngine(model, ByteTokenizer(), EngineConfig(**{**cfg, **kw}), eos_token_ids=())
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    return torch.randint(3, 4000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def assert_free(eng: LLMEngine) -> None:
+    bm = eng.block_manager
+    assert bm.num_free_blocks == bm.config.num_blocks
+    assert bm.num_free_state_slots == bm.config.num_state_slots
+    assert all(c == 0 for c in bm.ref_counts)
+    assert not eng.requests and not eng.scheduler.has_unfinished()
+
+
+def test_matches_generate_with_chunked_prefill(model):
+    prompts = [tokens(i, n) for i, n in enumerate((5, 23, 70, 17, 1))]  # 70 > the 48-token budget
+    eng = make_engine(model)
+    outs = eng.generate(prompts, GREEDY)
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == generate(model, p, 10, temperature=0.0)
+        assert o.finish_reason == "length" and o.finished
+    assert_free(eng)
+
+
+def _run_pair(model, batches, **kw):
+    """Run the same request batches (one after another) with the prefix cache on and off."""
+    results = {}
+    for on in (True, False):
+        eng = make_engine(model, enable_prefix_caching=on, **kw)
+        results[on] = [eng.generate(b, GREEDY) for b in batches]
+        assert_free(eng)
+        results[on, "engine"] = eng
+    return results
+
+
+def _assert_same(results):
+    for outs_on, outs_off in zip(results[True], results[False]):
+        for a, b in zip(outs_on, outs_off):
+            assert a.token_ids == b.token_ids
+            for la, lb in zip(a.logprobs, b.logprobs):
+                assert la.token_id == lb.token_id
+                assert la.logprob == pytest.approx(lb.logprob, abs=1e-4)
+                assert list(la.top) == list(lb.top)
+
+
+@pytest.mark.parametrize("shared, where", [(40, "inside"), (64, "edge"), (19, "inside")])
+def test_prefix_cache_is_exact(model, shared, where):
+    """A second request shares ``shared`` tokens: hits at 40 (inside physical block 1), 64 (the
+    edge of block 2: no copy-on-write) and 16 (inside block 0, for a 19-token prefix)."""
+    base = tokens(1, shared)
+    first = [base + tokens(2, 5)]
+    second = [base + tokens(3, 9), base + tokens(4, 30)]  # diverging after the shared prefix
+    results = _run_pair(model, [first, second])
+    _assert_same(results)
+    hit = shared // 8 * 8  # the deepest hash boundary with a checkpoint below the shared part
+    assert results[True][1][0].num_cached_tokens == hit
+    eng = results[True, "engine"]
+    assert eng.block_manager.stats.hits >= 2
+    if where == "edge":
+        assert hit % eng.config.physical_block_size == 0
+    else:
+        assert hit % eng.config.physical_block_size != 0
+    assert all(o.num_cached_tokens == 0 for outs in results[False] for o in outs)
+
+
+def test_prefix_cache_same_prompt_repeated(model):
+    p = tokens(5, 50)
+    results = _run_pair(model, [[p], [p], [p + p[:3]]])
+    _assert_same(results)
+    assert results[True][1][0].num_cached_tokens == 48
+
+
+def test_preemption_keeps_outputs(model):
+    """Seven blocks of 32 tokens for four sequences of ~60-90 tokens: preemption by
+    recomputation must happen, and the prefix cache must give identical results."""
+    prompts = [tokens(10 + i, 50 + 13 * i) for i in range(4)]
+    results = _run_pair(model, [prompts], num_blocks=7)
+    _assert_same(results)
+    assert results[True, "engine"].stats.num_preemptions > 0
+    for p, o in zip(prompts, results[True][0]):
+        assert o.token_ids == generate(model, p, 10, temperature=0.0)
+
+
+def test_sampling_seed_stop_and_logprobs(model):
+    eng = make_engine(model)
+    p = tokens(7, 12)
+    a, b = eng.generate([p, p], SamplingParams(temperature=1.0, seed=123, max_tokens=8))
+    c, = eng.generate([p], SamplingParams(temperature=1.0, seed=124, max_tokens=8))
+    assert a.token_ids == b.token_ids != c.token_ids  # per-request seeds, batch-independent
+    greedy, = eng.generate([p], SamplingParams(temperature=0, max_tokens=8, logprobs=3))
+    stop_id = greedy.token_ids[3]
+    out, = eng.generate([p], SamplingParams(temperature=0, max_tokens=8, stop_token_ids=(stop_id,)))
+    assert out.token_ids == greedy.token_ids[:4] and out.finish_reason == "stop"
+    lp = greedy.logprobs
+    assert len(lp) == 8 and all(len(x.top) == 3 and x.token_id in x.top for x in lp)
+    assert all(x.logprob == pytest.approx(max(x.top.values()), abs=1e-5) for x in lp)  # greedy
+    assert_free(eng)
+
+
+class LetterTokenizer:
+    """Every id is one letter, so a random model's output is always text."""
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) for c in text]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(chr(97 + i % 26) for i in ids)
+
+
+def test_stop_strings_cut_text(model):
+    eng = make_engine(model)
+    eng.tokenizer = LetterTokenizer()
+    full, = eng.generate(["hello"], SamplingParams(temperature=0, max_tokens=12))
+    text = full.text
+    assert len(text) == 12
+    stop = text[5:7]
+    out, = eng.generate(["hello"], SamplingParams(temperature=0, max_tokens=12, stop=("zzzzz", stop)))
+    assert out.finish_reason == "stop" and out.text == text[: text.find(stop)]
+    # streaming: the deltas concatenate to the final text, and none shows the stop string
+    rid = eng.add_request("hello", SamplingParams(temperature=0, max_tokens=12, stop=(stop,)))
+    deltas = []
+    while eng.has_unfinished():
+        deltas += [o.delta_text for o in eng.step() if o.request_id == rid]
+    assert "".join(deltas) == out.text
+    assert_free(eng)
+
+
+def test_bad_requests_name_the_parameter(model):
+    eng = make_engine(model)
+    cases = [("", SamplingParams(), "prompt"), ([], SamplingParams(), "prompt"),
+             ([1] * 256, SamplingParams(max_tokens=1), "prompt"),
+             ([1] * 10, SamplingParams(max_tokens=250), "max_tokens"),
+             ([1] * 10, SamplingParams(max_tokens=10**9), "max_tokens"),
+             ([5000], SamplingParams(), "prompt")]
+    for prompt, params, param in cases:
+        with pytest.raises(InvalidRequest) as e:
+            eng.add_request(prompt, params)
+        assert e.value.param == param
+    for kw, param in [({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"),
+                      ({"top_k": -2}, "top_k"), ({"max_tokens": 0}, "max_tokens"),
+                      ({"logprobs": 50}, "logprobs"), ({"stop": ("",)}, "stop")]:
+        with pytest.raises(InvalidRequest) as e:
+            SamplingParams(**kw)
+        assert e.value.param == param
+    assert_free(eng)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(1, 70), st.integers(1, 12),
+                          st.one_of(st.none(), st.integers(0, 6))), min_size=1, max_size=7),
+       st.integers(5, 12))
+def test_no_leaks_under_random_workloads(model, requests, num_blocks):
+    """Random prompts (some sharing prefixes), lengths and cancellations: afterwards every
+    block, state slot and reference is free again, and cached blocks stay consistent."""
+    eng = make_engine(model, num_blocks=num_blocks, max_num_batched_tokens=24)
+    base = tokens(99, 70)
+    ids, cancel_at = [], {}
+    for j, (family, length, max_tokens, cancel) in enumerate(requests):
+        prompt = (base[:length] if family == 0 else tokens(family * 100 + j, length))
+        length = min(len(prompt) + max_tokens, 255)
+        max_tokens = max(1, length - len(prompt))
+        rid = eng.add_request(prompt, SamplingParams(temperature=0, max_tokens=max_tokens))
+        ids.append(rid)
+        if cancel is not None:
+            cancel_at[rid] = cancel
+    step = 0
+    while eng.has_unfinished():
+        for rid, when in list(cancel_at.items()):
+            if when == step:
+                eng.abort(rid)
+                del cancel_at[rid]
+        eng.step()
+        step += 1
+        assert step < 2000
+    assert_free(eng)
