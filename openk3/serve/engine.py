@@ -5,8 +5,9 @@
 iterator of ``RequestOutput`` and is aborted (everything it held freed) when its consumer stops
 listening. ``openk3.LLM`` (``openk3/serve/llm.py``) is the offline API over the same engine.
 
-Text: output ids are decoded incrementally; a trailing U+FFFD (an incomplete UTF-8 sequence) is
-held back until the next token completes it. Stop strings are searched in the generated text;
+Text: output ids are decoded incrementally (each step decodes only the last few ids, the
+window since the previous complete character, so long outputs cost O(n), not O(n^2)); a trailing
+U+FFFD (an incomplete UTF-8 sequence) waits until the next token completes it. Stop strings are searched in the generated text;
 the text is cut before the stop string and the request finishes with ``finish_reason="stop"``.
 While streaming, the last ``max(len(stop)) - 1`` characters are held back, since they may
 turn out to begin a stop string.
@@ -104,6 +105,9 @@ class _Request:
     params: SamplingParams
     generator: torch.Generator | None
     text: str = ""  # decoded output, stop strings cut
+    decoded: str = ""  # decoded output up to ``read_offset`` ids
+    prefix_offset: int = 0  # decode window: ids[prefix_offset:read_offset] are already text
+    read_offset: int = 0
     sent_text: int = 0  # characters already returned as deltas
     sent_tokens: int = 0
     logprobs: list[Logprob] | None = None
@@ -226,7 +230,7 @@ class LLMEngine:
             text_ids = ids[:-1]  # the stop token itself is not text
         else:
             text_ids = ids
-        text = self.tokenizer.decode(text_ids)
+        text = self._detokenize(r, text_ids, final=seq.is_finished)
         if stops:
             cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
             if cut >= 0:
@@ -234,10 +238,7 @@ class LLMEngine:
                 if not seq.is_finished:
                     self.scheduler.abort(seq.request_id)  # frees its cache
         if finish is None:
-            # hold back an incomplete UTF-8 character and what may begin a stop string
-            hold = len(text) - len(text.rstrip("\ufffd"))
-            if stops:
-                hold = max(hold, max(len(s) for s in stops) - 1)
+            hold = max(len(s) for s in stops) - 1 if stops else 0  # may begin a stop string
             visible = text[: max(len(text) - hold, r.sent_text)]
         else:
             visible = text
@@ -248,6 +249,18 @@ class LLMEngine:
         return RequestOutput(seq.request_id, seq.prompt_token_ids, list(ids), visible, delta_ids,
                              delta_text, list(r.logprobs) if r.logprobs is not None else None,
                              finish is not None, finish, seq.num_cached_tokens)
+
+    def _detokenize(self, r: _Request, ids: list[int], final: bool) -> str:
+        """Text of ``ids`` (the output so far), decoding only the window since the last
+        complete character; an incomplete one at the end waits unless ``final``."""
+        if len(ids) > r.read_offset:
+            decode = self.tokenizer.decode
+            prefix = decode(ids[r.prefix_offset:r.read_offset])
+            new = decode(ids[r.prefix_offset:])
+            if final or (len(new) > len(prefix) and not new.endswith("\ufffd")):
+                r.decoded += new[len(prefix):]
+                r.prefix_offset, r.read_offset = r.read_offset, len(ids)
+        return r.decoded
 
     def snapshot_stats(self) -> EngineStats:
         bm = self.block_manager.stats

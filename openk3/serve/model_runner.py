@@ -24,6 +24,7 @@ generate path's ``KDAState`` / ``MLAState``: the model code is the same for both
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -253,7 +254,12 @@ class ModelRunner:
             Lb = max(256, 1 << (L - 1).bit_length())
             key = (B, Lb)
             if key not in self._graphs:
-                self._graphs[key] = _DecodeGraph(self, B, Lb)
+                try:
+                    self._graphs[key] = _DecodeGraph(self, B, Lb)
+                except RuntimeError as e:  # an op in the decode pass cannot be captured
+                    warnings.warn(f"CUDA graph capture failed ({e}); decoding eagerly from now on")
+                    self.use_graphs = False
+                    return self._decode(seqs)
             return self._graphs[key].run(self._decode_inputs(seqs, B, Lb))[:n]
         return self._decode_eager(*self._decode_inputs(seqs, n, L), L)
 

@@ -208,3 +208,19 @@ def test_no_leaks_under_random_workloads(model, requests, num_blocks):
         step += 1
         assert step < 2000
     assert_free(eng)
+
+
+def test_incremental_detokenization_waits_for_whole_characters(model):
+    from openk3.serve.engine import _Request
+
+    eng = make_engine(model)
+    ids = list("h€llo, wörld ✓".encode())
+    r = _Request(seq=None, params=SamplingParams(), generator=None)
+    seen = []
+    for k in range(1, len(ids) + 1):
+        seen.append(eng._detokenize(r, ids[:k], final=False))
+        assert "\ufffd" not in seen[-1]
+        assert seen[-1] == bytes(ids[:k]).decode(errors="ignore")[: len(seen[-1])]
+    assert seen[-1] == "h€llo, wörld ✓"
+    r = _Request(seq=None, params=SamplingParams(), generator=None)
+    assert eng._detokenize(r, ids[:2], final=True) == "h\ufffd"  # flushed when the request ends

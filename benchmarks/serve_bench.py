@@ -1,0 +1,213 @@
+"""Serving on one GPU: prefix-cache TTFT, decode throughput vs transformers, bandwidth floor.
+
+(a) ttft: time to first token of a 32K-token prompt with a cold cache, and with a cached prefix
+    (a request of the prefix alone ran before): 31744 tokens (a hit inside physical block 5 of
+    6144: copy-on-write of 1024 rows) and 30720 (the edge of block 5: no copy). Target: warm
+    under 10% of cold.
+(b) decode: generation throughput of ``small`` (random weights) at batch 1, 32, 128 with
+    128-token prompts and 128 new tokens, CUDA graphs on and off; and, in the same run, a
+    Kimi-Linear-format model of similar size (transformers' ``KimiLinearForCausalLM``, random
+    weights, saved and loaded by openk3) served by openk3 and by transformers' ``generate``.
+(c) floor: batch-1 decode time vs (bytes of weights read per token + KDA state read and
+    written + MLA latents read) / 4.3 TB/s (the measured copy bandwidth of the H200).
+
+Run on the device: ``python benchmarks/serve_bench.py [--parts ttft decode peer]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+import traceback
+
+import torch
+
+from benchmarks.common import environment, write_results
+from openk3 import build_model, load_pretrained, preset
+from openk3.params import count_parameters
+from openk3.serve.engine import EngineConfig, LLMEngine
+from openk3.serve.sampler import SamplingParams
+from openk3.tokenizer import ByteTokenizer
+
+COPY_BANDWIDTH = 4.3e12  # bytes/s, measured on the H200 (NOTES.md)
+ROWS: list[dict] = []
+
+
+def record(row: dict) -> None:
+    ROWS.append(row)
+    print(row, flush=True)
+    write_results("serve_bench", ROWS)
+
+
+def engine(model, **kw) -> LLMEngine:
+    return LLMEngine(model, ByteTokenizer(), EngineConfig(**kw), eos_token_ids=())
+
+
+def random_ids(n: int, vocab: int, seed: int) -> list[int]:
+    return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def ttft(eng: LLMEngine, prompt: list[int]) -> float:
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    rid = eng.add_request(prompt, SamplingParams(temperature=0, max_tokens=1))
+    while eng.has_unfinished():
+        eng.step()
+    torch.cuda.synchronize()
+    assert rid not in eng.requests
+    return time.perf_counter() - t
+
+
+def part_ttft(model) -> None:
+    vocab = model.cfg.vocab_size
+    kw = dict(max_num_seqs=4, max_num_batched_tokens=8192, max_model_len=40000, cuda_graphs=False)
+    prompt_len = 32768
+    warm_eng = engine(model, **kw)
+    ttft(warm_eng, random_ids(2048, vocab, 0))  # warm-up: kernels, autotuning
+    cold = [ttft(engine(model, enable_prefix_caching=False, **kw), random_ids(prompt_len, vocab, s))
+            for s in (1, 2)]
+    record({"part": "ttft", "case": "cold", "prompt": prompt_len, "ttft_ms": 1e3 * min(cold)})
+    for prefix, where in ((31744, "inside block"), (30720, "block edge")):
+        eng = engine(model, **kw)
+        shared = random_ids(prefix, vocab, 3)
+        ttft(eng, shared)  # the prefix alone: a KDA checkpoint at its end
+        t = ttft(eng, shared + random_ids(prompt_len - prefix, vocab, 4))
+        hit = eng.block_manager.stats.saved_tokens
+        record({"part": "ttft", "case": f"warm, {prefix}-token prefix ({where})", "prompt": prompt_len,
+                "ttft_ms": 1e3 * t, "cached_tokens": hit, "warm_over_cold": t / min(cold)})
+
+
+def decode_throughput(eng: LLMEngine, batch: int, prompt_len: int = 128, new: int = 128) -> dict:
+    vocab = eng.model.cfg.vocab_size
+    params = SamplingParams(temperature=0, max_tokens=new)
+    for i in range(batch):
+        eng.add_request(random_ids(prompt_len, vocab, 100 + i), params)
+    decode_s, decode_tokens, t0 = 0.0, 0, time.perf_counter()
+    while eng.has_unfinished():
+        all_decode = eng.scheduler.num_waiting == 0 and all(
+            s.num_uncomputed_tokens == 1 for s in eng.scheduler.running)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        outs = eng.step()
+        torch.cuda.synchronize()
+        if all_decode:
+            decode_s += time.perf_counter() - t
+            decode_tokens += len(outs)
+    total = time.perf_counter() - t0
+    return {"batch": batch, "decode_tok_s": decode_tokens / decode_s,
+            "ms_per_step": 1e3 * decode_s / max(1, decode_tokens // batch),
+            "end_to_end_tok_s": batch * new / total}
+
+
+def part_decode(model, name: str, batches=(1, 32, 128)) -> dict:
+    results = {}
+    for graphs in (True, False):
+        for B in batches:
+            eng = engine(model, max_num_seqs=128, max_num_batched_tokens=8192, max_model_len=4096,
+                         cuda_graphs=graphs)
+            try:
+                decode_throughput(eng, min(B, 4))  # warm-up (and graph capture of small buckets)
+                row = decode_throughput(eng, B)
+            except Exception as e:  # noqa: BLE001 - record the failure, keep measuring
+                traceback.print_exc()
+                row = {"batch": B, "error": f"{type(e).__name__}: {e}"[:300]}
+            row.update(part="decode", model=name, cuda_graphs=graphs)
+            record(row)
+            results[graphs, B] = row
+    return results
+
+
+def bandwidth_floor(model, ms_per_token: float, context: int = 192) -> dict:
+    """Bytes one batch-1 decode step must move: weights (activated experts only), KDA states
+    (fp32, read + written), MLA latents of the context (read)."""
+    cfg = model.cfg
+    elem = next(model.parameters()).element_size()
+    active = count_parameters(cfg)["active"]
+    emb = cfg.vocab_size * cfg.hidden_size  # the embedding reads one row, not the table
+    weights = (active - emb) * elem
+    n_kda = sum(not cfg.is_mla_layer(i) for i in range(cfg.num_hidden_layers))
+    n_mla = cfg.num_hidden_layers - n_kda
+    kda_state = n_kda * cfg.linear_num_heads * cfg.linear_head_dim ** 2 * 4 * 2
+    latents = n_mla * context * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * elem
+    total = weights + kda_state + latents
+    floor_ms = 1e3 * total / COPY_BANDWIDTH
+    return {"part": "floor", "bytes_per_token": total, "weights": weights, "kda_state": kda_state,
+            "latents": latents, "floor_ms": floor_ms, "measured_ms": ms_per_token,
+            "measured_over_floor": ms_per_token / floor_ms}
+
+
+def hf_kimi_linear(small):
+    from transformers import KimiLinearConfig, KimiLinearForCausalLM
+
+    cfg = KimiLinearConfig(
+        vocab_size=small.vocab_size, hidden_size=small.hidden_size,
+        num_hidden_layers=small.num_hidden_layers, intermediate_size=small.intermediate_size,
+        moe_intermediate_size=small.moe_intermediate_size * 2,
+        num_attention_heads=small.num_attention_heads, num_key_value_heads=small.num_attention_heads,
+        kv_lora_rank=small.kv_lora_rank, q_lora_rank=small.q_lora_rank,
+        linear_num_heads=small.linear_num_heads, linear_head_dim=small.linear_head_dim,
+        num_local_experts=small.num_experts, num_experts_per_tok=small.num_experts_per_token,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        layer_types=["full_attention" if small.is_mla_layer(i) else "linear_attention"
+                     for i in range(small.num_hidden_layers)])
+    torch.manual_seed(0)
+    return KimiLinearForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
+
+
+@torch.inference_mode()
+def hf_generate_throughput(hf, batch: int, prompt_len: int = 128, new: int = 128) -> dict:
+    vocab = hf.config.vocab_size
+    ids = torch.tensor([random_ids(prompt_len, vocab, 100 + i) for i in range(batch)], device="cuda")
+    kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+    hf.generate(ids[:, :16], max_new_tokens=4, do_sample=False, pad_token_id=0)  # warm-up
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    out = hf.generate(ids, **kw)
+    torch.cuda.synchronize()
+    total = time.perf_counter() - t
+    assert out.shape[1] == prompt_len + new
+    return {"batch": batch, "end_to_end_tok_s": batch * new / total}
+
+
+def part_peer() -> None:
+    hf = hf_kimi_linear(preset("small"))
+    with tempfile.TemporaryDirectory() as d:
+        hf.save_pretrained(d)
+        ours = load_pretrained(d, dtype=torch.bfloat16, device="cuda").eval()
+    print(f"Kimi-Linear-format peer model: {sum(p.numel() for p in ours.parameters()) / 1e9:.3f}B")
+    rows = part_decode(ours, "kimi_linear (HF format)", batches=(1, 32))
+    for B in (1, 32):
+        try:
+            peer = hf_generate_throughput(hf, B)
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc()
+            peer = {"batch": B, "error": f"{type(e).__name__}: {e}"[:300]}
+        peer.update(part="decode", model="kimi_linear, transformers generate")
+        best = max((rows[g, B].get("end_to_end_tok_s", 0) for g in (True, False)))
+        if "end_to_end_tok_s" in peer:
+            peer["openk3_over_transformers_end_to_end"] = best / peer["end_to_end_tok_s"]
+        record(peer)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--parts", nargs="+", default=["decode", "peer", "ttft"])
+    args = ap.parse_args()
+    print(environment())
+    torch.backends.cuda.matmul.allow_tf32 = True
+    if {"decode", "ttft"} & set(args.parts):
+        model = build_model(preset("small"), device="cuda", dtype=torch.bfloat16)
+    if "decode" in args.parts:
+        rows = part_decode(model, "small")
+        ok = [rows[g, 1] for g in (True, False) if "ms_per_step" in rows[g, 1]]
+        if ok:
+            record(bandwidth_floor(model, min(r["ms_per_step"] for r in ok)))
+    if "peer" in args.parts:
+        part_peer()
+    if "ttft" in args.parts:
+        part_ttft(model)
+
+
+if __name__ == "__main__":
+    main()
