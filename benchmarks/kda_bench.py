@@ -44,7 +44,9 @@ def run(T: int, H: int, K: int, lower_bound: float | None) -> dict:
 
     row = {"T": T, "H": H, "gate": "bounded -5" if lower_bound else "softplus"}
     row["fla_fwd_ms"] = 1e3 * cuda_time(lambda: fwd("fla"))
+    print(row, flush=True)  # partial rows: a timeout keeps what was measured
     row["fla_fwdbwd_ms"] = 1e3 * cuda_time(lambda: fwd_bwd("fla"))
+    print(row, flush=True)
     row["fla_fwd_Mtok_s"] = T / row["fla_fwd_ms"] / 1e3
     row["fla_fwdbwd_Mtok_s"] = T / row["fla_fwdbwd_ms"] / 1e3
     row["ref_fwd_ms"] = 1e3 * cuda_time(lambda: fwd("torch"), warmup=1, iters=2)
