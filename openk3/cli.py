@@ -1,4 +1,4 @@
-"""The ``openk3`` command: ``params``, ``generate``, ``train``, ``plot``."""
+"""The ``openk3`` command: ``params``, ``generate``, ``train``, ``serve``, ``plot``."""
 
 from __future__ import annotations
 
@@ -142,6 +142,34 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from openk3.serve.chat import ChatTemplate
+    from openk3.serve.engine import AsyncEngine, EngineConfig, LLMEngine
+    from openk3.serve.llm import load_model
+    from openk3.serve.server import serve
+
+    if not args.checkpoint and not args.random_init:
+        print("openk3 serve: give --checkpoint DIR, or --preset NAME --random-init", file=sys.stderr)
+        return 2
+    ckpt_dir = Path(args.checkpoint) if args.checkpoint else None
+    if ckpt_dir is not None and (ckpt_dir / "run_config.json").exists():  # a training run: use its export
+        ckpt_dir = ckpt_dir / "export"
+    model, tok, name = load_model(ckpt_dir, None if ckpt_dir else args.preset, args.random_init, args.device,
+                                  _DTYPES[args.dtype] if args.dtype else None)
+    if args.checkpoint:
+        name = Path(args.checkpoint).resolve().name
+    given = {"max_num_seqs": args.max_num_seqs, "max_model_len": args.max_model_len}
+    config = EngineConfig(**{k: v for k, v in given.items() if v is not None},
+                          enable_prefix_caching=not args.no_prefix_caching)
+    engine = LLMEngine(model, tok, config, model_name=args.served_model_name or name)
+    print(f"openk3 serve: {engine.model_name} on {engine.runner.device}, context {engine.max_model_len} tokens, "
+          f"{config.max_num_seqs} sequences at once", file=sys.stderr)
+    serve(AsyncEngine(engine), engine.model_name, host=args.host, port=args.port,
+          api_key=args.api_key or os.environ.get("OPENK3_API_KEY"),
+          chat_template=ChatTemplate.from_checkpoint(ckpt_dir) if ckpt_dir else None)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="openk3", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
@@ -167,6 +195,23 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train a model (torchrun for several processes)")
     _add_run_config_flags(t)
     t.set_defaults(fn=cmd_train)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (docs/serving.md)")
+    s.add_argument("--checkpoint", help="HF checkpoint directory, or a training run (its export)")
+    s.add_argument("--preset", default="debug", choices=sorted(PRESETS))
+    s.add_argument("--random-init", action="store_true", help="serve random weights of --preset")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $OPENK3_API_KEY, else none)")
+    s.add_argument("--served-model-name", default=None,
+                   help="the model's name in the API (default: checkpoint directory name, or openk3-PRESET)")
+    s.add_argument("--max-num-seqs", type=int, default=None, help="EngineConfig.max_num_seqs")
+    s.add_argument("--max-model-len", type=int, default=None, help="EngineConfig.max_model_len")
+    s.add_argument("--no-prefix-caching", action="store_true", help="EngineConfig.enable_prefix_caching=False")
+    s.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    s.add_argument("--dtype", default=None, choices=sorted(_DTYPES))
+    s.set_defaults(fn=cmd_serve)
 
     pl = sub.add_parser("plot", help="write PNG charts of a run's metrics")
     pl.add_argument("run_dir")

@@ -178,8 +178,8 @@ class LLMEngine:
         if rid in self.requests:
             raise InvalidRequest("request_id", f"{rid!r} already exists")
         seq = Sequence(rid, ids, params.max_tokens, self.eos_token_ids + tuple(params.stop_token_ids))
-        self.scheduler.add_request(seq)
         gen = make_generator(params.seed, self.runner.device)
+        self.scheduler.add_request(seq)
         self.requests[rid] = _Request(seq, params, gen, logprobs=[] if params.logprobs is not None else None)
         return rid
 
@@ -263,13 +263,13 @@ class LLMEngine:
         return r.decoded
 
     def snapshot_stats(self) -> EngineStats:
+        """A copy of the counters plus the current gauges (safe to call from another thread:
+        it only reads)."""
         bm = self.block_manager.stats
-        self.stats.num_running = self.scheduler.num_running
-        self.stats.num_waiting = self.scheduler.num_waiting
-        self.stats.cache_usage = self.block_manager.usage
-        self.stats.prefix_queries, self.stats.prefix_hits = bm.queries, bm.hits
-        self.stats.prefix_tokens_saved = bm.saved_tokens
-        return EngineStats(**vars(self.stats))
+        return EngineStats(**{**vars(self.stats), "num_running": self.scheduler.num_running,
+                              "num_waiting": self.scheduler.num_waiting,
+                              "cache_usage": self.block_manager.usage, "prefix_queries": bm.queries,
+                              "prefix_hits": bm.hits, "prefix_tokens_saved": bm.saved_tokens})
 
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None,
                  ) -> list[RequestOutput]:
@@ -311,6 +311,16 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         return self.engine.snapshot_stats()
 
+    @property
+    def is_alive(self) -> bool:
+        """The engine thread runs (False after ``shutdown`` or if it died)."""
+        return self._thread.is_alive() and not self._stop
+
+    def validate(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+        """``generate`` validates only when first iterated; servers call this first to answer
+        bad input before a stream starts."""
+        return self.engine.validate(prompt, params)
+
     def _loop(self) -> None:
         eng = self.engine
         while not self._stop:
@@ -323,7 +333,7 @@ class AsyncEngine:
                     rid, ids, params = args
                     try:
                         eng.add_request(ids, params, rid)
-                    except ValueError as e:  # raced with another request of the same id
+                    except Exception as e:  # noqa: BLE001 - fail this request only
                         self._push(rid, e)
                 else:
                     eng.abort(args[0])

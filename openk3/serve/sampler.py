@@ -19,7 +19,7 @@ class InvalidRequest(ValueError):
 
     def __init__(self, param: str, message: str):
         super().__init__(f"{param}: {message}")
-        self.param = param
+        self.param, self.message = param, message
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,7 @@ class SamplingParams:
             ("max_tokens", self.max_tokens >= 1, "must be >= 1"),
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, "must be in [0, 20]"),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
+            ("seed", self.seed is None or -2**63 <= self.seed < 2**63, "must fit in 64 bits"),
         )
         for name, ok, why in checks:
             if not ok:

@@ -1,0 +1,85 @@
+"""Chat templates: OpenAI-style messages rendered into one prompt string with jinja2.
+
+A checkpoint's template comes from ``chat_template.jinja`` or the ``chat_template`` entry of
+``tokenizer_config.json`` and is rendered the way Hugging Face ``transformers`` does it (sandboxed
+jinja2, ``trim_blocks``/``lstrip_blocks``, ``raise_exception`` and a non-escaping ``tojson``),
+with ``messages``, ``add_generation_prompt``, ``bos_token`` and ``eos_token`` in scope.
+
+Without one, ``DEFAULT_CHAT_TEMPLATE`` is used: ChatML, one block per message, then the opening
+of the assistant's turn::
+
+    <|im_start|>system
+    You are terse.<|im_end|>
+    <|im_start|>user
+    Hi!<|im_end|>
+    <|im_start|>assistant
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+class ChatTemplateError(ValueError):
+    """The messages cannot be rendered (the template refused them, or it is broken)."""
+
+
+def _raise_exception(message: str):
+    raise ChatTemplateError(message)
+
+
+def _token_text(entry) -> str:
+    """``bos_token`` / ``eos_token`` of a tokenizer_config: a string, or ``{"content": ...}``."""
+    if isinstance(entry, dict):
+        return entry.get("content", "")
+    return entry or ""
+
+
+class ChatTemplate:
+    """A compiled chat template; ``render(messages)`` gives the prompt text."""
+
+    def __init__(self, source: str = DEFAULT_CHAT_TEMPLATE, bos_token: str = "", eos_token: str = ""):
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise_exception
+        env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
+        try:
+            self.template = env.from_string(source)
+        except jinja2.TemplateSyntaxError as e:
+            raise ValueError(f"chat template: {e}") from e
+        self.source, self.bos_token, self.eos_token = source, bos_token, eos_token
+
+    @classmethod
+    def from_checkpoint(cls, path: str | Path) -> ChatTemplate:
+        """The template stored in a checkpoint directory, or the default one."""
+        path = Path(path)
+        cfg_file = path / "tokenizer_config.json"
+        cfg = json.loads(cfg_file.read_text()) if cfg_file.exists() else {}
+        source = cfg.get("chat_template")
+        if (path / "chat_template.jinja").exists():
+            source = (path / "chat_template.jinja").read_text()
+        elif isinstance(source, list):  # named templates: [{"name": ..., "template": ...}]
+            named = {t["name"]: t["template"] for t in source}
+            source = named.get("default", next(iter(named.values()), None))
+        return cls(source or DEFAULT_CHAT_TEMPLATE, _token_text(cfg.get("bos_token")),
+                   _token_text(cfg.get("eos_token")))
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """messages: ``[{"role": ..., "content": str, ...}, ...]``; raises ``ChatTemplateError``."""
+        try:
+            return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                        bos_token=self.bos_token, eos_token=self.eos_token)
+        except ChatTemplateError:
+            raise
+        except Exception as e:  # the template is the checkpoint's code: any failure means bad messages
+            raise ChatTemplateError(f"the chat template failed on these messages: {e}") from e

@@ -1,0 +1,369 @@
+"""The OpenAI-compatible server end to end: a real uvicorn server on a free port over the debug
+model (random weights, CPU), driven by the official ``openai`` client and by raw ``httpx``.
+
+Texts are checked against the model itself: greedy output must equal ``openk3.generate`` (the
+plain, unpaged decoding loop) token for token, alone or in a batch of concurrent requests."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
+
+import httpx
+import openai
+import pytest
+import torch
+import uvicorn
+
+from openk3 import build_model, preset
+from openk3.generate import generate
+from openk3.serve.chat import ChatTemplate, ChatTemplateError
+from openk3.serve.engine import AsyncEngine, EngineConfig, LLMEngine
+from openk3.serve.server import build_app
+from openk3.tokenizer import ByteTokenizer
+
+MODEL, KEY = "openk3-debug", "sk-test"
+MAX_MODEL_LEN = 512
+
+
+class VisibleTokenizer(ByteTokenizer):
+    """UTF-8 bytes in; every token id out as a character of its own (from U+4E00), so each
+    generated token of the random model is visible text, one character long."""
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(chr(0x4E00 + i) for i in ids)
+
+
+TOK = VisibleTokenizer()
+
+
+@pytest.fixture(scope="module")
+def srv():
+    model = build_model(preset("debug"), seed=0).eval()
+    engine = LLMEngine(model, TOK, EngineConfig(
+        max_num_seqs=8, max_num_batched_tokens=256, physical_block_size=64, hash_block_size=16,
+        kda_checkpoint_interval=64, max_model_len=MAX_MODEL_LEN, cuda_graphs=False),
+        eos_token_ids=(), model_name=MODEL)  # no EOS: outputs run to max_tokens or a stop string
+    async_engine = AsyncEngine(engine)
+    server = uvicorn.Server(uvicorn.Config(build_app(async_engine, MODEL, api_key=KEY), log_level="warning"))
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+        time.sleep(0.02)
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=30) as http:
+        yield SimpleNamespace(url=url, http=http, model=model, engine=async_engine, client=openai.OpenAI(
+            base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=30))
+    server.should_exit = True
+    thread.join(timeout=10)
+    async_engine.shutdown()
+
+
+def reference(srv, prompt: str, max_tokens: int) -> str:
+    """Greedy continuation by the plain decoding loop, as text."""
+    return TOK.decode(generate(srv.model, TOK.encode(prompt), max_tokens, temperature=0.0))
+
+
+def metrics(srv) -> dict[str, float]:
+    """Every sample of /metrics: {'name{labels}': value}."""
+    samples = re.finditer(r"^([a-zA-Z_:][a-zA-Z0-9_:]*(?:\{[^}]*\})?) (\S+)$", srv.http.get("/metrics").text,
+                          re.MULTILINE)
+    return {m[1]: float(m[2]) for m in samples}
+
+
+def wait_idle(srv, timeout: float = 10.0) -> None:
+    """Until nothing runs or waits and every cache block and state slot is free again."""
+    eng = srv.engine.engine
+    bm = eng.block_manager
+    deadline = time.monotonic() + timeout
+    while True:
+        s = srv.engine.stats()
+        if (s.num_running == s.num_waiting == 0 and bm.num_free_blocks == bm.config.num_blocks
+                and bm.num_free_state_slots == bm.config.num_state_slots and not eng.requests):
+            return
+        assert time.monotonic() < deadline, f"engine not idle: {s}, {bm.num_free_blocks} free blocks"
+        time.sleep(0.05)
+
+
+# Completions and chat.
+
+
+def test_completion_is_the_greedy_continuation(srv):
+    r = srv.client.completions.create(model=MODEL, prompt="Hello, world", max_tokens=12, temperature=0)
+    assert r.object == "text_completion" and r.model == MODEL and r.id.startswith("cmpl-")
+    assert r.choices[0].text == reference(srv, "Hello, world", 12)
+    assert r.choices[0].finish_reason == "length"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (12, 12, 24)
+    by_ids = srv.client.completions.create(model=MODEL, prompt=TOK.encode("Hello, world"), max_tokens=12,
+                                           temperature=0)
+    assert by_ids.choices[0].text == r.choices[0].text
+
+
+def test_completion_stream_and_stop_string(srv):
+    full = reference(srv, "Once upon", 20)
+    chunks = list(srv.client.completions.create(model=MODEL, prompt="Once upon", max_tokens=20,
+                                                temperature=0, stream=True,
+                                                stream_options={"include_usage": True}))
+    assert all(c.object == "text_completion" for c in chunks)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 20
+    raw = srv.http.post("/v1/completions", json={"prompt": "Once upon", "max_tokens": 20, "temperature": 0,
+                                                  "stream": True})
+    assert raw.headers["content-type"].startswith("text/event-stream")
+    events = raw.text.split("\n\n")  # "data: {json}" events, blank-line separated, then [DONE]
+    assert events[-2:] == ["data: [DONE]", ""] and all(e.startswith("data: {") for e in events[:-2])
+    assert "".join(json.loads(e[6:])["choices"][0]["text"] for e in events[:-2]) == full
+    stop = full[8:10]  # the text is cut before the stop string's first occurrence
+    r = srv.client.completions.create(model=MODEL, prompt="Once upon", max_tokens=20, temperature=0,
+                                      stop=[stop, "never"])
+    assert r.choices[0].text == full[:full.index(stop)] and r.choices[0].finish_reason == "stop"
+
+
+def test_chat_renders_the_default_template(srv):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    prompt = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n"
+    r = srv.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0)
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == reference(srv, prompt, 10)
+    assert r.usage.prompt_tokens == len(prompt) and r.usage.completion_tokens == 10
+
+    parts = [{"role": "system", "content": [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}]},
+             messages[1]]
+    chunks = list(srv.client.chat.completions.create(model=MODEL, messages=parts, max_completion_tokens=10,
+                                                     temperature=0, stream=True))
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == r.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_chat_default_max_tokens_fills_the_context(srv):
+    r = srv.http.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "x" * 400}], "temperature": 0})
+    body = r.json()
+    assert r.status_code == 200, body
+    assert body["usage"]["total_tokens"] == MAX_MODEL_LEN and body["choices"][0]["finish_reason"] == "length"
+
+
+def test_logprobs(srv):
+    ids = TOK.encode("Log me")
+    with torch.inference_mode():
+        first = torch.log_softmax(srv.model(torch.tensor([ids])).logits[0, -1].float(), -1)
+    r = srv.client.completions.create(model=MODEL, prompt="Log me", max_tokens=6, temperature=0, logprobs=3)
+    lp = r.choices[0].logprobs
+    assert "".join(lp.tokens) == r.choices[0].text and len(lp.tokens) == 6
+    assert lp.text_offset == list(range(6))
+    assert lp.token_logprobs[0] == pytest.approx(first.max().item(), abs=1e-4)
+    for token, chosen, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert len(top) == 3 and top[token] == pytest.approx(chosen) and chosen == pytest.approx(max(top.values()))
+
+    streamed = list(srv.client.completions.create(model=MODEL, prompt="Log me", max_tokens=6, temperature=0,
+                                                  logprobs=3, stream=True))
+    tokens = [t for c in streamed if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    offsets = [o for c in streamed if c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
+    assert tokens == lp.tokens and offsets == lp.text_offset
+
+    c = srv.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Log me"}],
+                                           max_tokens=5, temperature=0, logprobs=True, top_logprobs=2)
+    content = c.choices[0].logprobs.content
+    assert "".join(e.token for e in content) == c.choices[0].message.content and len(content) == 5
+    for e in content:
+        assert e.bytes == list(e.token.encode()) and len(e.top_logprobs) == 2
+        assert e.top_logprobs[0].token == e.token and e.top_logprobs[0].logprob == pytest.approx(e.logprob)
+
+
+def test_concurrent_requests_match_requests_alone(srv):
+    prompts = [f"Request number {i}: " + "abc" * i for i in range(6)]
+    kinds = [{"temperature": 0}, {"temperature": 1.0, "seed": 1234}]  # greedy, and seeded sampling
+
+    def run(i: int) -> str:
+        return srv.client.completions.create(model=MODEL, prompt=prompts[i], max_tokens=16,
+                                             **kinds[i % 2]).choices[0].text
+
+    alone = [run(i) for i in range(6)]
+    with ThreadPoolExecutor(6) as pool:
+        together = list(pool.map(run, range(6)))
+    assert together == alone
+    assert alone[0] == reference(srv, prompts[0], 16)
+    wait_idle(srv)
+
+
+# The other endpoints.
+
+
+def test_models_health_and_auth(srv):
+    assert [m.id for m in srv.client.models.list().data] == [MODEL]
+    assert httpx.get(srv.url + "/health").status_code == 200  # no key needed
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "x"}, headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    bad = openai.OpenAI(base_url=srv.url + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+
+
+def test_metrics_move(srv):
+    before = metrics(srv)
+    for name in ("openk3_num_requests_running", "openk3_num_requests_waiting", "openk3_cache_usage_ratio",
+                 "openk3_prefix_cache_hit_rate", "openk3_prefix_cache_saved_tokens_total",
+                 "openk3_time_to_first_token_seconds_count", "openk3_inter_token_latency_seconds_count"):
+        assert name in before, name
+    for _ in range(2):  # 39 tokens: the first request leaves a KDA checkpoint at token 32
+        srv.client.completions.create(model=MODEL, prompt="Count me in. " * 3, max_tokens=7, temperature=0)
+    after = metrics(srv)
+    delta = {k: after[k] - before.get(k, 0.0) for k in after}
+    assert delta["openk3_generation_tokens_total"] == 14
+    assert delta["openk3_time_to_first_token_seconds_count"] == 2
+    assert delta["openk3_inter_token_latency_seconds_count"] == 12
+    assert delta['openk3_requests_finished_total{finish_reason="length"}'] == 2
+    assert delta["openk3_prefix_cache_hits_total"] >= 1  # the second prompt hits the first one's prefix
+    assert delta["openk3_prefix_cache_saved_tokens_total"] >= 1
+    assert after['openk3_time_to_first_token_seconds_bucket{le="+Inf"}'] == after[
+        "openk3_time_to_first_token_seconds_count"]
+
+
+# Bad input: HTTP 400 in OpenAI's error format, naming the parameter.
+
+LONG = "x" * MAX_MODEL_LEN
+BAD = [
+    ("completions", {"prompt": "hi", "temperature": "hot"}, "temperature"),
+    ("completions", {"prompt": "hi", "temperature": -1}, "temperature"),
+    ("completions", {"prompt": "hi", "top_p": 0}, "top_p"),
+    ("completions", {"prompt": "hi", "top_k": -2}, "top_k"),
+    ("completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ("completions", {"prompt": "hi", "max_tokens": 10**12}, "max_tokens"),
+    ("completions", {"prompt": "hi", "max_tokens": MAX_MODEL_LEN}, "max_tokens"),
+    ("completions", {"prompt": "hi", "max_tokens": "5"}, "max_tokens"),
+    ("completions", {"prompt": "hi", "seed": "x"}, "seed"),
+    ("completions", {"prompt": "hi", "seed": 2**70}, "seed"),
+    ("completions", {"prompt": "hi", "stop": [""]}, "stop"),
+    ("completions", {"prompt": "hi", "stop": 5}, "stop"),
+    ("completions", {"prompt": "hi", "logprobs": 50}, "logprobs"),
+    ("completions", {"prompt": "hi", "stream": "yes"}, "stream"),
+    ("completions", {"prompt": "hi", "n": 2}, "n"),
+    ("completions", {"prompt": "hi", "echo": True}, "echo"),
+    ("completions", {"prompt": "hi", "frequency_penalty": 0.5}, "frequency_penalty"),
+    ("completions", {"prompt": ""}, "prompt"),
+    ("completions", {"prompt": []}, "prompt"),
+    ("completions", {"prompt": 5}, "prompt"),
+    ("completions", {"prompt": ["a", "b"]}, "prompt"),
+    ("completions", {"prompt": [1, 10**6]}, "prompt"),
+    ("completions", {"prompt": LONG}, "prompt"),
+    ("completions", {"max_tokens": 3}, "prompt"),
+    ("chat/completions", {"messages": []}, "messages"),
+    ("chat/completions", {"prompt": "hi"}, "messages"),
+    ("chat/completions", {"messages": [{"content": "hi"}]}, "messages"),
+    ("chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages"),
+    ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
+    ("chat/completions", {"messages": [{"role": "user", "content": LONG}]}, "messages"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0},
+     "max_completion_tokens"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**9}, "max_tokens"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+                          "top_logprobs": 99}, "top_logprobs"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 3}, "n"),
+]
+
+
+@pytest.mark.parametrize(("endpoint", "body", "param"), BAD, ids=[f"{e}-{p}-{i}" for i, (e, _, p) in enumerate(BAD)])
+def test_bad_input_is_400_naming_the_parameter(srv, endpoint, body, param):
+    r = srv.http.post(f"/v1/{endpoint}", json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["type"] == "invalid_request_error" and err["message"], err
+
+
+def test_malformed_body_and_unknown_model(srv):
+    for content in (b"{not json", b"[1, 2]", b""):
+        r = srv.http.post("/v1/completions", content=content, headers={"Content-Type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
+    r = srv.http.post("/v1/completions", json={"model": "gpt-4", "prompt": "hi"})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+    r = srv.http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "unknown_field": [1]})
+    assert r.status_code == 200  # unknown fields are ignored
+    wait_idle(srv)
+
+
+def test_engine_failure_is_a_server_error(srv, monkeypatch):
+    def boom(*args):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(srv.engine.engine.runner, "execute", boom)
+    r = srv.http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error" and "boom" in r.text
+    r = srv.http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "stream": True})
+    events = r.text.split("\n\n")  # the status line went out before the failure: an error event
+    assert r.status_code == 200 and events[-2:] == ["data: [DONE]", ""]
+    assert "boom" in json.loads(events[-3][6:])["error"]["message"]
+    monkeypatch.undo()
+    wait_idle(srv)
+
+
+# Disconnects free everything.
+
+
+def test_streaming_client_disconnect_aborts(srv):
+    before = metrics(srv)
+    max_tokens = MAX_MODEL_LEN - 20
+    body = {"prompt": "Go on and on", "max_tokens": max_tokens, "stream": True}
+    with (httpx.Client(base_url=srv.url, headers={"Authorization": f"Bearer {KEY}"}) as http,
+          http.stream("POST", "/v1/completions", json=body) as r):
+        assert r.status_code == 200
+        first = next(line for line in r.iter_lines() if line.startswith("data: "))
+        assert json.loads(first[6:])["choices"][0]["text"]  # then the connection closes
+    wait_idle(srv)
+    delta = {k: v - before.get(k, 0.0) for k, v in metrics(srv).items()}
+    assert delta['openk3_requests_finished_total{finish_reason="abort"}'] == 1
+    assert delta["openk3_generation_tokens_total"] < max_tokens / 2
+
+
+def test_non_streaming_client_disconnect_aborts(srv):
+    before = metrics(srv)
+    max_tokens = MAX_MODEL_LEN - 20
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(srv.url + "/v1/completions", timeout=0.5, headers={"Authorization": f"Bearer {KEY}"},
+                   json={"prompt": "Go on and on", "max_tokens": max_tokens})
+    wait_idle(srv)
+    delta = {k: v - before.get(k, 0.0) for k, v in metrics(srv).items()}
+    assert delta['openk3_requests_finished_total{finish_reason="abort"}'] == 1
+    assert delta["openk3_generation_tokens_total"] < max_tokens / 2
+
+
+# Chat templates.
+
+
+def test_checkpoint_chat_template(tmp_path):
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": {"content": "<s>"},
+        "chat_template": "{{ bos_token }}{% for m in messages %}[{{ m.role }}]{{ m.content | tojson }}"
+                         "{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}"}))
+    t = ChatTemplate.from_checkpoint(tmp_path)
+    assert t.render([{"role": "user", "content": "héllo"}]) == '<s>[user]"héllo"[assistant]'
+    assert ChatTemplate.from_checkpoint(tmp_path / "missing").source == ChatTemplate().source
+    with pytest.raises(ChatTemplateError, match="no system"):
+        ChatTemplate("{{ raise_exception('no system') }}").render([])
+
+
+def test_health_reports_a_stopped_engine():
+    from fastapi.testclient import TestClient
+
+    engine = LLMEngine(build_model(preset("debug"), seed=0).eval(), TOK, EngineConfig(
+        max_num_seqs=2, physical_block_size=64, hash_block_size=16, kda_checkpoint_interval=64,
+        max_model_len=128, cuda_graphs=False))
+    async_engine = AsyncEngine(engine)
+    client = TestClient(build_app(async_engine, MODEL))
+    assert client.get("/health").status_code == 200
+    async_engine.shutdown()
+    assert client.get("/health").status_code == 503
