@@ -69,13 +69,17 @@ def part_ttft(model) -> None:
             for s in (1, 2)]
     record({"part": "ttft", "case": "cold", "prompt": prompt_len, "ttft_ms": 1e3 * min(cold)})
     for prefix, where in ((31744, "inside block"), (30720, "block edge")):
-        eng = engine(model, **kw)
-        shared = random_ids(prefix, vocab, 3)
-        ttft(eng, shared)  # the prefix alone: a KDA checkpoint at its end
-        t = ttft(eng, shared + random_ids(prompt_len - prefix, vocab, 4))
-        hit = eng.block_manager.stats.saved_tokens
+        times, hit = [], 0
+        for rep in range(2):  # the first run meets new chunk shapes (autotuning): keep the best
+            eng = engine(model, **kw)
+            shared = random_ids(prefix, vocab, 3 + rep)
+            ttft(eng, shared)  # the prefix alone: a KDA checkpoint at its end
+            times.append(ttft(eng, shared + random_ids(prompt_len - prefix, vocab, 4)))
+            hit = eng.block_manager.stats.saved_tokens
+        t = min(times)
         record({"part": "ttft", "case": f"warm, {prefix}-token prefix ({where})", "prompt": prompt_len,
-                "ttft_ms": 1e3 * t, "cached_tokens": hit, "warm_over_cold": t / min(cold)})
+                "ttft_ms": 1e3 * t, "first_run_ms": 1e3 * times[0], "cached_tokens": hit,
+                "warm_over_cold": t / min(cold)})
 
 
 def decode_throughput(eng: LLMEngine, batch: int, prompt_len: int = 128, new: int = 128) -> dict:
@@ -107,7 +111,7 @@ def part_decode(model, name: str, batches=(1, 32, 128), modes=(True, False)) -> 
             eng = engine(model, max_num_seqs=128, max_num_batched_tokens=8192, max_model_len=4096,
                          cuda_graphs=graphs)
             try:
-                decode_throughput(eng, min(B, 4))  # warm-up (and graph capture of small buckets)
+                decode_throughput(eng, B, new=16)  # warm-up: compiles and captures this bucket
                 row = decode_throughput(eng, B)
             except Exception as e:  # noqa: BLE001 - record the failure, keep measuring
                 traceback.print_exc()

@@ -92,7 +92,9 @@ def run_experts(cfg: ModelConfig, w1: torch.Tensor, w3: torch.Tensor, w2: torch.
             xe = xs[start:start + n]
             outs.append(glu_act(cfg, xe @ w1[e].T, xe @ w3[e].T) @ w2[e].T)
             start += n
-    return torch.cat(outs) if outs else xs.new_zeros(xs.shape)
+    # no rows at all: still an output of xs, so autograd runs the same graph on every rank (the
+    # expert-parallel collectives around this call must be matched in backward)
+    return torch.cat(outs) if outs else xs * 0
 
 
 class RoutedExperts(nn.Module):

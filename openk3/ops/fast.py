@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 from typing import Callable
 
 import torch
@@ -20,8 +21,22 @@ def use_fast_path(x: torch.Tensor) -> bool:
     return x.is_cuda and os.environ.get("OPENK3_REFERENCE", "0") != "1"
 
 
+def _signature(args) -> tuple:
+    """What makes dynamo compile a new graph for these ops: per tensor its rank, dtype, grad
+    mode, and which sizes are 1 (sizes 0 and 1 are specialised even with dynamic shapes)."""
+    return tuple((a.dim(), a.dtype, a.requires_grad, tuple(n == 1 for n in a.shape))
+                 for a in args if isinstance(a, torch.Tensor)) + (torch.is_grad_enabled(),
+                                                                  torch.is_inference_mode_enabled())
+
+
 def compiled(fn: Callable) -> Callable:
-    """``torch.compile`` ``fn`` lazily (first CUDA call), with dynamic shapes."""
+    """``torch.compile`` ``fn`` lazily (first CUDA call), with dynamic shapes.
+
+    If dynamo gives up on a kind of call (its per-function recompile limit: serving calls the
+    same norm with many ranks, dtypes and grad modes), calls of that kind run ``fn`` eagerly
+    from then on, with one warning: the same numerics, just unfused.
+    """
+    eager: set[tuple] = set()
 
     @functools.cache
     def get() -> Callable:
@@ -29,6 +44,15 @@ def compiled(fn: Callable) -> Callable:
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        return get()(*args, **kwargs)
+        sig = _signature(args)
+        if sig in eager:
+            return fn(*args, **kwargs)
+        try:
+            return get()(*args, **kwargs)
+        except torch._dynamo.exc.FailOnRecompileLimitHit:
+            warnings.warn(f"torch.compile of {fn.__name__} hit its recompile limit; running it "
+                          f"eagerly for inputs like {sig}")
+            eager.add(sig)
+            return fn(*args, **kwargs)
 
     return wrapper

@@ -131,3 +131,30 @@ def test_fast_paths_match_references_on_gpu():
     torch.testing.assert_close(gated_rms_norm(x, wn, x.flip(-1), 1e-5),
                                gated_rms_norm_ref(x, wn, x.flip(-1), 1e-5), rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(situ_glu(x * 5, x), situ_glu_ref(x * 5, x), rtol=1e-2, atol=1e-2)
+
+
+def test_compiled_falls_back_to_eager_when_dynamo_gives_up(monkeypatch):
+    """Serving calls the compiled norms with many ranks/dtypes/grad modes; when dynamo hits its
+    recompile limit for one kind of call, that kind runs eagerly (once warned), others stay
+    compiled."""
+    import torch._dynamo
+
+    from openk3.ops import fast
+
+    compiled_calls = []
+
+    def fake_compile(fn, **kw):
+        def run(*args):
+            if args[0].dim() == 3:
+                raise torch._dynamo.exc.FailOnRecompileLimitHit("recompile limit")
+            compiled_calls.append(args[0].dim())
+            return fn(*args)
+        return run
+
+    monkeypatch.setattr(fast.torch, "compile", fake_compile)
+    double = fast.compiled(lambda x: x * 2)
+    with pytest.warns(UserWarning, match="recompile limit"):
+        assert torch.equal(double(torch.ones(1, 2, 3)), torch.full((1, 2, 3), 2.0))
+    assert torch.equal(double(torch.ones(1, 2, 3)), torch.full((1, 2, 3), 2.0))  # eager, no warning
+    assert torch.equal(double(torch.ones(4)), torch.full((4,), 2.0))
+    assert compiled_calls == [1]

@@ -14,18 +14,21 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
-import httpx
-import openai
 import pytest
 import torch
-import uvicorn
 
-from openk3 import build_model, preset
-from openk3.generate import generate
-from openk3.serve.chat import ChatTemplate, ChatTemplateError
-from openk3.serve.engine import AsyncEngine, EngineConfig, LLMEngine
-from openk3.serve.server import build_app
-from openk3.tokenizer import ByteTokenizer
+# the serving extras are test dependencies (CI has them); the device image does not
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+pytest.importorskip("fastapi")
+
+from openk3 import build_model, preset  # noqa: E402
+from openk3.generate import generate  # noqa: E402
+from openk3.serve.chat import ChatTemplate, ChatTemplateError  # noqa: E402
+from openk3.serve.engine import AsyncEngine, EngineConfig, LLMEngine  # noqa: E402
+from openk3.serve.server import build_app  # noqa: E402
+from openk3.tokenizer import ByteTokenizer  # noqa: E402
 
 MODEL, KEY = "openk3-debug", "sk-test"
 MAX_MODEL_LEN = 512
