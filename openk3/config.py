@@ -427,7 +427,7 @@ class RunConfig(_DictIO):
     min_lr_ratio: float = 0.1
     clip_grad: float = 1.0
     balance: str = "qb"  # "qb", "sign", "aux" or "none"
-    ep: int = 1  # expert parallelism (MoonEP): 1, or the number of processes
+    ep: int = 1  # expert parallelism (MoonEP): ranks per expert group; divides the process count
     aux_loss_coef: float = 1e-2
     # bookkeeping
     log_interval: int = 10

@@ -159,6 +159,30 @@ class MoonEPExperts(nn.Module):
         return ys[order.argsort()]
 
 
+def expert_parallel_groups(ep: int):
+    """(ep_group, replica_group) of this rank for expert parallelism of size ``ep`` composed with
+    data parallelism over ``world / ep`` replicas: EP groups are consecutive ranks
+    ``[g*ep, (g+1)*ep)`` (each holds all experts once); replica groups join the ranks holding the
+    same experts (``r, r + ep, r + 2ep, ...``) and average those experts' gradients. With
+    ``ep == world`` both are None: the whole world is the one EP group and there are no replicas.
+    Every rank must call this (group creation is collective)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if ep < 1 or world % ep:
+        raise ValueError(f"expert-parallel size {ep} must divide the number of processes {world}")
+    if ep == world:
+        return None, None
+    ep_group = replica_group = None
+    for g in range(world // ep):  # every rank creates every group, in the same order
+        grp = dist.new_group(list(range(g * ep, (g + 1) * ep)))
+        if rank // ep == g:
+            ep_group = grp
+    for r in range(ep):
+        grp = dist.new_group(list(range(r, world, ep)))
+        if rank % ep == r:
+            replica_group = grp
+    return ep_group, replica_group
+
+
 def apply_moonep(model: nn.Module, group=None, replicate: bool = True) -> None:
     """Swap every MoE layer's routed experts for this rank's MoonEP share (in place)."""
     for m in model.modules():
@@ -187,8 +211,9 @@ def home_share(full: torch.Tensor, group=None) -> torch.Tensor:
 def clip_grad_norm_mixed(model: nn.Module, max_norm: float, ep_params: dict[str, nn.Parameter],
                          group=None) -> torch.Tensor:
     """Global-norm clipping when FSDP's sharded (DTensor) gradients sit beside rank-local expert
-    gradients: squared norms of both kinds are summed over all ranks, then every gradient is
-    scaled by the same factor. Returns the total norm (a plain tensor)."""
+    gradients: squared norms of both kinds are summed (the expert ones over the EP ``group``,
+    whose ranks together hold each expert once), then every gradient is scaled by the same
+    factor. Returns the total norm (a plain tensor)."""
     local_ids = {id(p) for p in ep_params.values()}
     sharded = [p.grad for p in model.parameters() if p.grad is not None and id(p) not in local_ids]
     local = [p.grad for p in ep_params.values() if p.grad is not None]

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from openk3.model.kda import KDAttention
 from openk3.model.mla import MLAttention
@@ -178,7 +179,14 @@ class Muon(torch.optim.Optimizer):
                 buf = state["momentum_buffer"]
                 buf.mul_(mu).add_(g)
                 m = g.add(buf, alpha=mu) if group["nesterov"] else buf
-                update = muon_update(m, self.head_splits.get(p), group["ns_steps"])
+                split, steps = self.head_splits.get(p), group["ns_steps"]
+                if isinstance(m, DTensor):  # FSDP shard: orthogonalise the whole matrix, keep ours
+                    # (every rank computes the same full update; head blocks need not align
+                    # with the shard boundaries)
+                    full = muon_update(m.full_tensor(), split, steps)
+                    update = distribute_tensor(full, m.device_mesh, m.placements, src_data_rank=None)
+                else:
+                    update = muon_update(m, split, steps)
                 if wd:
                     p.mul_(1 - lr * wd)
                 p.add_(update.to(p.dtype), alpha=-lr)

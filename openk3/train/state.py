@@ -55,39 +55,40 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _gather_expert_state(model_sd: dict, optim_sd: dict, optimizers, ep_params: dict) -> None:
+def _gather_expert_state(model_sd: dict, optim_sd: dict, optimizers, ep_params: dict,
+                         ep_group=None) -> None:
     """Replace the rank-local expert shares (MoonEP) by the full [E, ...] tensors, in place."""
     from openk3.parallel.expert_parallel import gather_experts
 
     for fqn, p in ep_params.items():  # same order on every rank: these are collectives
-        full = gather_experts(p.detach())
+        full = gather_experts(p.detach(), ep_group)
         state = next((opt.state[p] for opt in optimizers if p in opt.state), {})
-        moments = {k: gather_experts(v) for k, v in sorted(state.items())
+        moments = {k: gather_experts(v, ep_group) for k, v in sorted(state.items())
                    if torch.is_tensor(v) and v.shape == p.shape}
         if _is_main():
             model_sd[fqn] = full.cpu()
             optim_sd["state"].setdefault(fqn, {}).update({k: v.cpu() for k, v in moments.items()})
 
 
-def _slice_expert_state(model_sd: dict, optim_sd: dict, ep_params: dict) -> None:
+def _slice_expert_state(model_sd: dict, optim_sd: dict, ep_params: dict, ep_group=None) -> None:
     from openk3.parallel.expert_parallel import home_share
 
     for fqn in ep_params:
         E = model_sd[fqn].shape[0]
-        model_sd[fqn] = home_share(model_sd[fqn])
+        model_sd[fqn] = home_share(model_sd[fqn], ep_group)
         for k, v in optim_sd["state"].get(fqn, {}).items():
             if torch.is_tensor(v) and v.dim() and v.shape[0] == E:
-                optim_sd["state"][fqn][k] = home_share(v)
+                optim_sd["state"][fqn][k] = home_share(v, ep_group)
 
 
 def save_checkpoint(run_dir: Path, step: int, model, optimizers, trainer_state: dict,
-                    keep_last: int, ep_params: dict | None = None) -> Path | None:
+                    keep_last: int, ep_params: dict | None = None, ep_group=None) -> Path | None:
     """Collective under FSDP/EP (every rank calls it); rank 0 writes. Returns the directory.
     Expert shares of MoonEP (``ep_params``) are gathered, so the files hold all E experts."""
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
     model_sd, optim_sd = get_state_dict(model, optimizers, options=opts)
     if ep_params:
-        _gather_expert_state(model_sd, optim_sd, optimizers, ep_params)
+        _gather_expert_state(model_sd, optim_sd, optimizers, ep_params, ep_group)
     if not _is_main():
         return None
     root = run_dir / CKPT_DIR
@@ -122,7 +123,8 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return path
 
 
-def load_checkpoint(path: Path, model, optimizers, ep_params: dict | None = None) -> dict:
+def load_checkpoint(path: Path, model, optimizers, ep_params: dict | None = None,
+                    ep_group=None) -> dict:
     """Restore model, optimisers and RNG in place; returns the trainer state (step, data...).
     With MoonEP, each rank takes its experts' rows of the saved [E, ...] tensors."""
     try:
@@ -132,7 +134,7 @@ def load_checkpoint(path: Path, model, optimizers, ep_params: dict | None = None
     except (OSError, RuntimeError, json.JSONDecodeError) as e:
         raise ValueError(f"cannot read training checkpoint {path}: {e}") from e
     if ep_params:
-        _slice_expert_state(model_sd, extra["optim"], ep_params)
+        _slice_expert_state(model_sd, extra["optim"], ep_params, ep_group)
     opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=False)
     set_state_dict(model, optimizers, model_state_dict=model_sd, optim_state_dict=extra["optim"],
                    options=opts)

@@ -172,14 +172,16 @@ def train(cfg: RunConfig) -> dict:
     model = build_model(model_cfg, device=env.device, seed=cfg.seed)
     model.train()
     ep_params: dict = {}
+    ep_group = replica_group = None
     if cfg.ep > 1:
-        if cfg.ep != env.world_size:
-            raise ValueError(f"RunConfig.ep={cfg.ep}: must be 1 or the number of processes "
-                             f"({env.world_size}); experts are split over all ranks")
+        if env.world_size % cfg.ep:
+            raise ValueError(f"RunConfig.ep={cfg.ep}: must divide the number of processes "
+                             f"({env.world_size}); each group of ep ranks holds the experts once")
         if model_cfg.num_experts % cfg.ep:
             raise ValueError(f"RunConfig.ep={cfg.ep}: must divide num_experts={model_cfg.num_experts}")
-        from openk3.parallel.expert_parallel import apply_moonep, ep_parameters
-        apply_moonep(model)
+        from openk3.parallel.expert_parallel import apply_moonep, ep_parameters, expert_parallel_groups
+        ep_group, replica_group = expert_parallel_groups(cfg.ep)
+        apply_moonep(model, ep_group)
         ep_params = ep_parameters(model)
     if env.world_size > 1:
         from openk3.parallel.fsdp import apply_fsdp
@@ -191,7 +193,7 @@ def train(cfg: RunConfig) -> dict:
                          rank=env.rank, world_size=env.world_size)
     start = 0
     if prev is not None:
-        trainer_state = ckpt.load_checkpoint(prev, model, optimizers, ep_params)
+        trainer_state = ckpt.load_checkpoint(prev, model, optimizers, ep_params, ep_group)
         stream.load_state_dict(trainer_state["data"])
         start = trainer_state["step"]
         _log(env, f"resumed from {prev} at step {start}")
@@ -216,7 +218,7 @@ def train(cfg: RunConfig) -> dict:
     def save(step: int) -> None:
         nonlocal last_saved
         ckpt.save_checkpoint(run_dir, step, model, optimizers,
-                             {"data": stream.state_dict()}, cfg.keep_last, ep_params)
+                             {"data": stream.state_dict()}, cfg.keep_last, ep_params, ep_group)
         last_saved = step
 
     with _StopFlag() as flag, Progress(cfg.max_steps, start, enabled=env.is_main) as bar:
@@ -255,10 +257,14 @@ def train(cfg: RunConfig) -> dict:
             max_norm = cfg.clip_grad if cfg.clip_grad > 0 else 1e30
             if ep_params:
                 from openk3.parallel.expert_parallel import clip_grad_norm_mixed
-                for p in ep_params.values():  # local experts summed every rank's loss: average
+                for p in ep_params.values():  # local experts summed their EP group's loss
+                    if replica_group is not None:  # + the other groups' (same experts)
+                        if p.grad is None:  # every replica must join the reduction
+                            p.grad = torch.zeros_like(p)
+                        dist.all_reduce(p.grad, group=replica_group)
                     if p.grad is not None:
-                        p.grad.div_(env.world_size)
-                grad_norm = clip_grad_norm_mixed(model, max_norm, ep_params)
+                        p.grad.div_(env.world_size)  # a mean over every rank's tokens
+                grad_norm = clip_grad_norm_mixed(model, max_norm, ep_params, ep_group)
             else:
                 grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
             for opt in optimizers:
@@ -292,7 +298,8 @@ def train(cfg: RunConfig) -> dict:
                 break
     summary.update(end_step=step, first_loss=losses[0] if losses else None,
                    last_loss=losses[-1] if losses else None, losses=losses)
-    plain = export(run_dir, model, model_cfg, data, env, ep_params) if last_saved == step else None
+    plain = (export(run_dir, model, model_cfg, data, env, ep_params, ep_group)
+             if last_saved == step else None)
     if env.is_main and not flag.stop and cfg.num_samples:
         # sharded models need every rank for a forward: sample from the gathered copy instead
         sampler = model if env.world_size == 1 else plain
@@ -303,7 +310,7 @@ def train(cfg: RunConfig) -> dict:
     return summary
 
 
-def export(run_dir: Path, model, model_cfg, data, env: Env, ep_params: dict):
+def export(run_dir: Path, model, model_cfg, data, env: Env, ep_params: dict, ep_group=None):
     """save_pretrained the current weights (+ tokenizer) to RUN_DIR/export (collective).
 
     Returns the exported single-device model on rank 0 (a gathered CPU copy when sharded)."""
@@ -317,7 +324,7 @@ def export(run_dir: Path, model, model_cfg, data, env: Env, ep_params: dict):
         if ep_params:
             from openk3.parallel.expert_parallel import gather_experts
             for fqn, p in ep_params.items():
-                full[fqn] = gather_experts(p.detach()).cpu()
+                full[fqn] = gather_experts(p.detach(), ep_group).cpu()
         if not env.is_main:
             return None
         model = build_model(model_cfg, device="meta")
