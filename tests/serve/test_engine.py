@@ -181,34 +181,42 @@ def test_bad_requests_name_the_parameter(model):
     assert_free(eng)
 
 
+_REFERENCE: dict[tuple, list[int]] = {}
+
+
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(st.tuples(st.integers(0, 3), st.integers(1, 70), st.integers(1, 12),
                           st.one_of(st.none(), st.integers(0, 6))), min_size=1, max_size=7),
        st.integers(5, 12))
 def test_no_leaks_under_random_workloads(model, requests, num_blocks):
-    """Random prompts (some sharing prefixes), lengths and cancellations: afterwards every
-    block, state slot and reference is free again, and cached blocks stay consistent."""
+    """Random prompts (some sharing prefixes), lengths, cancellations, and a pool small enough to
+    preempt: every request that ran to the end gives exactly the plain generate path's tokens,
+    and afterwards every block, state slot and reference is free again."""
     eng = make_engine(model, num_blocks=num_blocks, max_num_batched_tokens=24)
     base = tokens(99, 70)
-    ids, cancel_at = [], {}
+    prompts, cancel_at = {}, {}
     for j, (family, length, max_tokens, cancel) in enumerate(requests):
         prompt = (base[:length] if family == 0 else tokens(family * 100 + j, length))
-        length = min(len(prompt) + max_tokens, 255)
-        max_tokens = max(1, length - len(prompt))
+        max_tokens = max(1, min(len(prompt) + max_tokens, 255) - len(prompt))
         rid = eng.add_request(prompt, SamplingParams(temperature=0, max_tokens=max_tokens))
-        ids.append(rid)
+        prompts[rid] = (tuple(prompt), max_tokens)
         if cancel is not None:
             cancel_at[rid] = cancel
-    step = 0
+    step, done = 0, {}
     while eng.has_unfinished():
         for rid, when in list(cancel_at.items()):
             if when == step:
                 eng.abort(rid)
                 del cancel_at[rid]
-        eng.step()
+        done.update((o.request_id, o.token_ids) for o in eng.step() if o.finished)
         step += 1
         assert step < 2000
     assert_free(eng)
+    for rid, ids in done.items():
+        key = prompts[rid]
+        if key not in _REFERENCE:
+            _REFERENCE[key] = generate(model, list(key[0]), key[1], temperature=0.0)
+        assert ids == _REFERENCE[key], rid
 
 
 def test_incremental_detokenization_waits_for_whole_characters(model):
