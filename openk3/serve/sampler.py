@@ -82,12 +82,22 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
         raise ValueError(f"sample: {logits.shape[0]} rows but {len(params)} params and "
                          f"{len(generators)} generators")
     dev = logits.device
+    if all(p.temperature == 0 for p in params):  # greedy batch: no filtering, no noise
+        tokens = logits.argmax(-1)
+        return tokens, torch.zeros(tokens.shape, device=dev)  # the filtered distribution is one-hot
     temperature = torch.tensor([p.temperature for p in params], device=dev)
     top_k = torch.tensor([p.top_k for p in params], device=dev)
     top_p = torch.tensor([p.top_p for p in params], device=dev)
     logp = filtered_logprobs(logits, temperature, top_k, top_p)
-    noise = torch.stack([torch.empty(logits.shape[-1], device=dev).exponential_(generator=g)
-                         for g in generators])
+    # Exp(1) noise, one draw per generator: a seeded request's own generator fills only its row
+    # (so its tokens do not depend on the batch); unseeded rows share one draw from the global RNG
+    noise = torch.empty_like(logp)
+    by_generator: dict[int, tuple[torch.Generator | None, list[int]]] = {}
+    for row, g in enumerate(generators):
+        by_generator.setdefault(id(g), (g, []))[1].append(row)
+    for g, rows in by_generator.values():
+        draw = torch.empty(len(rows), logp.shape[-1], device=dev).exponential_(generator=g)
+        noise[rows] = draw
     tokens = (logp.exp() / noise).argmax(-1)  # exponential race: exact sampling from exp(logp)
     greedy = temperature == 0
     tokens = torch.where(greedy, logp.argmax(-1), tokens)

@@ -58,3 +58,17 @@ def test_logprob_of_chosen_token():
 def test_bad_parameters_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
+
+
+def test_greedy_batch_fast_path_and_mixed_batches():
+    logits = _logits(B=5, V=40)
+    greedy = SamplingParams(temperature=0)
+    tokens, lp = sample(logits, [greedy] * 5, [None] * 5)
+    assert torch.equal(tokens, logits.argmax(-1)) and torch.equal(lp, torch.zeros(5))
+    # a mixed batch: greedy rows still take the argmax, seeded rows match their solo draw
+    p = SamplingParams(temperature=0.9, top_p=0.8, seed=5)
+    mixed, _ = sample(logits, [greedy, p, greedy, p, SamplingParams(temperature=1.0)],
+                      [None, make_generator(5), None, make_generator(6), None])
+    solo, _ = sample(logits[1:2], [p], [make_generator(5)])
+    assert mixed[0] == logits[0].argmax() and mixed[2] == logits[2].argmax()
+    assert mixed[1] == solo[0]
