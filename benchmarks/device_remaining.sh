@@ -16,9 +16,11 @@ small_run() {  # small_run NAME NPROC EXTRA...: a short bf16 run of the small pr
 if [ "${1:-1}" = 1 ]; then
   (
     export CUDA_VISIBLE_DEVICES=0
-    timeout 150 python3 -m pytest -m gpu tests -q -p no:cacheprovider -rf > "$OUT/gpu_tests.log" 2>&1
-    timeout 150 python3 benchmarks/model_bench.py --preset small --batch 1 --seq 4096 > "$OUT/model.log" 2>&1
-    timeout 250 python3 benchmarks/train_throughput.py --batch 4 --seq 4096 --steps 5 > "$OUT/train.log" 2>&1
+    # most important first: the model and engine checks, then the op tests (new shapes autotune)
+    timeout 150 python3 -m pytest -m gpu tests/model tests/serve tests/ops -q -p no:cacheprovider -rf \
+      > "$OUT/gpu_tests.log" 2>&1
+    timeout 200 python3 benchmarks/model_bench.py --preset small --batch 1 --seq 4096 > "$OUT/model.log" 2>&1
+    timeout 200 python3 benchmarks/train_throughput.py --batch 4 --seq 4096 --steps 5 > "$OUT/train.log" 2>&1
   ) & gpu0=$!
   (
     export CUDA_VISIBLE_DEVICES=1
