@@ -162,8 +162,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = EngineConfig(**{k: v for k, v in given.items() if v is not None},
                           enable_prefix_caching=not args.no_prefix_caching)
     engine = LLMEngine(model, tok, config, model_name=args.served_model_name or name)
+    cache = ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in engine.runner.cache_bytes().items())
     print(f"openk3 serve: {engine.model_name} on {engine.runner.device}, context {engine.max_model_len} tokens, "
-          f"{config.max_num_seqs} sequences at once", file=sys.stderr)
+          f"{config.max_num_seqs} sequences at once; cache: {cache}", file=sys.stderr)
     serve(AsyncEngine(engine), engine.model_name, host=args.host, port=args.port,
           api_key=args.api_key or os.environ.get("OPENK3_API_KEY"),
           chat_template=ChatTemplate.from_checkpoint(ckpt_dir) if ckpt_dir else None)

@@ -140,22 +140,21 @@ class MoonEPExperts(nn.Module):
     def _run_local(self, xs: torch.Tensor, experts: torch.Tensor, p) -> torch.Tensor:
         """xs [S*K, D] received pairs with their expert ids -> expert outputs [S*K, D]."""
         G, me = self.G, self.rank
-        if not self.replicate:  # every received pair belongs to a home expert
+        if self.replicate:
+            r1, r3, r2 = self._replica_weights(p)
+            w1, w3, w2 = (torch.cat([h, r]) for h, r in ((self.w1, r1), (self.w3, r3), (self.w2, r2)))
+            # slot of each pair: home experts first, then this rank's replica slots
+            slot_of_expert = torch.full((G * self.R,), -1, dtype=torch.long, device=xs.device)
+            slot_of_expert[me * G:(me + 1) * G] = torch.arange(G, device=xs.device)
+            reps = p.replicas[me]
+            used = reps >= 0
+            slot_of_expert[reps[used]] = G + torch.nonzero(used).flatten()
+            slot = slot_of_expert[experts]
+        else:  # every received pair belongs to a home expert
+            w1, w3, w2 = self.w1, self.w3, self.w2
             slot = experts - me * G
-            order = slot.argsort(stable=True)
-            ys = run_experts(self.cfg, self.w1, self.w3, self.w2, xs[order], torch.bincount(slot, minlength=G))
-            return ys[order.argsort()]
-        r1, r3, r2 = self._replica_weights(p)
-        w1, w3, w2 = (torch.cat([h, r]) for h, r in ((self.w1, r1), (self.w3, r3), (self.w2, r2)))
-        # slot of each pair: home experts first, then this rank's replica slots
-        slot_of_expert = torch.full((G * self.R,), -1, dtype=torch.long, device=xs.device)
-        slot_of_expert[me * G:(me + 1) * G] = torch.arange(G, device=xs.device)
-        reps = p.replicas[me]
-        used = reps >= 0
-        slot_of_expert[reps[used]] = G + torch.nonzero(used).flatten()
-        slot = slot_of_expert[experts]
         order = slot.argsort(stable=True)
-        ys = run_experts(self.cfg, w1, w3, w2, xs[order], torch.bincount(slot, minlength=2 * G))
+        ys = run_experts(self.cfg, w1, w3, w2, xs[order], torch.bincount(slot, minlength=w1.shape[0]))
         return ys[order.argsort()]
 
 

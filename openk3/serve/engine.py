@@ -22,9 +22,8 @@ import asyncio
 import itertools
 import queue
 import threading
-import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -112,7 +111,6 @@ class _Request:
     sent_tokens: int = 0
     logprobs: list[Logprob] | None = None
     finish_reason: str | None = None
-    arrival: float = field(default_factory=time.monotonic)
 
 
 class LLMEngine:

@@ -344,17 +344,25 @@ class OpenAIServer:
         params = self._sampling_params(req, 16 if req.max_tokens is None else req.max_tokens, req.logprobs)
         ids = self.engine.validate(prompt, params)
         head = self._head("cmpl", "text_completion")
-        outputs = self._generate(ids, params, head["id"])
-        include_usage = req.stream_options is not None and req.stream_options.include_usage
+
+        def choice(out: RequestOutput) -> dict:
+            logprobs = None if out.logprobs is None else _completion_logprobs(self.tokenizer, out.logprobs, 0)
+            return {"index": 0, "text": out.text, "logprobs": logprobs, "finish_reason": out.finish_reason}
+
+        return await self._reply(req, request, self._generate(ids, params, head["id"]), head,
+                                 self._completion_chunks, choice)
+
+    async def _reply(self, req: _SamplingRequest, request: Request, outputs: AsyncIterator[RequestOutput],
+                     head: dict, chunks, choice) -> Response:
+        """Stream ``chunks(outputs, head, include_usage)`` as server-sent events, or wait for the
+        final output and answer ``choice(out)`` with usage; 499 if the client left first."""
         if req.stream:
-            return _EventStream(_sse(self._completion_chunks(outputs, head, include_usage)))
+            include_usage = req.stream_options is not None and req.stream_options.include_usage
+            return _EventStream(_sse(chunks(outputs, head, include_usage)))
         out = await _unless_disconnected(request, _last(outputs))
         if out is None:
             return Response(status_code=499)  # nobody is listening
-        logprobs = None if out.logprobs is None else _completion_logprobs(self.tokenizer, out.logprobs, 0)
-        return JSONResponse({**head, "choices": [
-            {"index": 0, "text": out.text, "logprobs": logprobs, "finish_reason": out.finish_reason}],
-            "usage": _usage(out)})
+        return JSONResponse({**head, "choices": [choice(out)], "usage": _usage(out)})
 
     async def _completion_chunks(self, outputs: AsyncIterator[RequestOutput], head: dict,
                                  include_usage: bool) -> AsyncIterator[dict]:
@@ -393,17 +401,14 @@ class OpenAIServer:
             param = {"prompt": "messages", "max_tokens": limit, "logprobs": "top_logprobs"}.get(e.param, e.param)
             raise APIError(400, f"{param}: {e.message}", param) from e
         head = self._head("chatcmpl", "chat.completion.chunk" if req.stream else "chat.completion")
-        outputs = self._generate(ids, params, head["id"])
-        include_usage = req.stream_options is not None and req.stream_options.include_usage
-        if req.stream:
-            return _EventStream(_sse(self._chat_chunks(outputs, head, include_usage)))
-        out = await _unless_disconnected(request, _last(outputs))
-        if out is None:
-            return Response(status_code=499)
-        logprobs = None if out.logprobs is None else _chat_logprobs(self.tokenizer, out.logprobs)
-        return JSONResponse({**head, "choices": [
-            {"index": 0, "message": {"role": "assistant", "content": out.text}, "logprobs": logprobs,
-             "finish_reason": out.finish_reason}], "usage": _usage(out)})
+
+        def choice(out: RequestOutput) -> dict:
+            logprobs = None if out.logprobs is None else _chat_logprobs(self.tokenizer, out.logprobs)
+            return {"index": 0, "message": {"role": "assistant", "content": out.text}, "logprobs": logprobs,
+                    "finish_reason": out.finish_reason}
+
+        return await self._reply(req, request, self._generate(ids, params, head["id"]), head,
+                                 self._chat_chunks, choice)
 
     async def _chat_chunks(self, outputs: AsyncIterator[RequestOutput], head: dict,
                            include_usage: bool) -> AsyncIterator[dict]:
