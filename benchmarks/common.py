@@ -57,3 +57,51 @@ def write_results(name: str, rows: list[dict]) -> None:
     if out:
         with open(os.path.join(out, f"{name}.json"), "w") as fh:
             json.dump({"env": environment(), "rows": rows}, fh, indent=1)
+
+
+def profile(fn, label: str, rows: int = 20) -> dict:
+    """Run ``fn`` once under the torch profiler and cProfile; print where the time goes.
+
+    Prints the wall time against the GPU's busy time (the sum of kernel times), the number of
+    kernel launches, the top ops by host time and by GPU time, and the top Python functions by
+    own time. A wall time far above the busy time means the host (Python, dispatch, launches)
+    bounds the step. Returns the three totals.
+    """
+    import cProfile
+    import io
+    import pstats
+
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    fn()  # anything lazy (compilation, autotuning, allocation) happens outside the profile
+    sync()
+    t = time.perf_counter()
+    fn()
+    sync()
+    wall = time.perf_counter() - t
+    activities = [ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * torch.cuda.is_available()
+    with torch_profile(activities=activities) as prof:
+        fn()
+        sync()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy = sum(e.time_range.elapsed_us() for e in kernels) / 1e6
+    launches = sum(e.name in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx",
+                              "cudaLaunchKernelExC") for e in prof.events())
+    summary = {"profile": label, "wall_ms": 1e3 * wall, "gpu_busy_ms": 1e3 * busy,
+               "kernels": len(kernels), "launch_calls": launches}
+    print(summary)
+    table = prof.key_averages()
+    print(table.table(sort_by="self_cpu_time_total", row_limit=rows))
+    print(table.table(sort_by="self_device_time_total", row_limit=rows))
+    pr = cProfile.Profile()
+    pr.enable()
+    fn()
+    sync()
+    pr.disable()
+    text = io.StringIO()
+    pstats.Stats(pr, stream=text).sort_stats("tottime").print_stats(rows)
+    pstats.Stats(pr, stream=text).sort_stats("cumulative").print_stats(rows)
+    print(text.getvalue(), flush=True)
+    return summary

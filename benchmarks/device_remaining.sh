@@ -9,7 +9,7 @@ source "$(dirname "$0")/device_common.sh"
 small_run() {  # small_run NAME NPROC EXTRA...: a short bf16 run of the small preset
   local name=$1 n=$2; shift 2
   torchrun --nproc-per-node "$n" -m openk3 train --preset small --out "/tmp/runs/$name" --max-steps 40 \
-    --warmup-steps 5 --log-interval 5 --eval-interval 20 --ckpt-interval 1000 --num-samples 1 \
+    --warmup-steps 5 --log-interval 2 --eval-interval 20 --ckpt-interval 1000 --num-samples 1 \
     --sample-tokens 32 "$@" > "$OUT/$name.log" 2>&1
   tail -n 40 "/tmp/runs/$name/metrics.jsonl" >> "$OUT/$name.log" 2>/dev/null
 }
@@ -20,7 +20,7 @@ if [ "${1:-1}" = 1 ]; then
     timeout 150 python3 -m pytest -m gpu tests/model tests/serve tests/ops -q -p no:cacheprovider -rf \
       > "$OUT/gpu_tests.log" 2>&1
     timeout 200 python3 benchmarks/model_bench.py --preset small --batch 1 --seq 4096 > "$OUT/model.log" 2>&1
-    timeout 200 python3 benchmarks/train_throughput.py --batch 4 --seq 4096 --steps 5 > "$OUT/train.log" 2>&1
+    timeout 200 python3 benchmarks/train_throughput.py --batch 4 --seq 4096 --steps 5 --profile > "$OUT/train.log" 2>&1
   ) & gpu0=$!
   (
     export CUDA_VISIBLE_DEVICES=1

@@ -23,7 +23,7 @@ import traceback
 
 import torch
 
-from benchmarks.common import environment, write_results
+from benchmarks.common import environment, profile, write_results
 from openk3 import build_model, load_pretrained, preset
 from openk3.params import count_parameters
 from openk3.serve.engine import EngineConfig, LLMEngine
@@ -80,6 +80,11 @@ def part_ttft(model) -> None:
         record({"part": "ttft", "case": f"warm, {prefix}-token prefix ({where})", "prompt": prompt_len,
                 "ttft_ms": 1e3 * t, "first_run_ms": 1e3 * times[0], "cached_tokens": hit,
                 "warm_over_cold": t / min(cold)})
+    # where a warm request's time goes: the same cached prefix, a new 1024-token tail each call
+    eng, shared, tails = engine(model, **kw), random_ids(31744, vocab, 5), iter(range(10, 20))
+    ttft(eng, shared)
+    record(profile(lambda: ttft(eng, shared + random_ids(1024, vocab, next(tails))),
+                   "warm request, 31744-token cached prefix"))
 
 
 def decode_throughput(eng: LLMEngine, batch: int, prompt_len: int = 128, new: int = 128) -> dict:

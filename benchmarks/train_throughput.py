@@ -17,7 +17,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import environment, write_results
+from benchmarks.common import environment, profile, write_results
 from openk3 import build_model, preset
 from openk3.train.balance import Balancer
 from openk3.train.metrics import flops_per_token, peak_flops
@@ -57,8 +57,11 @@ def openk3_row(args) -> dict:
     sec = time_steps(step, args.steps)
     tok_s = args.batch * args.seq / sec
     mfu = tok_s * flops_per_token(cfg, args.seq) / peak_flops(torch.device("cuda"), torch.bfloat16)
-    return {"system": f"openk3 {args.preset}", "tokens_per_s": tok_s, "mfu": mfu,
-            "peak_GiB": torch.cuda.max_memory_allocated() / 2**30}
+    row = {"system": f"openk3 {args.preset}", "tokens_per_s": tok_s, "mfu": mfu,
+           "peak_GiB": torch.cuda.max_memory_allocated() / 2**30}
+    if args.profile:  # where the step's time goes (issue 3: the top costs when short of 35% MFU)
+        row.update(profile(step, "openk3 training step"))
+    return row
 
 
 def transformers_row(args) -> dict:
@@ -98,6 +101,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--no-peer", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="profile one step (host vs GPU time)")
     args = ap.parse_args()
     print(environment())
     rows = [openk3_row(args)]
