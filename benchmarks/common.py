@@ -85,7 +85,8 @@ def profile(fn, label: str, rows: int = 20) -> dict:
     with torch_profile(activities=activities) as prof:
         fn()
         sync()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and not getattr(e, "is_user_annotation", False)]  # not the optimizer's range
     busy = sum(e.time_range.elapsed_us() for e in kernels) / 1e6
     launches = sum(e.name in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx",
                               "cudaLaunchKernelExC") for e in prof.events())

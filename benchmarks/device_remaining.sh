@@ -6,10 +6,10 @@
 #   run(command="bash benchmarks/device_remaining.sh 2", kind="nvidia-h200-x2", carry=[".whl", ".triton-cache"], timeout_s=595)
 # (unpack phase 1's $OUT/autotune.tgz into the repo root before phase 2).
 source "$(dirname "$0")/device_common.sh"
-small_run() {  # small_run NAME NPROC EXTRA...: a short bf16 run of the small preset
-  local name=$1 n=$2; shift 2
-  torchrun --nproc-per-node "$n" -m openk3 train --preset small --out "/tmp/runs/$name" --max-steps 40 \
-    --warmup-steps 5 --log-interval 2 --eval-interval 20 --ckpt-interval 1000 --num-samples 1 \
+small_run() {  # small_run SECONDS NAME NPROC EXTRA...: a short bf16 run of the small preset
+  local limit=$1 name=$2 n=$3; shift 3
+  timeout -k 10 "$limit" torchrun --nproc-per-node "$n" -m openk3 train --preset small --out "/tmp/runs/$name" --max-steps 30 \
+    --warmup-steps 5 --log-interval 2 --eval-interval 15 --ckpt-interval 1000 --num-samples 1 \
     --sample-tokens 32 "$@" > "$OUT/$name.log" 2>&1
   tail -n 40 "/tmp/runs/$name/metrics.jsonl" >> "$OUT/$name.log" 2>/dev/null
 }
@@ -28,8 +28,26 @@ if [ "${1:-1}" = 1 ]; then
   ) & gpu1=$!
   wait $gpu0 $gpu1
 else
-  CUDA_VISIBLE_DEVICES=0 timeout 200 bash -c "$(declare -f small_run); small_run small1 1"
-  timeout 170 bash -c "$(declare -f small_run); small_run small2 2"
-  timeout 170 bash -c "$(declare -f small_run); small_run small2ep 2 --ep 2"
+  # phase 2: the GPU tests (one log), the small model's forward+backward against the reference,
+  # training throughput, and the 1-GPU, 2-GPU and 2-GPU --ep 2 runs of `openk3 train`. At most 8
+  # files come back: the benchmarks print their rows (OUT unset: no JSON files).
+  gpu_tests() { timeout "$1" python3 -m pytest -m gpu "$2" -q -p no:cacheprovider -rfE --tb=short \
+    >> "$OUT/gpu_tests.log" 2>&1; echo "== $2: rc $?" >> "$OUT/gpu_tests.log"; }
+  (
+    export CUDA_VISIBLE_DEVICES=0
+    gpu_tests 100 tests/model; gpu_tests 90 tests/serve
+    env -u OUT timeout 110 python3 benchmarks/model_bench.py --preset small --batch 1 --seq 4096 \
+      > "$OUT/model.log" 2>&1
+    gpu_tests 80 tests/ops
+  ) & gpu0=$!
+  (
+    export CUDA_VISIBLE_DEVICES=1
+    env -u OUT timeout 160 python3 benchmarks/train_throughput.py --batch 4 --seq 4096 --steps 5 \
+      --profile > "$OUT/train.log" 2>&1
+    small_run 170 small1 1
+  ) & gpu1=$!
+  wait $gpu0 $gpu1
+  small_run 100 small2 2
+  small_run 100 small2ep 2 --ep 2
 fi
 summary

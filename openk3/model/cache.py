@@ -20,6 +20,7 @@ class KDAState:
     conv_k: torch.Tensor | None = None
     conv_v: torch.Tensor | None = None
     cu_seqlens: torch.Tensor | None = None  # always None here: one sequence per batch row
+    cu_seqlens_cpu: torch.Tensor | None = None
 
 
 @dataclass

@@ -42,21 +42,23 @@ class KDAttention(nn.Module):
     def forward(self, x: torch.Tensor, state: KDAState | None = None) -> torch.Tensor:
         """x: [B, T, d]. With ``state``, continues from it and updates it in place.
 
-        ``state`` is anything with ``recurrent``, ``conv_q/k/v`` and ``cu_seqlens`` attributes:
+        ``state`` is anything with ``recurrent``, ``conv_q/k/v``, ``cu_seqlens`` and
+        ``cu_seqlens_cpu`` attributes:
         the generate path's ``KDAState`` or the serving engine's view onto its state pool."""
         B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
         st = state or KDAState()
-        cu = st.cu_seqlens  # packed variable-length batch (serving prefill), else None
-        q, conv_q = causal_conv1d(self.q_proj(x), self.q_conv1d.weight, st.conv_q, cu)
-        k, conv_k = causal_conv1d(self.k_proj(x), self.k_conv1d.weight, st.conv_k, cu)
-        v, conv_v = causal_conv1d(self.v_proj(x), self.v_conv1d.weight, st.conv_v, cu)
+        cu, cu_cpu = st.cu_seqlens, st.cu_seqlens_cpu  # packed varlen batch (serving prefill)
+        q, conv_q = causal_conv1d(self.q_proj(x), self.q_conv1d.weight, st.conv_q, cu, cu_cpu)
+        k, conv_k = causal_conv1d(self.k_proj(x), self.k_conv1d.weight, st.conv_k, cu, cu_cpu)
+        v, conv_v = causal_conv1d(self.v_proj(x), self.v_conv1d.weight, st.conv_v, cu, cu_cpu)
         f = self.f_b_proj(self.f_a_proj(x)).view(B, T, H, K)
         beta = torch.sigmoid(self.b_proj(x).float())  # [B, T, H]
         o, final = kda(
             q.view(B, T, H, K), k.view(B, T, H, K), v.view(B, T, H, K), f, beta,
             self.A_log, self.dt_bias, lower_bound=self.cfg.kda_gate_lower_bound,
             initial_state=st.recurrent, output_final_state=state is not None, cu_seqlens=cu,
+            cu_seqlens_cpu=cu_cpu,
         )
         if state is not None:
             state.recurrent, state.conv_q, state.conv_k, state.conv_v = final, conv_q, conv_k, conv_v

@@ -233,7 +233,8 @@ def kda_decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
 
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor | None = None,
-                  cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  cu_seqlens: torch.Tensor | None = None,
+                  cu_seqlens_cpu: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Depthwise causal convolution followed by SiLU, in x.dtype (KDA's short conv on q, k, v).
 
     Args:
@@ -242,13 +243,15 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tenso
         conv_state: ``[B, C, W-1]``, the W-1 inputs before ``x`` (zeros when None).
         cu_seqlens: packed variable-length input: ``x`` is ``[1, sum T_i, C]`` holding N
             sequences at ``[cu_seqlens[i], cu_seqlens[i+1])``; conv_state is then ``[N, C, W-1]``.
+        cu_seqlens_cpu: the same offsets on the host, if the caller has them (saves a
+            device-to-host read).
 
     Returns:
         y ``[B, T, C]`` and the new conv_state ``[B, C, W-1]`` (``[N, C, W-1]`` with
         cu_seqlens): the last W-1 inputs, reaching into the old state when T < W-1.
     """
     if cu_seqlens is not None:
-        bounds = cu_seqlens.tolist()
+        bounds = (cu_seqlens if cu_seqlens_cpu is None else cu_seqlens_cpu).tolist()
         if x.shape[0] != 1:
             raise ValueError(f"cu_seqlens needs packed input [1, T, C], got {list(x.shape)}")
         states = [None] * (len(bounds) - 1) if conv_state is None else conv_state.unbind(0)
@@ -316,7 +319,7 @@ def _validate_kda_inputs(q, k, v, f, beta, A_log, dt_bias, lower_bound, initial_
 
 
 def _kda_fla(q, k, v, f, beta, A_log, dt_bias, lower_bound, scale, initial_state,
-             output_final_state, use_qk_l2norm, cu_seqlens=None):
+             output_final_state, use_qk_l2norm, cu_seqlens=None, cu_seqlens_cpu=None):
     from fla.ops.kda import chunk_kda, fused_recurrent_kda
 
     B, T, H, K = q.shape
@@ -339,6 +342,7 @@ def _kda_fla(q, k, v, f, beta, A_log, dt_bias, lower_bound, scale, initial_state
                                    output_final_state=output_final_state, **gate_args)
     return chunk_kda(q, k, v, f, beta, scale=scale, initial_state=initial_state,
                      output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                     cu_seqlens_cpu=cu_seqlens_cpu,
                      # fla's dense tensor-core path exists only for bounds in [-5, 0)
                      safe_gate=lower_bound is not None and lower_bound >= SAFE_LOWER_BOUND,
                      **gate_args)
@@ -349,7 +353,7 @@ def kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor,
         lower_bound: float | None = SAFE_LOWER_BOUND, scale: float | None = None,
         initial_state: torch.Tensor | None = None, output_final_state: bool = False,
         use_qk_l2norm: bool = True, cu_seqlens: torch.Tensor | None = None,
-        backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor | None]:
+        cu_seqlens_cpu: torch.Tensor | None = None, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor | None]:
     """Kimi Delta Attention with the decay gate fused in: the one entry point layers call.
 
     Args:
@@ -363,6 +367,8 @@ def kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor,
         cu_seqlens: packed variable-length batch (serving prefill): inputs are ``[1, sum T_i, ...]``
             holding N sequences at ``[cu_seqlens[i], cu_seqlens[i+1])``; initial and final
             states are ``[N, H, K, V]``. fla runs it as one kernel; the reference loops.
+        cu_seqlens_cpu: the same offsets on the host, if the caller has them: fla then reads
+            the sequence lengths without waiting for the GPU.
         backend: ``"fla"`` runs fla-core's Triton kernels (``chunk_kda``; ``fused_recurrent_kda``
             for a T == 1 step without autograd), ``"torch"`` the chunkwise reference,
             ``"auto"`` picks fla for CUDA inputs when it imports (unless ``OPENK3_REFERENCE=1``).
@@ -391,7 +397,7 @@ def kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor,
     if backend == "auto":
         backend = "fla" if use_fast_path(q) and fla_available() else "torch"
     if cu_seqlens is not None and backend == "torch":
-        bounds = cu_seqlens.tolist()
+        bounds = (cu_seqlens if cu_seqlens_cpu is None else cu_seqlens_cpu).tolist()
         outs = [kda(*(t[:, a:b] for t in (q, k, v, f, beta)), A_log, dt_bias,
                     lower_bound=lower_bound, scale=scale, use_qk_l2norm=use_qk_l2norm,
                     initial_state=None if initial_state is None else initial_state[i:i + 1],
@@ -405,7 +411,7 @@ def kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor,
         if not fla_available():
             raise ValueError("backend='fla' needs fla-core and triton: pip install 'openk3[gpu]'")
         return _kda_fla(q, k, v, f, beta, A_log, dt_bias, lower_bound, scale, initial_state,
-                        output_final_state, use_qk_l2norm, cu_seqlens)
+                        output_final_state, use_qk_l2norm, cu_seqlens, cu_seqlens_cpu)
 
     g = kda_gate(f, A_log, dt_bias, lower_bound)
     if T == 1 and initial_state is not None:

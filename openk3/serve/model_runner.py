@@ -60,8 +60,10 @@ class PagedKDAView:
     """A KDA layer's view of the state slots of this batch's sequences. Reading an attribute
     gathers the rows, assigning scatters them back into the pool."""
 
-    def __init__(self, pool: KDAPool, slots: torch.Tensor, cu_seqlens: torch.Tensor | None):
-        self._pool, self._slots, self.cu_seqlens = pool, slots, cu_seqlens
+    def __init__(self, pool: KDAPool, slots: torch.Tensor, cu_seqlens: torch.Tensor | None,
+                 cu_seqlens_cpu: torch.Tensor | None):
+        self._pool, self._slots = pool, slots
+        self.cu_seqlens, self.cu_seqlens_cpu = cu_seqlens, cu_seqlens_cpu
 
     def __getattr__(self, name):
         if name in KDAPool.FIELDS:
@@ -221,10 +223,11 @@ class ModelRunner:
             if end == seq.num_tokens:
                 last[seq.request_id] = cu[-1] - 1
         dev = self.device
-        cu_seqlens = torch.tensor(cu, device=dev, dtype=torch.long)
+        cu_cpu = torch.tensor(cu, dtype=torch.long)
+        cu_seqlens = cu_cpu.to(dev)
         state_slots = torch.tensor([s.state_slot for s, _ in chunks], device=dev, dtype=torch.long)
         batch = MLABatch(torch.cat(slots), segments=segments, segment_slots=segment_slots)
-        hidden = self._forward(torch.tensor([ids], device=dev), batch, state_slots, cu_seqlens)
+        hidden = self._forward(torch.tensor([ids], device=dev), batch, state_slots, (cu_seqlens, cu_cpu))
         if not last:
             return {}
         rows = hidden[0, list(last.values())]
@@ -271,16 +274,17 @@ class ModelRunner:
         mask = pos[None, :] < ctx[:, None]
         new_slot = context_slots.gather(1, (ctx - 1)[:, None])[:, 0]
         batch = MLABatch(new_slot, context_slots=context_slots, context_mask=mask)
-        hidden = self._forward(ids[:, None], batch, state_slots, None)
+        hidden = self._forward(ids[:, None], batch, state_slots, (None, None))
         return self.model.lm_head(hidden[:, 0]).float()
 
-    def _forward(self, ids, batch: MLABatch, state_slots, cu_seqlens) -> torch.Tensor:
+    def _forward(self, ids, batch: MLABatch, state_slots, cu_seqlens: tuple) -> torch.Tensor:
+        """cu_seqlens: (on the device, on the host) for a packed prefill, else (None, None)."""
         layers = []
         for i in range(self.cfg.num_hidden_layers):
             if i in self.mla_cache:
                 layers.append(PagedMLAView(self.mla_cache[i], self.cfg.kv_lora_rank, batch))
             else:
-                layers.append(PagedKDAView(self.kda_state[i], state_slots, cu_seqlens))
+                layers.append(PagedKDAView(self.kda_state[i], state_slots, *cu_seqlens))
         return self.model.model(ids, _Views(layers))
 
 

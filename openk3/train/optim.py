@@ -116,6 +116,53 @@ def _orthogonalise_scaled(X: torch.Tensor, ns_steps: int) -> torch.Tensor:
     return zeropower_via_newtonschulz(X, ns_steps) * (UPDATE_RMS * math.sqrt(max(X.shape[-2:])))
 
 
+def _blocks(M: torch.Tensor, split: HeadSplit | None) -> list[torch.Tensor]:
+    """The matrices Muon orthogonalises in ``M`` [..., rows, cols], as batches ``[N, r, c]``:
+    the whole matrix (or each of a leading batch, e.g. experts) without ``split``, else one
+    batch per block size of the head pattern (every head's block of that size)."""
+    if split is None:
+        return [M.reshape(-1, *M.shape[-2:])]
+    X = M.mT if split.dim == 1 else M  # a column split is a row split of the transpose
+    *lead, R, C = X.shape
+    if R % split.period:
+        raise ValueError(f"muon_update: {'columns' if split.dim else 'rows'} ({R}) of a "
+                         f"{tuple(M.shape)} matrix are not a multiple of the head period {split.sizes}")
+    heads = X.reshape(*lead, R // split.period, split.period, C)  # [..., H, period, C]
+    return [b.reshape(-1, size, C) for b, size in zip(heads.split(split.sizes, dim=-2), split.sizes)]
+
+
+def _assemble(blocks: list[torch.Tensor], M: torch.Tensor, split: HeadSplit | None) -> torch.Tensor:
+    """The inverse of ``_blocks``: a tensor of M's shape from (updated) blocks."""
+    if split is None:
+        return blocks[0].reshape(M.shape)
+    X = M.mT if split.dim == 1 else M
+    *lead, R, C = X.shape
+    H = R // split.period
+    out = torch.cat([b.reshape(*lead, H, b.shape[-2], C) for b in blocks], dim=-2)
+    out = out.reshape(*lead, R, C)
+    return out.mT if split.dim == 1 else out
+
+
+def muon_updates(ms: list[torch.Tensor], splits: list[HeadSplit | None],
+                 ns_steps: int = 5) -> list[torch.Tensor]:
+    """``muon_update`` of many momenta at once: blocks of the same shape (the same projection
+    of every layer, every expert) are stacked and orthogonalised in one batched Newton-Schulz,
+    so a step costs a few dozen large matmul chains instead of one small chain per matrix
+    (the per-matrix loop was ~0.5 s of host time per step for ``small`` on an H200)."""
+    pieces = [_blocks(m, split) for m, split in zip(ms, splits)]
+    groups: dict[tuple, list[tuple[int, int]]] = {}
+    for i, blocks in enumerate(pieces):
+        for j, b in enumerate(blocks):
+            groups.setdefault((tuple(b.shape[-2:]), b.dtype, b.device), []).append((i, j))
+    done: list[list[torch.Tensor | None]] = [[None] * len(blocks) for blocks in pieces]
+    for members in groups.values():
+        stacked = [pieces[i][j] for i, j in members]
+        out = _orthogonalise_scaled(torch.cat(stacked) if len(stacked) > 1 else stacked[0], ns_steps)
+        for (i, j), o in zip(members, out.split([b.shape[0] for b in stacked])):
+            done[i][j] = o
+    return [_assemble(blocks, m, split) for blocks, m, split in zip(done, ms, splits)]
+
+
 def muon_update(M: torch.Tensor, split: HeadSplit | None = None, ns_steps: int = 5) -> torch.Tensor:
     """The Muon step direction for momentum ``M`` [..., rows, cols], before the learning rate.
 
@@ -123,17 +170,7 @@ def muon_update(M: torch.Tensor, split: HeadSplit | None = None, ns_steps: int =
     orthogonalised. With one: the blocks of each head are, each scaled with its own block
     shape. Returns a tensor of M's shape and dtype.
     """
-    if split is None:
-        return _orthogonalise_scaled(M, ns_steps)
-    X = M.mT if split.dim == 1 else M  # a column split is a row split of the transpose
-    *lead, R, C = X.shape
-    if R % split.period:
-        raise ValueError(f"muon_update: {'columns' if split.dim else 'rows'} ({R}) of a "
-                         f"{tuple(M.shape)} matrix are not a multiple of the head period {split.sizes}")
-    heads = X.reshape(*lead, R // split.period, split.period, C)  # [..., H, period, C]
-    blocks = [_orthogonalise_scaled(b, ns_steps) for b in heads.split(split.sizes, dim=-2)]
-    out = torch.cat(blocks, dim=-2).reshape(*lead, R, C)
-    return out.mT if split.dim == 1 else out
+    return muon_updates([M], [split], ns_steps)[0]
 
 
 class Muon(torch.optim.Optimizer):
@@ -169,27 +206,34 @@ class Muon(torch.optim.Optimizer):
                 loss = closure()
         for group in self.param_groups:
             lr, mu, wd = group["lr"], group["momentum"], group["weight_decay"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                g = p.grad
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(g)
-                buf = state["momentum_buffer"]
-                buf.mul_(mu).add_(g)
-                m = g.add(buf, alpha=mu) if group["nesterov"] else buf
-                split, steps = self.head_splits.get(p), group["ns_steps"]
-                if isinstance(m, DTensor):  # FSDP shard: orthogonalise the whole matrix, keep ours
-                    # (every rank computes the same full update; head blocks need not align
-                    # with the shard boundaries)
-                    full = muon_update(m.full_tensor(), split, steps)
-                    update = distribute_tensor(full, m.device_mesh, m.placements, src_data_rank=None)
-                else:
-                    update = muon_update(m, split, steps)
+            params = [p for p in group["params"] if p.grad is not None]
+            for p in params:
+                if "momentum_buffer" not in self.state[p]:
+                    self.state[p]["momentum_buffer"] = torch.zeros_like(p.grad)
+            # foreach ops take plain tensors or FSDP's DTensors, not both (MoonEP keeps the
+            # routed experts plain): one pass per kind
+            kinds: dict[bool, list[nn.Parameter]] = {}
+            for p in params:
+                kinds.setdefault(isinstance(p, DTensor), []).append(p)
+            params = [p for same in kinds.values() for p in same]
+            ms = []
+            for same in kinds.values():
+                grads = [p.grad for p in same]
+                bufs = [self.state[p]["momentum_buffer"] for p in same]
+                torch._foreach_mul_(bufs, mu)
+                torch._foreach_add_(bufs, grads)
+                ms += torch._foreach_add(grads, bufs, alpha=mu) if group["nesterov"] else bufs
+            # FSDP shards: orthogonalise whole matrices, keep our shard of the update (every
+            # rank computes the same full update; head blocks need not align with the shards)
+            full = [m.full_tensor() if isinstance(m, DTensor) else m for m in ms]
+            updates = muon_updates(full, [self.head_splits.get(p) for p in params], group["ns_steps"])
+            updates = {p: distribute_tensor(u.to(p.dtype), m.device_mesh, m.placements, src_data_rank=None)
+                       if isinstance(m, DTensor) else u.to(p.dtype)
+                       for u, m, p in zip(updates, ms, params)}
+            for same in kinds.values():
                 if wd:
-                    p.mul_(1 - lr * wd)
-                p.add_(update.to(p.dtype), alpha=-lr)
+                    torch._foreach_mul_(same, 1 - lr * wd)
+                torch._foreach_add_(same, [updates[p] for p in same], alpha=-lr)
         return loss
 
 

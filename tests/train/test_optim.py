@@ -111,7 +111,12 @@ def test_one_head_per_head_muon_equals_plain_muon():
         for step in range(2):
             _train(model, opts, _batch(cfg, step))
         runs.append([p.detach().clone() for p in model.parameters()])
-    assert all(torch.equal(a, b) for a, b in zip(*runs))
+    # Not bit-exact: Muon stacks same-shape blocks into one batched Newton-Schulz, and the two
+    # runs stack different sets (a one-head block of o_proj joins the other 96x64 blocks), so
+    # batched matmuls of different batch sizes may round differently (seen: 2e-6 on 4 of 32768
+    # entries after 2 steps). A wrong split would move parameters by ~lr * 0.2 = 2e-3.
+    for a, b in zip(*runs):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=2e-5)
 
 
 def test_column_split_for_o_proj_and_separate_k_v_blocks(debug_grads):
