@@ -65,6 +65,7 @@ def main() -> None:
     for r in (fast, ref):
         r.pop("_logits")
         rows.append({"preset": args.preset, "B": args.batch, "T": args.seq, **r})
+        print(rows[-1], flush=True)
     write_results(f"model_bench_{args.preset}", rows)
 
 
