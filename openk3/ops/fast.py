@@ -35,6 +35,10 @@ def compiled(fn: Callable) -> Callable:
     If dynamo gives up on a kind of call (its per-function recompile limit: serving calls the
     same norm with many ranks, dtypes and grad modes), calls of that kind run ``fn`` eagerly
     from then on, with one warning: the same numerics, just unfused.
+
+    Parameters' shapes stay dynamic too: by default dynamo treats them as static, so every norm
+    width (hidden size, q/kv LoRA ranks, MoE latent, KDA head) would cost a graph of its own and
+    exhaust the limit within one training run.
     """
     eager: set[tuple] = set()
 
@@ -47,6 +51,8 @@ def compiled(fn: Callable) -> Callable:
         sig = _signature(args)
         if sig in eager:
             return fn(*args, **kwargs)
+        config = torch._dynamo.config  # set and restored by hand: 2x cheaper than config.patch
+        static, config.force_parameter_static_shapes = config.force_parameter_static_shapes, False
         try:
             return get()(*args, **kwargs)
         except torch._dynamo.exc.FailOnRecompileLimitHit:
@@ -54,5 +60,7 @@ def compiled(fn: Callable) -> Callable:
                           f"eagerly for inputs like {sig}")
             eager.add(sig)
             return fn(*args, **kwargs)
+        finally:
+            config.force_parameter_static_shapes = static
 
     return wrapper

@@ -158,3 +158,30 @@ def test_compiled_falls_back_to_eager_when_dynamo_gives_up(monkeypatch):
     assert torch.equal(double(torch.ones(1, 2, 3)), torch.full((1, 2, 3), 2.0))  # eager, no warning
     assert torch.equal(double(torch.ones(4)), torch.full((4,), 2.0))
     assert compiled_calls == [1]
+
+
+def test_compiled_norm_keeps_one_graph_across_widths(monkeypatch):
+    """Norms of every width (1024 hidden, 384/512 LoRA ranks, 128 heads...) share one dynamic
+    graph per kind of call: weights are Parameters, whose shapes dynamo would treat as static."""
+    import warnings
+
+    from torch._dynamo.testing import CompileCounter
+
+    from openk3.ops import fast
+    from openk3.ops.norm import rms_norm_ref
+
+    torch._dynamo.reset()
+    counter, real_compile = CompileCounter(), torch.compile
+    monkeypatch.setattr(fast.torch, "compile", lambda fn, **kw: real_compile(fn, backend=counter, **kw))
+    norm = fast.compiled(rms_norm_ref)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*recompile limit")  # no eager fallback
+        for width in (64, 96, 128, 384, 512, 1024, 200):
+            w = torch.nn.Parameter(torch.rand(width) + 0.5)
+            for shape in ((3, 5, width), (7, width)):
+                x = torch.randn(*shape, requires_grad=True)
+                y = norm(x, w, 1e-6)
+                torch.testing.assert_close(y, rms_norm_ref(x, w, 1e-6))
+                y.sum().backward()
+                assert w.grad is not None
+    assert counter.frame_count <= 4, counter.frame_count  # one graph per rank (+ respecialisation)
