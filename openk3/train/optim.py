@@ -179,12 +179,14 @@ class Muon(torch.optim.Optimizer):
 
     ``head_splits`` maps parameters to their ``HeadSplit`` (see ``head_slices``); it is held by
     the optimiser, not its state, so ``state_dict`` stays plain tensors and numbers. Per group:
-    ``lr``, ``momentum``, ``nesterov``, ``weight_decay``, ``ns_steps``.
+    ``lr``, ``momentum``, ``nesterov``, ``weight_decay``, ``ns_steps``. ``bucket_numel`` bounds
+    how many elements are orthogonalised in one batch (memory; see ``step``).
     """
 
     def __init__(self, params, lr: float = 1e-3, momentum: float = 0.95, nesterov: bool = True,
                  weight_decay: float = 0.0, ns_steps: int = 5,
-                 head_splits: dict[nn.Parameter, HeadSplit] | None = None):
+                 head_splits: dict[nn.Parameter, HeadSplit] | None = None,
+                 bucket_numel: int = 1 << 27):
         if lr < 0 or not 0 <= momentum < 1 or weight_decay < 0 or ns_steps < 1:
             raise ValueError(f"Muon: invalid lr={lr}, momentum={momentum}, "
                              f"weight_decay={weight_decay} or ns_steps={ns_steps}")
@@ -197,6 +199,7 @@ class Muon(torch.optim.Optimizer):
                     raise ValueError(f"Muon: parameters must be matrices, got shape {tuple(p.shape)}; "
                                      "give 1-D parameters to AdamW")
         self.head_splits = dict(head_splits or {})
+        self.bucket_numel = bucket_numel  # elements orthogonalised together (256 MB in bf16)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -205,36 +208,56 @@ class Muon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            lr, mu, wd = group["lr"], group["momentum"], group["weight_decay"]
             params = [p for p in group["params"] if p.grad is not None]
+            # Same-shape matrices side by side, then buckets of at most `bucket_numel` elements:
+            # each bucket is one batched orthogonalisation per block shape, and memory stays
+            # bounded (FSDP gathers whole matrices for it; a bucket's are freed before the next).
+            # The order is the same on every rank, so the gathers match.
+            params.sort(key=lambda p: (tuple(p.shape), self._split_key(p)))
+            bucket, numel = [], 0
             for p in params:
-                if "momentum_buffer" not in self.state[p]:
-                    self.state[p]["momentum_buffer"] = torch.zeros_like(p.grad)
-            # foreach ops take plain tensors or FSDP's DTensors, not both (MoonEP keeps the
-            # routed experts plain): one pass per kind
-            kinds: dict[bool, list[nn.Parameter]] = {}
-            for p in params:
-                kinds.setdefault(isinstance(p, DTensor), []).append(p)
-            params = [p for same in kinds.values() for p in same]
-            ms = []
-            for same in kinds.values():
-                grads = [p.grad for p in same]
-                bufs = [self.state[p]["momentum_buffer"] for p in same]
-                torch._foreach_mul_(bufs, mu)
-                torch._foreach_add_(bufs, grads)
-                ms += torch._foreach_add(grads, bufs, alpha=mu) if group["nesterov"] else bufs
-            # FSDP shards: orthogonalise whole matrices, keep our shard of the update (every
-            # rank computes the same full update; head blocks need not align with the shards)
-            full = [m.full_tensor() if isinstance(m, DTensor) else m for m in ms]
-            updates = muon_updates(full, [self.head_splits.get(p) for p in params], group["ns_steps"])
-            updates = {p: distribute_tensor(u.to(p.dtype), m.device_mesh, m.placements, src_data_rank=None)
-                       if isinstance(m, DTensor) else u.to(p.dtype)
-                       for u, m, p in zip(updates, ms, params)}
-            for same in kinds.values():
-                if wd:
-                    torch._foreach_mul_(same, 1 - lr * wd)
-                torch._foreach_add_(same, [updates[p] for p in same], alpha=-lr)
+                if bucket and numel + p.numel() > self.bucket_numel:
+                    self._step_bucket(bucket, group)
+                    bucket, numel = [], 0
+                bucket.append(p)
+                numel += p.numel()
+            if bucket:
+                self._step_bucket(bucket, group)
         return loss
+
+    def _split_key(self, p: nn.Parameter) -> tuple:
+        split = self.head_splits.get(p)
+        return (-1, ()) if split is None else (split.dim, split.sizes)
+
+    def _step_bucket(self, params: list[nn.Parameter], group: dict) -> None:
+        lr, mu, wd = group["lr"], group["momentum"], group["weight_decay"]
+        for p in params:
+            if "momentum_buffer" not in self.state[p]:
+                self.state[p]["momentum_buffer"] = torch.zeros_like(p.grad)
+        # foreach ops take plain tensors or FSDP's DTensors, not both (MoonEP keeps the routed
+        # experts plain): one pass per kind
+        kinds: dict[bool, list[nn.Parameter]] = {}
+        for p in params:
+            kinds.setdefault(isinstance(p, DTensor), []).append(p)
+        params = [p for same in kinds.values() for p in same]
+        ms = []
+        for same in kinds.values():
+            grads = [p.grad for p in same]
+            bufs = [self.state[p]["momentum_buffer"] for p in same]
+            torch._foreach_mul_(bufs, mu)
+            torch._foreach_add_(bufs, grads)
+            ms += torch._foreach_add(grads, bufs, alpha=mu) if group["nesterov"] else bufs
+        # FSDP shards: orthogonalise whole matrices, keep our shard of the update (every rank
+        # computes the same full update; head blocks need not align with the shard boundaries)
+        full = [m.full_tensor() if isinstance(m, DTensor) else m for m in ms]
+        updates = muon_updates(full, [self.head_splits.get(p) for p in params], group["ns_steps"])
+        updates = {p: distribute_tensor(u.to(p.dtype), m.device_mesh, m.placements, src_data_rank=None)
+                   if isinstance(m, DTensor) else u.to(p.dtype)
+                   for u, m, p in zip(updates, ms, params)}
+        for same in kinds.values():
+            if wd:
+                torch._foreach_mul_(same, 1 - lr * wd)
+            torch._foreach_add_(same, [updates[p] for p in same], alpha=-lr)
 
 
 def _classify(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter], list[nn.Parameter]]:
