@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 import warnings
 from typing import Callable
 
@@ -27,6 +28,11 @@ def _signature(args) -> tuple:
     return tuple((a.dim(), a.dtype, a.requires_grad, tuple(n == 1 for n in a.shape))
                  for a in args if isinstance(a, torch.Tensor)) + (torch.is_grad_enabled(),
                                                                   torch.is_inference_mode_enabled())
+
+
+# dynamo's config is process-wide: calls that flip it hold this lock (re-entrant, uncontended in
+# practice: one thread runs the model)
+_CONFIG_LOCK = threading.RLock()
 
 
 def compiled(fn: Callable) -> Callable:
@@ -52,15 +58,16 @@ def compiled(fn: Callable) -> Callable:
         if sig in eager:
             return fn(*args, **kwargs)
         config = torch._dynamo.config  # set and restored by hand: 2x cheaper than config.patch
-        static, config.force_parameter_static_shapes = config.force_parameter_static_shapes, False
-        try:
-            return get()(*args, **kwargs)
-        except torch._dynamo.exc.FailOnRecompileLimitHit:
-            warnings.warn(f"torch.compile of {fn.__name__} hit its recompile limit; running it "
-                          f"eagerly for inputs like {sig}")
-            eager.add(sig)
-            return fn(*args, **kwargs)
-        finally:
-            config.force_parameter_static_shapes = static
+        with _CONFIG_LOCK:
+            static, config.force_parameter_static_shapes = config.force_parameter_static_shapes, False
+            try:
+                return get()(*args, **kwargs)
+            except torch._dynamo.exc.FailOnRecompileLimitHit:
+                warnings.warn(f"torch.compile of {fn.__name__} hit its recompile limit; running it "
+                              f"eagerly for inputs like {sig}")
+                eager.add(sig)
+                return fn(*args, **kwargs)
+            finally:
+                config.force_parameter_static_shapes = static
 
     return wrapper

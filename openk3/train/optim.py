@@ -199,7 +199,9 @@ class Muon(torch.optim.Optimizer):
                     raise ValueError(f"Muon: parameters must be matrices, got shape {tuple(p.shape)}; "
                                      "give 1-D parameters to AdamW")
         self.head_splits = dict(head_splits or {})
-        self.bucket_numel = bucket_numel  # elements orthogonalised together (256 MB in bf16)
+        # elements orthogonalised together: 2^27 fp32 momenta are 512 MB, a few GB at the peak
+        # of one bucket's Newton-Schulz (stacked copy, bf16 iterates, scaled and assembled output)
+        self.bucket_numel = bucket_numel
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -160,7 +160,7 @@ def test_compiled_falls_back_to_eager_when_dynamo_gives_up(monkeypatch):
     assert compiled_calls == [1]
 
 
-def test_compiled_norm_keeps_one_graph_across_widths(monkeypatch):
+def test_compiled_norm_keeps_one_graph_across_widths(monkeypatch, request):
     """Norms of every width (1024 hidden, 384/512 LoRA ranks, 128 heads...) share one dynamic
     graph per kind of call: weights are Parameters, whose shapes dynamo would treat as static."""
     import warnings
@@ -174,6 +174,7 @@ def test_compiled_norm_keeps_one_graph_across_widths(monkeypatch):
     counter, real_compile = CompileCounter(), torch.compile
     monkeypatch.setattr(fast.torch, "compile", lambda fn, **kw: real_compile(fn, backend=counter, **kw))
     norm = fast.compiled(rms_norm_ref)
+    request.addfinalizer(torch._dynamo.reset)  # leave rms_norm_ref's recompile budget to later tests
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*recompile limit")  # no eager fallback
         for width in (64, 96, 128, 384, 512, 1024, 200):

@@ -166,7 +166,9 @@ def test_bad_requests_name_the_parameter(model):
              ([1] * 256, SamplingParams(max_tokens=1), "prompt"),
              ([1] * 10, SamplingParams(max_tokens=250), "max_tokens"),
              ([1] * 10, SamplingParams(max_tokens=10**9), "max_tokens"),
-             ([5000], SamplingParams(), "prompt")]
+             ([5000], SamplingParams(), "prompt"), ([3, -1], SamplingParams(), "prompt"),
+             ([3, 1.5], SamplingParams(), "prompt"), ([3, "a"], SamplingParams(), "prompt"),
+             ([3, True], SamplingParams(), "prompt")]  # bools are not token ids
     for prompt, params, param in cases:
         with pytest.raises(InvalidRequest) as e:
             eng.add_request(prompt, params)
