@@ -12,7 +12,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from openk3.config import run_preset
+from openk3.train.config import run_preset
 from openk3.train.trainer import train
 
 

@@ -1,7 +1,7 @@
 """openk3: the Kimi K3 system in one readable PyTorch codebase."""
 
-from openk3.checkpoint import load_pretrained, save_pretrained
-from openk3.config import ModelConfig, from_hf, preset, to_hf
+from openk3.checkpoint import from_hf, load_pretrained, save_pretrained, to_hf
+from openk3.config import ModelConfig, preset
 from openk3.model import KimiForCausalLM, ModelCache, build_model
 from openk3.serve.llm import LLM
 from openk3.serve.sampler import SamplingParams

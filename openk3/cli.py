@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-from openk3.config import PRESETS, RunConfig, preset, run_preset
+from openk3.config import PRESETS, preset
+from openk3.train.config import RunConfig, run_preset
 
 
 def _fmt(n: int) -> str:

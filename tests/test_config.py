@@ -2,7 +2,8 @@ import json
 
 import pytest
 
-from openk3.config import PRESETS, ModelConfig, from_hf, preset, to_hf
+from openk3.checkpoint.hf_config import from_hf, to_hf
+from openk3.config import PRESETS, ModelConfig, preset
 
 
 def official_k3_config() -> dict:

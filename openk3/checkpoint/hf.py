@@ -27,7 +27,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from openk3.config import ModelConfig, from_hf, to_hf
+from openk3.checkpoint.hf_config import from_hf, to_hf
+from openk3.config import ModelConfig
 from openk3.model.model import KimiForCausalLM, _keep_fp32, build_model
 from openk3.ops.mx import mxfp4_dequantize, mxfp4_quantize
 

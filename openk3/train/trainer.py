@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from openk3.config import RunConfig
+from openk3.train.config import RunConfig
 from openk3.model import build_model
 from openk3.model.moe import MoE
 from openk3.train import state as ckpt

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from openk3.config import RunConfig, run_preset
+from openk3.train.config import RunConfig, run_preset
 from openk3.train import trainer as trainer_mod
 from openk3.train.trainer import TrainingDiverged, train
 

@@ -1,0 +1,119 @@
+"""Training-run configuration: ``RunConfig`` (every ``openk3 train`` flag is one of its fields)
+and the run presets, which share the model presets' names."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from openk3.config import PRESETS, ModelConfig, _DictIO, preset
+
+
+@dataclass
+class RunConfig(_DictIO):
+    """One training run. Every ``openk3 train`` flag is a field of the same name.
+
+    ``preset`` names the ModelConfig preset; ``model_overrides`` (JSON on the command line)
+    changes single ModelConfig fields, e.g. ``{"num_hidden_layers": 4}``.
+    """
+
+    preset: str = "debug"
+    model_overrides: dict = dataclasses.field(default_factory=dict)
+    out: str = "runs/debug"
+    resume: bool = False
+    # data
+    data: tuple[str, ...] = ()  # files, directories or JSONL; empty = the embedded stdlib corpus
+    tokenizer: str | None = None  # a tokenizer.json; None trains a byte-level BPE of vocab_size
+    vocab_size: int | None = None  # None: the model preset's vocab_size
+    seq_len: int = 256
+    batch_size: int = 8  # sequences per rank per micro-step
+    grad_accum: int = 1
+    # optimisation
+    max_steps: int = 400
+    optimizer: str = "muon"  # "muon" (per-head Muon + AdamW) or "adamw"
+    lr: float = 1e-2  # shared by Muon (RMS-matched) and AdamW; best of a sweep on debug, docs/muon.md
+    weight_decay: float = 0.1
+    warmup_steps: int = 20
+    schedule: str = "cosine"  # "cosine" or "wsd"
+    min_lr_ratio: float = 0.1
+    clip_grad: float = 1.0
+    balance: str = "qb"  # "qb", "sign", "aux" or "none"
+    ep: int = 1  # expert parallelism (MoonEP): ranks per expert group; divides the process count
+    aux_loss_coef: float = 1e-2
+    # bookkeeping
+    log_interval: int = 10
+    eval_interval: int = 100
+    eval_batches: int = 4
+    ckpt_interval: int = 100
+    keep_last: int = 2
+    seed: int = 0
+    device: str = "auto"  # "auto", "cpu", "cuda"
+    dtype: str = "auto"  # "auto" (bf16 on CUDA, fp32 on CPU), "float32", "bfloat16"
+    # samples printed at the end
+    num_samples: int = 3
+    sample_tokens: int = 80
+    sample_temperature: float = 0.8
+
+    def __post_init__(self) -> None:
+        self.data = tuple(self.data)
+        self.validate()
+
+    def validate(self) -> None:
+        def bad(name: str, why: str) -> ValueError:
+            return ValueError(f"RunConfig.{name}={getattr(self, name)!r}: {why}")
+
+        if self.preset not in PRESETS:
+            raise bad("preset", f"choose one of {sorted(PRESETS)}")
+        for name in ("seq_len", "batch_size", "grad_accum", "max_steps", "log_interval", "ep",
+                     "eval_interval", "eval_batches", "ckpt_interval", "keep_last"):
+            if getattr(self, name) <= 0:
+                raise bad(name, "must be positive")
+        for name in ("warmup_steps", "num_samples", "sample_tokens"):
+            if getattr(self, name) < 0:
+                raise bad(name, "must be >= 0")
+        if self.warmup_steps >= self.max_steps:
+            raise bad("warmup_steps", f"must be below max_steps={self.max_steps}")
+        if self.vocab_size is not None and self.vocab_size < 260:
+            raise bad("vocab_size", "must be at least 260 (256 bytes + special tokens)")
+        if not self.lr > 0:
+            raise bad("lr", "must be positive")
+        if self.weight_decay < 0 or self.clip_grad < 0:
+            raise bad("weight_decay" if self.weight_decay < 0 else "clip_grad", "must be >= 0")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise bad("min_lr_ratio", "must be in [0, 1]")
+        choices = {"optimizer": ("muon", "adamw"), "schedule": ("cosine", "wsd"),
+                   "balance": ("qb", "sign", "aux", "none"), "device": ("auto", "cpu", "cuda"),
+                   "dtype": ("auto", "float32", "bfloat16")}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise bad(name, f"choose one of {allowed}")
+        self.model_config()  # model overrides are validated by ModelConfig itself
+
+    def model_config(self) -> ModelConfig:
+        cfg = preset(self.preset)
+        changes = dict(self.model_overrides)
+        if self.vocab_size is not None:
+            changes["vocab_size"] = self.vocab_size
+        try:
+            return cfg.replace(**changes) if changes else cfg
+        except TypeError as e:
+            raise ValueError(f"RunConfig.model_overrides={self.model_overrides!r}: {e}") from e
+
+
+RUN_PRESETS = {
+    # the README's main job: CPU, a few minutes, loss clearly falling
+    "debug": dict(),
+    # one GPU, bf16
+    "small": dict(preset="small", out="runs/small", seq_len=4096, batch_size=4, max_steps=2000,
+                  lr=2e-3, warmup_steps=100, log_interval=20, eval_interval=250, ckpt_interval=500,
+                  num_samples=2, sample_tokens=128),
+}
+
+
+def run_preset(name: str, **overrides: Any) -> RunConfig:
+    """The run defaults for model preset ``name`` (run presets share the model presets' names)."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+    base = RUN_PRESETS.get(name, dict(preset=name, out=f"runs/{name}"))
+    return RunConfig(**{**base, **overrides})
