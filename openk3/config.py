@@ -16,6 +16,8 @@ config (``openk3/train/config.py``).
 from __future__ import annotations
 
 import dataclasses
+import types
+import typing
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,12 +39,40 @@ class _DictIO:
         return cls(**d)
 
 
+def _has_type(value: Any, want: Any) -> bool:
+    """``isinstance`` for the annotations config fields use: plain types, ``X | None``,
+    ``tuple[int, ...]`` and ``dict``."""
+    origin = typing.get_origin(want)
+    if origin in (typing.Union, types.UnionType):
+        return any(_has_type(value, t) for t in typing.get_args(want))
+    if origin is tuple:
+        item = typing.get_args(want)[0]
+        return isinstance(value, (tuple, list)) and all(_has_type(v, item) for v in value)
+    if want is type(None):
+        return value is None
+    if want is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if want is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, origin or want)
+
+
+def _type_name(want: Any) -> str:
+    return str(want).replace("typing.", "") if typing.get_args(want) else want.__name__
+
+
 @dataclass
 class ModelConfig(_DictIO):
     """Every field of the K3 / Kimi Linear text backbone (K3_SPEC §1, §2).
 
-    Layer kinds come from ``full_attn_layers``: a 1-indexed list of MLA layers, exactly as the
-    official ``linear_attn_config.full_attn_layers`` gives it; every other layer is KDA.
+    Layer kinds are per-layer patterns, both 1-indexed: ``full_attn_layers`` lists the MLA
+    layers, exactly as the official ``linear_attn_config.full_attn_layers`` gives it (every
+    other layer is KDA); ``dense_mlp_layers`` lists the layers with a dense MLP (every other
+    layer is MoE; the official ``first_k_dense_replace = k`` is ``(1, ..., k)``).
+
+    ``hf_passthrough`` holds the ``config.json`` keys openk3 does not interpret (e.g. the
+    release's ``media_placeholder_token_id``, ``vision_config``), in the file's nesting, so an
+    export writes them back unchanged; it takes no part in equality.
     """
 
     arch: str = "kimi_k3"
@@ -71,8 +101,8 @@ class ModelConfig(_DictIO):
     v_head_dim: int = 128
 
     # MLPs and MoE
-    intermediate_size: int = 33792  # the dense MLP of the first layers
-    first_k_dense_replace: int = 1
+    intermediate_size: int = 33792  # width of the dense MLPs
+    dense_mlp_layers: tuple[int, ...] = (1,)
     num_experts: int = 896
     num_experts_per_token: int = 16
     moe_intermediate_size: int = 3072
@@ -94,9 +124,22 @@ class ModelConfig(_DictIO):
     eos_token_id: int | None = 163586
     pad_token_id: int | None = 163839
 
+    hf_passthrough: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
+
     def __post_init__(self) -> None:
-        self.full_attn_layers = tuple(int(i) for i in self.full_attn_layers)
+        self._check_types()
+        self.full_attn_layers = tuple(self.full_attn_layers)
+        self.dense_mlp_layers = tuple(self.dense_mlp_layers)
         self.validate()
+
+    def _check_types(self) -> None:
+        """Every field's value has its annotated type (an int is a valid float; bool is not an
+        int), so a config.json with ``"num_attention_heads": "eight"`` fails here, naming it."""
+        hints = typing.get_type_hints(type(self))
+        for f in dataclasses.fields(self):
+            value, want = getattr(self, f.name), hints[f.name]
+            if not _has_type(value, want):
+                raise ValueError(f"ModelConfig.{f.name}={value!r}: expected {_type_name(want)}")
 
     # ---- validation -----------------------------------------------------------------
     def validate(self) -> None:
@@ -117,14 +160,14 @@ class ModelConfig(_DictIO):
             raise bad("qk_rope_head_dim", "must be >= 0")
         if self.q_lora_rank is not None and self.q_lora_rank <= 0:
             raise bad("q_lora_rank", "must be positive or None")
-        bad_layers = [i for i in self.full_attn_layers if not 1 <= i <= self.num_hidden_layers]
-        if bad_layers:
-            raise bad("full_attn_layers", f"entries {bad_layers} are outside 1..num_hidden_layers "
-                      f"({self.num_hidden_layers}); the list is 1-indexed")
-        if len(set(self.full_attn_layers)) != len(self.full_attn_layers):
-            raise bad("full_attn_layers", "has duplicates")
-        if not 0 <= self.first_k_dense_replace <= self.num_hidden_layers:
-            raise bad("first_k_dense_replace", "must be in 0..num_hidden_layers")
+        for name in ("full_attn_layers", "dense_mlp_layers"):
+            layers = getattr(self, name)
+            outside = [i for i in layers if not 1 <= i <= self.num_hidden_layers]
+            if outside:
+                raise bad(name, f"entries {outside} are outside 1..num_hidden_layers "
+                          f"({self.num_hidden_layers}); the list is 1-indexed")
+            if len(set(layers)) != len(layers):
+                raise bad(name, "has duplicates")
         if self.num_experts_per_token > self.num_experts:
             raise bad("num_experts_per_token", f"exceeds num_experts={self.num_experts}")
         if self.num_experts % self.num_expert_group:
@@ -158,7 +201,8 @@ class ModelConfig(_DictIO):
         return (i + 1) in self.full_attn_layers
 
     def is_moe_layer(self, i: int) -> bool:
-        return i >= self.first_k_dense_replace
+        """0-indexed layer ``i`` has a routed MoE (else a dense MLP of ``intermediate_size``)."""
+        return (i + 1) not in self.dense_mlp_layers
 
     @property
     def kda_layers(self) -> tuple[int, ...]:

@@ -143,9 +143,10 @@ def load_pretrained(path: str | os.PathLike, dtype: torch.dtype | None = None,
                     tensor = f.get_tensor(hf)
                 except (SafetensorError, OSError, ValueError) as e:
                     raise CheckpointError(f"{file}: cannot read tensor {hf}: {e}") from e
-                _place(cfg, state, hf, tensor, file, filled, experts_filled, packed)
+                _place(cfg, state, hf, tensor, file, filled, experts_filled, packed,
+                       model.stored_dtypes)
     if skipped:
-        print(f"openk3: text-only load, skipped {skipped} vision tensors "
+        print(f"openk3: text-only load, skipped {skipped} vision tensor{'s' * (skipped != 1)} "
               f"({', '.join(SKIPPED_PREFIXES)})", file=sys.stderr)
     for (stack, e, w), parts in packed.items():
         if set(parts) != {"weight_packed", "weight_scale"}:
@@ -182,7 +183,7 @@ def _checkpoint_dtype(files: list[Path]) -> torch.dtype:
     return torch.bfloat16
 
 
-def _place(cfg, state, hf, tensor, file, filled, experts_filled, packed) -> None:
+def _place(cfg, state, hf, tensor, file, filled, experts_filled, packed, stored_dtypes) -> None:
     m = _HF_EXPERT_RE.match(hf[len(_hf_prefix(cfg)):]) if hf.startswith(_hf_prefix(cfg)) else None
     if m:
         stack = f"{m.group(1)}.mlp.experts.{m.group(3)}"
@@ -222,6 +223,8 @@ def _place(cfg, state, hf, tensor, file, filled, experts_filled, packed) -> None
         raise _shape_error(hf, file, tensor.shape, target.shape)
     with torch.no_grad():
         target.copy_(tensor)
+    if tensor.dtype != target.dtype and target.dtype == torch.float32:
+        stored_dtypes[hf] = tensor.dtype  # an fp32-by-design tensor (router, decay) stored lower
     filled.add(name)
 
 
@@ -258,7 +261,8 @@ def _hf_tensors(model: KimiForCausalLM, experts: str):
         if name.endswith("self_attn.A_log"):
             t = (torch.nn.functional.pad(t, (0, max(K3_ALOG_PAD - t.shape[0], 0))) if cfg.is_k3
                  else t.view(1, 1, -1, 1))
-        yield to_hf_name(cfg, name), t
+        hf = to_hf_name(cfg, name)
+        yield hf, t.to(model.stored_dtypes.get(hf, t.dtype))
 
 
 def mxfp4_quantization_config() -> dict:
@@ -316,7 +320,9 @@ def save_pretrained(model: KimiForCausalLM, path: str | os.PathLike, experts: st
         (tmp / "model.safetensors.index.json").write_text(json.dumps(
             {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
         qc = mxfp4_quantization_config() if experts == "mxfp4" else None
-        (tmp / "config.json").write_text(json.dumps(to_hf(cfg, quantization_config=qc), indent=2))
+        dtype = str(model.model.embed_tokens.weight.dtype).removeprefix("torch.")
+        (tmp / "config.json").write_text(json.dumps(to_hf(cfg, quantization_config=qc, dtype=dtype),
+                                                    indent=2))
         if path.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
             os.replace(path, old / "prev")

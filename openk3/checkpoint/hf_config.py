@@ -2,6 +2,16 @@
 
 Beside ``hf.py`` (tensor names): the checkpoint package is the only code that knows external
 names, of tensors and of config keys.
+
+Spellings read: the K3 release (``kimi_k3`` with the text model under ``text_config``, layer
+kinds in ``linear_attn_config``, ``first_k_dense_replace``), Kimi Linear's release (flat), and
+what transformers' ``save_pretrained`` writes (``layer_types`` / ``mlp_layer_types`` per layer
+and a few renamed keys, ``attribute_map``).
+
+Written: the release's own key set, so engines that serve the release serve an export
+unchanged. Keys openk3 does not interpret are kept in ``ModelConfig.hf_passthrough`` and written
+back as they were; keys it derives (sizes, layer patterns, ``quantization_config``, ``dtype``)
+are always written from the model itself.
 """
 
 from __future__ import annotations
@@ -11,10 +21,6 @@ import os
 from typing import Any
 
 from openk3.config import ModelConfig
-
-# Kimi Linear's config.json stores the layer pattern in ``linear_attn_config``; transformers'
-# own ``save_pretrained`` writes ``layer_types`` / ``mlp_layer_types`` instead and renames a few
-# keys (``attribute_map``). Both spellings are read; ours is written.
 
 _HF_ALIASES = {  # alias -> our field
     "num_local_experts": "num_experts",
@@ -30,7 +36,7 @@ _HF_SCALAR_FIELDS = (
     "vocab_size", "hidden_size", "num_hidden_layers", "rms_norm_eps", "tie_word_embeddings",
     "max_position_embeddings", "initializer_range", "num_attention_heads", "q_lora_rank",
     "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "intermediate_size",
-    "first_k_dense_replace", "num_experts", "num_experts_per_token", "moe_intermediate_size",
+    "num_experts", "num_experts_per_token", "moe_intermediate_size",
     "num_shared_experts", "routed_scaling_factor", "moe_renormalize", "num_expert_group",
     "topk_group", "hidden_act", "num_nextn_predict_layers", "bos_token_id", "eos_token_id",
     "pad_token_id",
@@ -44,36 +50,96 @@ _K3_FIELDS = {
     "situ_beta2": "activation_situ_linear_beta",
 }
 
+# Keys that describe what openk3 models (read here, or derived and written by ``to_hf``): never
+# passed through, so a stale copy can never contradict the model.
+_TEXT_KEYS = set(_HF_SCALAR_FIELDS) | set(_HF_ALIASES) | set(_K3_FIELDS.values()) | {
+    "model_type", "architectures", "linear_attn_config", "layer_types", "mlp_layer_types",
+    "first_k_dense_replace", "moe_layer_freq", "linear_num_heads", "linear_head_dim",
+    "linear_conv_kernel_dim", "mla_use_output_gate", "latent_moe_use_norm", "mla_use_nope",
+    "quantization_config", "dtype", "torch_dtype", "num_key_value_heads", "topk_method",
+    "moe_router_activation_func", "use_grouped_topk",
+}
+_K3_TOP_KEYS = {"model_type", "architectures", "text_config", "bos_token_id", "eos_token_id",
+                "pad_token_id", "tie_word_embeddings"}
 
-def _first_int(x: Any) -> int | None:
+_DTYPE_NAMES = ("float32", "bfloat16", "float16")
+
+
+def _first_int(x: Any) -> Any:
+    """transformers allows a list of eos ids; the first is the model's own."""
     if isinstance(x, list):
-        return int(x[0]) if x else None
-    return None if x is None else int(x)
+        return x[0] if x else None
+    return x
+
+
+def _read_json(path_or_dict: str | os.PathLike | dict) -> tuple[dict, str]:
+    if isinstance(path_or_dict, dict):
+        return path_or_dict, "config dict"
+    p = os.fspath(path_or_dict)
+    if os.path.isdir(p):
+        p = os.path.join(p, "config.json")
+    try:
+        with open(p) as fh:
+            raw = json.load(fh)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read HF config {p}: {e}") from e
+    if not isinstance(raw, dict):
+        raise ValueError(f"{p}: a config.json must hold a JSON object")
+    return raw, p
+
+
+def _dense_mlp_layers(text: dict, n_layers: int, where: str) -> tuple[int, ...]:
+    """1-indexed dense layers from ``mlp_layer_types`` (per layer) or ``first_k_dense_replace``
+    with ``moe_layer_freq`` (DeepSeek's rule: MoE where ``i >= k and i % freq == 0``)."""
+    if "mlp_layer_types" in text:
+        kinds = text["mlp_layer_types"]
+        if (not isinstance(kinds, list) or len(kinds) != n_layers
+                or any(t not in ("dense", "sparse") for t in kinds)):
+            raise ValueError(f"{where}: mlp_layer_types must list 'dense' or 'sparse' for each of "
+                             f"the {n_layers} layers, got {kinds!r}")
+        return tuple(i + 1 for i, t in enumerate(kinds) if t == "dense")
+    k = text.get("first_k_dense_replace", 1)
+    freq = text.get("moe_layer_freq", 1)
+    for name, value, least in (("first_k_dense_replace", k, 0), ("moe_layer_freq", freq, 1)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            raise ValueError(f"{where}: {name}={value!r} must be an integer >= {least}")
+    return tuple(i + 1 for i in range(n_layers) if i < k or i % freq)
+
+
+def _full_attn_layers(text: dict, lac: dict, n_layers: int, where: str) -> tuple[int, ...]:
+    if "full_attn_layers" in lac:
+        full = tuple(lac["full_attn_layers"])
+        if "kda_layers" in lac:
+            expect = sorted(set(range(1, n_layers + 1)) - set(full))
+            if sorted(lac["kda_layers"]) != expect:
+                raise ValueError(f"{where}: linear_attn_config.kda_layers is not the complement "
+                                 "of full_attn_layers")
+        return full
+    if "layer_types" in text:
+        kinds = text["layer_types"]
+        if (not isinstance(kinds, list) or len(kinds) != n_layers
+                or any(t not in ("full_attention", "linear_attention") for t in kinds)):
+            raise ValueError(f"{where}: layer_types must list 'full_attention' or "
+                             f"'linear_attention' for each of the {n_layers} layers")
+        return tuple(i + 1 for i, t in enumerate(kinds) if t == "full_attention")
+    raise ValueError(f"{where}: no layer pattern (linear_attn_config.full_attn_layers or layer_types)")
 
 
 def from_hf(path_or_dict: str | os.PathLike | dict) -> ModelConfig:
     """Build a ``ModelConfig`` from a HF ``config.json`` (path, directory or parsed dict).
 
     Accepts ``model_type`` ``kimi_k3`` (text part nested under ``text_config``) and
-    ``kimi_linear`` (flat), with either ``linear_attn_config`` or transformers' ``layer_types``.
+    ``kimi_linear`` (flat), with either ``linear_attn_config`` or transformers' ``layer_types``,
+    and either ``first_k_dense_replace`` or transformers' ``mlp_layer_types``. A value of the
+    wrong type or out of range is an error naming its key.
     """
-    if isinstance(path_or_dict, dict):
-        raw, where = path_or_dict, "config dict"
-    else:
-        p = os.fspath(path_or_dict)
-        if os.path.isdir(p):
-            p = os.path.join(p, "config.json")
-        try:
-            with open(p) as fh:
-                raw = json.load(fh)
-        except (OSError, json.JSONDecodeError) as e:
-            raise ValueError(f"cannot read HF config {p}: {e}") from e
-        where = p
+    raw, where = _read_json(path_or_dict)
     model_type = raw.get("model_type")
     if model_type == "kimi_k3":
-        text = dict(raw.get("text_config") or {})
-        if not text:
+        text = raw.get("text_config")
+        if not isinstance(text, dict) or not text:
             raise ValueError(f"{where}: model_type kimi_k3 needs a 'text_config' section")
+        text = dict(text)
     elif model_type == "kimi_linear":
         text = dict(raw)
     else:
@@ -96,27 +162,16 @@ def from_hf(path_or_dict: str | os.PathLike | dict) -> ModelConfig:
     elif text.get("hidden_act") is not None and text["hidden_act"] != "situ":
         raise ValueError(f"{where}: hidden_act {text['hidden_act']!r} is not 'situ' or 'silu'")
 
+    n_layers = text.get("num_hidden_layers")
+    if not isinstance(n_layers, int) or isinstance(n_layers, bool) or n_layers <= 0:
+        raise ValueError(f"{where}: num_hidden_layers={n_layers!r} must be a positive integer")
     lac = text.get("linear_attn_config") or {}
-    n_layers = int(text["num_hidden_layers"])
-    if "full_attn_layers" in lac:
-        kw["full_attn_layers"] = tuple(int(i) for i in lac["full_attn_layers"])
-        if "kda_layers" in lac:
-            expect = sorted(set(range(1, n_layers + 1)) - set(kw["full_attn_layers"]))
-            if sorted(int(i) for i in lac["kda_layers"]) != expect:
-                raise ValueError(f"{where}: linear_attn_config.kda_layers is not the complement "
-                                 "of full_attn_layers")
-    elif "layer_types" in text:
-        kw["full_attn_layers"] = tuple(i + 1 for i, t in enumerate(text["layer_types"])
-                                       if t == "full_attention")
-    else:
-        raise ValueError(f"{where}: no layer pattern (linear_attn_config.full_attn_layers "
-                         "or layer_types)")
-    kw["linear_num_heads"] = int(lac.get("num_heads", text.get("linear_num_heads", 32)))
-    kw["linear_head_dim"] = int(lac.get("head_dim", text.get("linear_head_dim", 128)))
-    kw["linear_conv_kernel_size"] = int(lac.get("short_conv_kernel_size",
-                                                text.get("linear_conv_kernel_dim", 4)))
-    if "mlp_layer_types" in text and "first_k_dense_replace" not in text:
-        kw["first_k_dense_replace"] = sum(1 for t in text["mlp_layer_types"] if t == "dense")
+    kw["full_attn_layers"] = _full_attn_layers(text, lac, n_layers, where)
+    kw["dense_mlp_layers"] = _dense_mlp_layers(text, n_layers, where)
+    kw["linear_num_heads"] = lac.get("num_heads", text.get("linear_num_heads", 32))
+    kw["linear_head_dim"] = lac.get("head_dim", text.get("linear_head_dim", 128))
+    kw["linear_conv_kernel_size"] = lac.get("short_conv_kernel_size",
+                                            text.get("linear_conv_kernel_dim", 4))
 
     if arch == "kimi_k3":
         for ours, theirs in _K3_FIELDS.items():
@@ -134,39 +189,76 @@ def from_hf(path_or_dict: str | os.PathLike | dict) -> ModelConfig:
         kw.update(kda_gate_lower_bound=None, moe_latent_size=None, attn_res_block_size=None)
         kw.setdefault("routed_scaling_factor", 2.446)
         kw.setdefault("num_shared_experts", 1)
-    return ModelConfig(**kw)
+
+    passthrough = {k: v for k, v in text.items() if k not in _TEXT_KEYS}
+    if model_type == "kimi_k3":
+        passthrough = {**{k: v for k, v in raw.items() if k not in _K3_TOP_KEYS},
+                       "text_config": passthrough}
+    try:
+        return ModelConfig(**kw, hf_passthrough=passthrough)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from e
 
 
-def to_hf(cfg: ModelConfig, quantization_config: dict | None = None) -> dict[str, Any]:
-    """The HF ``config.json`` dict for ``cfg`` (nested for ``kimi_k3``, flat for ``kimi_linear``)."""
-    text: dict[str, Any] = {name: getattr(cfg, name) for name in _HF_SCALAR_FIELDS}
-    text["model_type"] = "kimi_linear"
-    text["architectures"] = ["KimiLinearForCausalLM"]
-    text["linear_attn_config"] = {
-        "full_attn_layers": list(cfg.full_attn_layers),
-        "kda_layers": list(cfg.kda_layers),
-        "num_heads": cfg.linear_num_heads,
-        "head_dim": cfg.linear_head_dim,
-        "short_conv_kernel_size": cfg.linear_conv_kernel_size,
+def _layer_patterns(cfg: ModelConfig) -> dict[str, Any]:
+    """The layer-kind keys: ``linear_attn_config`` lists for attention; ``first_k_dense_replace``
+    when the dense layers are a prefix (the release's spelling), else ``mlp_layer_types``, which
+    transformers reads per layer (an engine that only knows ``first_k_dense_replace`` cannot
+    express such a model)."""
+    out: dict[str, Any] = {
+        "linear_attn_config": {
+            "full_attn_layers": list(cfg.full_attn_layers),
+            "kda_layers": list(cfg.kda_layers),
+            "num_heads": cfg.linear_num_heads,
+            "head_dim": cfg.linear_head_dim,
+            "short_conv_kernel_size": cfg.linear_conv_kernel_size,
+        },
+        "moe_layer_freq": 1,
     }
-    text["mla_use_nope"] = True
-    text["moe_router_activation_func"] = "sigmoid"
-    text["use_grouped_topk"] = True
-    text["moe_layer_freq"] = 1
+    k = len(cfg.dense_mlp_layers)
+    if sorted(cfg.dense_mlp_layers) == list(range(1, k + 1)):
+        out["first_k_dense_replace"] = k
+    else:
+        out["mlp_layer_types"] = ["sparse" if cfg.is_moe_layer(i) else "dense"
+                                  for i in range(cfg.num_hidden_layers)]
+    return out
+
+
+def _with_passthrough(written: dict, passthrough: dict) -> dict:
+    """``written`` plus the keys of ``passthrough`` it lacks, recursively (written wins)."""
+    out = dict(written)
+    for key, value in passthrough.items():
+        if key not in out:
+            out[key] = value
+        elif isinstance(out[key], dict) and isinstance(value, dict):
+            out[key] = _with_passthrough(out[key], value)
+    return out
+
+
+def to_hf(cfg: ModelConfig, quantization_config: dict | None = None,
+          dtype: str = "bfloat16") -> dict[str, Any]:
+    """The HF ``config.json`` dict for ``cfg`` (nested for ``kimi_k3``, flat for ``kimi_linear``).
+
+    ``dtype``: the name of the saved tensors' floating dtype (``"bfloat16"``, ``"float32"``...).
+    """
+    if dtype not in _DTYPE_NAMES:
+        raise ValueError(f"to_hf: dtype={dtype!r} must be one of {_DTYPE_NAMES}")
+    text: dict[str, Any] = {name: getattr(cfg, name) for name in _HF_SCALAR_FIELDS}
+    text.update(_layer_patterns(cfg))
+    text.update(model_type="kimi_linear", dtype=dtype, num_key_value_heads=cfg.num_attention_heads,
+                mla_use_nope=True, moe_router_activation_func="sigmoid", use_grouped_topk=True)
+    if quantization_config is not None:  # the K3 release keeps it inside text_config
+        text["quantization_config"] = quantization_config
     if cfg.arch == "kimi_linear":
-        if quantization_config is not None:
-            text["quantization_config"] = quantization_config
-        return text
+        text["architectures"] = ["KimiLinearForCausalLM"]
+        return _with_passthrough(text, cfg.hf_passthrough)
     for ours, theirs in _K3_FIELDS.items():
         text[theirs] = getattr(cfg, ours)
-    text["hidden_act"] = "situ"
-    text["mla_use_output_gate"] = True
-    text["latent_moe_use_norm"] = True
-    text["linear_attn_config"]["gate_lower_bound"] = cfg.kda_gate_lower_bound
-    text["linear_attn_config"]["use_full_rank_gate"] = True
-    if quantization_config is not None:  # the official release keeps it inside text_config
-        text["quantization_config"] = quantization_config
-    return {
+    text.update(hidden_act="situ", mla_use_output_gate=True, latent_moe_use_norm=True,
+                topk_method="noaux_tc")
+    text["linear_attn_config"].update(gate_lower_bound=cfg.kda_gate_lower_bound,
+                                      use_full_rank_gate=True)
+    top = {
         "model_type": "kimi_k3",
         "architectures": ["KimiK3ForConditionalGeneration"],
         "text_config": text,
@@ -175,3 +267,6 @@ def to_hf(cfg: ModelConfig, quantization_config: dict | None = None) -> dict[str
         "pad_token_id": cfg.pad_token_id,
         "tie_word_embeddings": cfg.tie_word_embeddings,
     }
+    # a top-level dtype key is the release's business (passed through), but its value is ours
+    top.update({k: dtype for k in ("dtype", "torch_dtype") if k in cfg.hf_passthrough})
+    return _with_passthrough(top, cfg.hf_passthrough)

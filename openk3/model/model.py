@@ -122,6 +122,9 @@ class KimiForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        # HF tensor name -> the dtype a loaded checkpoint stored it in, where that is below the
+        # fp32 this model keeps it in (router, KDA decay); save_pretrained writes it back in it
+        self.stored_dtypes: dict[str, torch.dtype] = {}
 
     def forward(self, input_ids: torch.Tensor, cache: ModelCache | None = None,
                 return_hidden: bool = False, logits_to_keep: int = 0) -> CausalLMOutput:

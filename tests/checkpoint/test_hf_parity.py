@@ -17,6 +17,10 @@ CONFIGS = {
     "q_lora_set_mla_first": dict(num_hidden_layers=3, q_lora_rank=24, num_local_experts=6,
                                  num_experts_per_tok=3,
                                  layer_types=["full_attention", "linear_attention", "full_attention"]),
+    "dense_layers_in_the_middle": dict(num_hidden_layers=4, q_lora_rank=None, num_local_experts=8,
+                                       num_experts_per_tok=2,
+                                       layer_types=["linear_attention", "full_attention"] * 2,
+                                       mlp_layer_types=["sparse", "dense", "sparse", "dense"]),
     "many_experts_top4": dict(num_hidden_layers=5, q_lora_rank=None, num_local_experts=16,
                               num_experts_per_tok=4,
                               layer_types=["linear_attention", "linear_attention", "full_attention",
@@ -75,8 +79,9 @@ def test_greedy_continuation_matches_transformers(tmp_path):
     assert got == want
 
 
-def test_save_roundtrip_is_exact_and_readable_by_transformers(tmp_path):
-    ref = _hf_model(CONFIGS["q_lora_null_4layers"])
+@pytest.mark.parametrize("name", ["q_lora_null_4layers", "dense_layers_in_the_middle"])
+def test_save_roundtrip_is_exact_and_readable_by_transformers(tmp_path, name):
+    ref = _hf_model(CONFIGS[name])
     ref.save_pretrained(tmp_path / "hf")
     ours = openk3.load_pretrained(tmp_path / "hf", dtype=torch.float32)
     openk3.save_pretrained(ours, tmp_path / "ours")

@@ -188,3 +188,39 @@ def test_load_streams_into_meta_model(tmp_path, k3_model, monkeypatch):
     monkeypatch.setattr(hf, "build_model", lambda cfg, device=None, **k: devices.append(device) or real(cfg, device=device, **k))
     openk3.load_pretrained(tmp_path / "ck")
     assert devices == ["meta"]
+
+
+def test_release_format_checkpoint_saves_back_unchanged(tmp_path, k3_model):
+    """A checkpoint in the release's format (its config keys, MXFP4 experts, vision tensors)
+    loads, and saving it writes the same config keys and values and the same text tensors
+    (names, shapes, dtypes); the vision tensors are not carried by a text-only load."""
+    from tests.checkpoint.test_hf_config import official_k3_config
+
+    release = tmp_path / "release"
+    openk3.save_pretrained(k3_model.to(torch.bfloat16), release, experts="mxfp4")
+    k3_model.float()
+    config = official_k3_config()
+    text = json.loads((release / "config.json").read_text())["text_config"]
+    config["text_config"].update({k: v for k, v in text.items() if k != "dtype"})
+    config.update({k: text[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")})
+    (release / "config.json").write_text(json.dumps(config))
+    save_file({"vision_tower.patch_embed.proj.weight": torch.zeros(4, 3, 14, 14)},
+              str(release / "vision.safetensors"))
+    idx_path = release / "model.safetensors.index.json"
+    idx = json.loads(idx_path.read_text())
+    idx["weight_map"]["vision_tower.patch_embed.proj.weight"] = "vision.safetensors"
+    idx_path.write_text(json.dumps(idx))
+
+    openk3.save_pretrained(openk3.load_pretrained(release), tmp_path / "again", experts="mxfp4")
+    assert json.loads((tmp_path / "again" / "config.json").read_text()) == config
+
+    def tensors(path):
+        out = {}
+        for f in path.glob("*.safetensors"):
+            with safe_open(str(f), "pt") as fh:
+                out.update({k: (tuple(fh.get_slice(k).get_shape()), fh.get_slice(k).get_dtype())
+                            for k in fh.keys()})
+        return out
+
+    want = {k: v for k, v in tensors(release).items() if not k.startswith("vision_tower.")}
+    assert tensors(tmp_path / "again") == want

@@ -55,7 +55,7 @@ def test_model_fast_path_matches_reference_and_decodes(arch, monkeypatch):
     the different summation orders of the fused kernels."""
     # dense MLPs only: with MoE, bf16 rounding differences flip top-k choices, a discontinuity
     # that says nothing about the paths compared here (the experts have their own test above)
-    cfg = preset("debug").replace(linear_head_dim=64, hidden_size=256, first_k_dense_replace=8)
+    cfg = preset("debug").replace(linear_head_dim=64, hidden_size=256, dense_mlp_layers=tuple(range(1, 9)))
     if arch == "kimi_linear":
         cfg = cfg.replace(arch="kimi_linear", kda_gate_lower_bound=None, moe_latent_size=None,
                           attn_res_block_size=None, hidden_act="silu", routed_scaling_factor=2.446)

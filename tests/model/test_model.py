@@ -119,9 +119,22 @@ def test_backward_reaches_every_parameter():
 
 
 def test_k3_parameter_count():
+    """Exact totals, recomputed here from K3_SPEC §1-2 term by term (deleting any sub-module, or
+    changing one size, changes them)."""
+    d, V, L, n_mla = 7168, 163840, 93, 24
+    HK, K, H = 96 * 128, 128, 96
+    kda = 4 * d * HK + HK * d + 3 * HK * 4 + d * K + K * HK + d * H + H + HK + K
+    mla = (d * 1536 + 1536 + 1536 * H * 192 + d * (512 + 64) + 512 + 512 * H * 256
+           + d * H * 128 + H * 128 * d)
+    E, k, latent, F = 896, 16, 3584, 3072
+    routed = E * 3 * latent * F
+    moe = E * d + d * latent + latent + latent * d + routed + 3 * d * 6144
+    per_layer = 6 * d  # two norms and two AttnRes reads (norm weight + query each)
+    total = (2 * V * d + 3 * d + L * per_layer + (L - n_mla) * kda + n_mla * mla
+             + 3 * d * 33792 + (L - 1) * moe)
+    active = total - (L - 1) * routed * (E - k) // E
     r = count_parameters(preset("k3"))
-    assert 2.75e12 < r["total"] < 2.85e12
-    assert 100e9 < r["active"] < 108e9
+    assert (r["total"], r["active"]) == (total, active) == (2_779_484_393_568, 105_363_935_328)
 
 
 def test_kimi_linear_48b_matches_released_checkpoint_size():
