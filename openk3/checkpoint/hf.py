@@ -17,9 +17,7 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import sys
-import tempfile
 from collections import defaultdict
 from pathlib import Path
 
@@ -27,6 +25,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from openk3.checkpoint.atomic import atomic_directory
 from openk3.checkpoint.hf_config import from_hf, to_hf
 from openk3.config import ModelConfig
 from openk3.model.model import KimiForCausalLM, _keep_fp32, build_model
@@ -290,46 +289,43 @@ def save_pretrained(model: KimiForCausalLM, path: str | os.PathLike, experts: st
     """Write ``config.json`` + sharded safetensors + index to ``path`` atomically.
 
     ``experts="mxfp4"`` packs the routed experts (K3 only); ``"bf16"`` keeps the model's dtype.
-    The files are written to a temporary directory beside ``path`` and renamed into place.
+    The files are written to a temporary directory beside ``path`` and renamed into place
+    (``openk3.checkpoint.atomic``); one shard at a time is held in memory.
     """
     if experts not in ("bf16", "mxfp4"):
         raise ValueError(f"save_pretrained: experts={experts!r} must be 'bf16' or 'mxfp4'")
     cfg = model.cfg
     if experts == "mxfp4" and cfg.moe_intermediate_size % MX_GROUP:
         raise ValueError(f"save_pretrained: experts='mxfp4' needs moe_intermediate_size divisible by {MX_GROUP}")
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
-    try:
-        shards: list[dict[str, torch.Tensor]] = [{}]
-        size = 0
+    with atomic_directory(path) as tmp:
+        # shards are written as they fill (memory: one shard), named once their count is known
+        written: list[tuple[Path, list[str]]] = []
+        shard: dict[str, torch.Tensor] = {}
+        size = total = 0
+
+        def flush() -> None:
+            part = tmp / f"part-{len(written):05d}.safetensors"
+            save_file(shard, str(part), metadata={"format": "pt"})
+            written.append((part, list(shard)))
+            shard.clear()
+
         for name, t in _hf_tensors(model, experts):
             nbytes = t.numel() * t.element_size()
-            if shards[-1] and size + nbytes > max_shard_bytes:
-                shards.append({})
+            if shard and size + nbytes > max_shard_bytes:
+                flush()
                 size = 0
-            shards[-1][name] = t.contiguous().cpu()
+            shard[name] = t.contiguous().cpu()
             size += nbytes
-        weight_map, total = {}, 0
-        for i, shard in enumerate(shards):
-            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, str(tmp / fname), metadata={"format": "pt"})
-            for n, t in shard.items():
-                weight_map[n] = fname
-                total += t.numel() * t.element_size()
+            total += nbytes
+        flush()
+        weight_map = {}
+        for i, (part, names) in enumerate(written):
+            fname = f"model-{i + 1:05d}-of-{len(written):05d}.safetensors"
+            part.rename(tmp / fname)
+            weight_map.update(dict.fromkeys(names, fname))
         (tmp / "model.safetensors.index.json").write_text(json.dumps(
             {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
         qc = mxfp4_quantization_config() if experts == "mxfp4" else None
         dtype = str(model.model.embed_tokens.weight.dtype).removeprefix("torch.")
         (tmp / "config.json").write_text(json.dumps(to_hf(cfg, quantization_config=qc, dtype=dtype),
                                                     indent=2))
-        if path.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
-            os.replace(path, old / "prev")
-            os.replace(tmp, path)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise

@@ -224,3 +224,21 @@ def test_release_format_checkpoint_saves_back_unchanged(tmp_path, k3_model):
 
     want = {k: v for k, v in tensors(release).items() if not k.startswith("vision_tower.")}
     assert tensors(tmp_path / "again") == want
+
+
+def test_partial_writes_are_removed_and_permissions_are_ordinary(tmp_path, k3_model):
+    """A killed save leaves `.ck.tmp-*` behind: the next save of `ck` removes it. The result is
+    readable by group and others (umask 022), unlike mkdtemp's private 0o700."""
+    import os
+
+    (tmp_path / ".ck.tmp-dead").mkdir()
+    (tmp_path / ".ck.tmp-dead" / "model-00001-of-00001.safetensors").write_bytes(b"partial")
+    (tmp_path / ".ck.old-dead").mkdir()
+    old = os.umask(0o022)
+    try:
+        openk3.save_pretrained(k3_model, tmp_path / "ck")
+    finally:
+        os.umask(old)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+    assert (tmp_path / "ck").stat().st_mode & 0o777 == 0o755
+    assert all(f.stat().st_mode & 0o777 == 0o644 for f in (tmp_path / "ck").iterdir())
