@@ -4,7 +4,9 @@ and the run presets, which share the model presets' names."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from openk3.config import PRESETS, ModelConfig, _DictIO, preset
@@ -117,3 +119,58 @@ def run_preset(name: str, **overrides: Any) -> RunConfig:
         raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
     base = RUN_PRESETS.get(name, dict(preset=name, out=f"runs/{name}"))
     return RunConfig(**{**base, **overrides})
+
+
+RUN_CONFIG_FILE = "run_config.json"  # in the run directory: {"run": RunConfig, "model": ...}
+
+# Fields that may differ from the saved run when resuming: how long it runs, how often it logs,
+# evaluates and saves, what it prints at the end, and where it runs. Every other field defines
+# the run itself (model, data, batch, optimiser, schedule shape, seed) and must match.
+RESUMABLE_FIELDS = ("resume", "out", "max_steps", "log_interval", "eval_interval", "eval_batches",
+                    "ckpt_interval", "keep_last", "num_samples", "sample_tokens",
+                    "sample_temperature", "device")
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equality across a JSON round trip (tuples come back as lists)."""
+    norm = (lambda v: list(v) if isinstance(v, tuple) else v)
+    return norm(a) == norm(b)
+
+
+def resolve_run_config(given: dict[str, Any]) -> tuple[RunConfig, list[str]]:
+    """The ``RunConfig`` of ``openk3 train``: ``given`` holds only the flags the user set.
+
+    A new run starts from the run preset of ``given["preset"]`` (default ``debug``). If the
+    preset's warm-up is not below an explicitly given ``max_steps``, the warm-up is clamped to a
+    tenth of the run (a notice says so); an explicit ``warmup_steps`` that does not fit stays an
+    error. With ``resume`` and a ``RUN_DIR/run_config.json`` (``RUN_DIR``: ``out``, or the
+    preset's), every saved field is kept; a given flag outside ``RESUMABLE_FIELDS`` that differs
+    from the saved value is an error naming both values. Returns the config and the notices to
+    print.
+    """
+    name = given.get("preset", "debug")
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+    fields = {**RUN_PRESETS.get(name, dict(preset=name, out=f"runs/{name}")), **given}
+    saved_file = Path(fields.get("out", RunConfig.out)) / RUN_CONFIG_FILE
+    if given.get("resume") and saved_file.exists():
+        try:
+            saved = json.loads(saved_file.read_text())["run"]
+        except (OSError, ValueError, KeyError) as e:
+            raise ValueError(f"{saved_file}: cannot read the saved run ({e})") from e
+        conflicts = [f"--{k.replace('_', '-')} {v!r} (the run has {saved.get(k)!r})"
+                     for k, v in given.items() if k not in RESUMABLE_FIELDS and not _same(v, saved.get(k))]
+        if conflicts:
+            raise ValueError(f"--resume: {'; '.join(conflicts)} conflict with the run saved in "
+                             f"{saved_file}. Only "
+                             f"{', '.join('--' + f.replace('_', '-') for f in RESUMABLE_FIELDS[2:])} "
+                             "may change on resume; start a new run (another --out) to change the rest")
+        return RunConfig.from_dict({**saved, **given, "resume": True}), []
+    notices: list[str] = []
+    warmup = fields.get("warmup_steps", RunConfig.warmup_steps)
+    max_steps = fields.get("max_steps", RunConfig.max_steps)
+    if "warmup_steps" not in given and isinstance(max_steps, int) and 0 < max_steps <= warmup:
+        fields["warmup_steps"] = max_steps // 10
+        notices.append(f"warm-up clamped to {fields['warmup_steps']} steps (the preset's {warmup} "
+                       f"is not below --max-steps {max_steps}); set --warmup-steps to choose")
+    return RunConfig(**fields), notices
