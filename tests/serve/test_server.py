@@ -26,7 +26,8 @@ pytest.importorskip("fastapi")
 from openk3 import build_model, preset  # noqa: E402
 from openk3.generate import generate  # noqa: E402
 from openk3.serve.chat import ChatTemplate, ChatTemplateError  # noqa: E402
-from openk3.serve.engine import AsyncEngine, EngineConfig, LLMEngine  # noqa: E402
+from openk3.serve.config import EngineConfig  # noqa: E402
+from openk3.serve.engine import AsyncEngine, LLMEngine  # noqa: E402
 from openk3.serve.server import build_app  # noqa: E402
 from openk3.tokenizer import ByteTokenizer  # noqa: E402
 
@@ -90,8 +91,8 @@ def wait_idle(srv, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while True:
         s = srv.engine.stats()
-        if (s.num_running == s.num_waiting == 0 and bm.num_free_blocks == bm.config.num_blocks
-                and bm.num_free_state_slots == bm.config.num_state_slots and not eng.requests):
+        if (s.num_running == s.num_waiting == 0 and bm.num_free_blocks == bm.num_blocks
+                and bm.num_free_state_slots == bm.num_state_slots and not eng.requests):
             return
         assert time.monotonic() < deadline, f"engine not idle: {s}, {bm.num_free_blocks} free blocks"
         time.sleep(0.05)
