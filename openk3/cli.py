@@ -8,12 +8,13 @@ import json
 import os
 import sys
 import time
+import types
 import typing
 from pathlib import Path
 
-import torch
-
 from openk3.config import PRESETS, preset
+from openk3.runtime import DTYPES, checkpoint_dir, load_model
+from openk3.serve.config import EngineConfig
 from openk3.train.config import RunConfig, run_preset
 
 
@@ -38,31 +39,28 @@ def cmd_params(args: argparse.Namespace) -> int:
     return 0
 
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+def _add_model_flags(p: argparse.ArgumentParser) -> None:
+    """Which model to load and where: the arguments of ``openk3.runtime.load_model``."""
+    p.add_argument("--checkpoint", help="HF checkpoint directory, or a training run (its export)")
+    p.add_argument("--preset", default=None, choices=sorted(PRESETS),
+                   help="model preset for --random-init (default debug)")
+    p.add_argument("--random-init", action="store_true", help="use random weights of --preset")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
+    p.add_argument("--dtype", default=None, choices=sorted(DTYPES),
+                   help="default: bfloat16 on cuda, float32 on cpu")
+
+
+def _load_model(args: argparse.Namespace, seed: int = 0):
+    """``load_model`` from the flags of ``_add_model_flags``."""
+    preset_name = args.preset or ("debug" if args.random_init else None)
+    return load_model(args.checkpoint, preset_name, args.random_init, args.device, args.dtype, seed)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from openk3.generate import generate
-    from openk3.tokenizer import load_tokenizer
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = _DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.startswith("cuda") else torch.float32)
-    if args.checkpoint:
-        from openk3.checkpoint import load_pretrained
-
-        ckpt_dir = Path(args.checkpoint)
-        if (ckpt_dir / "run_config.json").exists():  # a training run: use its export
-            ckpt_dir = ckpt_dir / "export"
-        model = load_pretrained(ckpt_dir, dtype=dtype, device=device)
-        tok = load_tokenizer(ckpt_dir)
-    elif args.random_init:
-        from openk3.model import build_model
-
-        model = build_model(preset(args.preset), device=device, dtype=dtype, seed=args.seed or 0).eval()
-        tok = load_tokenizer(None)
-    else:
-        print("openk3 generate: give --checkpoint DIR, or --preset NAME --random-init", file=sys.stderr)
-        return 2
+    model, tok, _ = _load_model(args, seed=args.seed or 0)
+    device = next(model.parameters()).device
     ids = tok.encode(args.prompt)
     if not ids:
         print("openk3 generate: --prompt is empty after tokenisation", file=sys.stderr)
@@ -93,30 +91,37 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_run_config_flags(p: argparse.ArgumentParser) -> None:
-    """One flag per RunConfig field, same name (``--max-steps`` is ``max_steps``); a flag left
-    out keeps the preset's (or, with --resume, the run's) value."""
-    hints = typing.get_type_hints(RunConfig)
-    for f in dataclasses.fields(RunConfig):
-        flag = "--" + f.name.replace("_", "-")
-        help_ = f"RunConfig.{f.name} (default {f.default if f.default is not dataclasses.MISSING else '{}'})"
+def _add_config_flags(p: argparse.ArgumentParser, cls: type) -> None:
+    """One flag per field of the config dataclass ``cls``, spelled like the field
+    (``--max-steps`` sets ``max_steps``); a bool gets ``--x`` / ``--no-x``, a tuple takes several
+    values, a dict takes JSON. A flag left out is None: the config's (or the preset's) value stays."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        kw = {"dest": f.name, "default": None, "help": f"{cls.__name__}.{f.name} (default {default})"}
         t = hints[f.name]
+        if typing.get_origin(t) in (typing.Union, types.UnionType):  # X | None
+            t = next(a for a in typing.get_args(t) if a is not type(None))
+        flag = "--" + f.name.replace("_", "-")
         if t is bool:
-            p.add_argument(flag, dest=f.name, action="store_true", default=None, help=help_)
-        elif f.name == "data":
-            p.add_argument(flag, dest=f.name, nargs="+", default=None, metavar="PATH", help=help_)
-        elif f.name == "model_overrides":
-            p.add_argument(flag, dest=f.name, type=json.loads, default=None, metavar="JSON", help=help_)
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
+        elif typing.get_origin(t) in (tuple, list):
+            p.add_argument(flag, nargs="+", type=typing.get_args(t)[0], **kw)
+        elif t is dict:
+            p.add_argument(flag, type=json.loads, metavar="JSON", **kw)
         else:
-            base = next((a for a in typing.get_args(t) if a is not type(None)), t)
-            p.add_argument(flag, dest=f.name, type=base, default=None, help=help_)
+            p.add_argument(flag, type=t, **kw)
+
+
+def _config_flags_given(args: argparse.Namespace, cls: type) -> dict:
+    """The fields of ``cls`` whose flags were given (see ``_add_config_flags``)."""
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if getattr(args, f.name) is not None}
 
 
 def cmd_train(args: argparse.Namespace) -> int:
     from openk3.train.trainer import TrainingDiverged, train
 
-    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(RunConfig)
-             if getattr(args, f.name) is not None}
+    given = _config_flags_given(args, RunConfig)
     name = given.pop("preset", "debug")
     cfg = run_preset(name, **given)
     saved = Path(cfg.out) / "run_config.json"
@@ -145,30 +150,18 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from openk3.serve.chat import ChatTemplate
-    from openk3.serve.engine import AsyncEngine, EngineConfig, LLMEngine
-    from openk3.serve.llm import load_model
+    from openk3.serve.engine import AsyncEngine, LLMEngine
     from openk3.serve.server import serve
 
-    if not args.checkpoint and not args.random_init:
-        print("openk3 serve: give --checkpoint DIR, or --preset NAME --random-init", file=sys.stderr)
-        return 2
-    ckpt_dir = Path(args.checkpoint) if args.checkpoint else None
-    if ckpt_dir is not None and (ckpt_dir / "run_config.json").exists():  # a training run: use its export
-        ckpt_dir = ckpt_dir / "export"
-    model, tok, name = load_model(ckpt_dir, None if ckpt_dir else args.preset, args.random_init, args.device,
-                                  _DTYPES[args.dtype] if args.dtype else None)
-    if args.checkpoint:
-        name = Path(args.checkpoint).resolve().name
-    given = {"max_num_seqs": args.max_num_seqs, "max_model_len": args.max_model_len}
-    config = EngineConfig(**{k: v for k, v in given.items() if v is not None},
-                          enable_prefix_caching=not args.no_prefix_caching)
+    model, tok, name = _load_model(args)
+    config = EngineConfig(**_config_flags_given(args, EngineConfig))
     engine = LLMEngine(model, tok, config, model_name=args.served_model_name or name)
     cache = ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in engine.runner.cache_bytes().items())
     print(f"openk3 serve: {engine.model_name} on {engine.runner.device}, context {engine.max_model_len} tokens, "
           f"{config.max_num_seqs} sequences at once; cache: {cache}", file=sys.stderr)
+    chat_template = ChatTemplate.from_checkpoint(checkpoint_dir(args.checkpoint)) if args.checkpoint else None
     serve(AsyncEngine(engine), engine.model_name, host=args.host, port=args.port,
-          api_key=args.api_key or os.environ.get("OPENK3_API_KEY"),
-          chat_template=ChatTemplate.from_checkpoint(ckpt_dir) if ckpt_dir else None)
+          api_key=args.api_key or os.environ.get("OPENK3_API_KEY"), chat_template=chat_template)
     return 0
 
 
@@ -182,37 +175,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_params)
 
     g = sub.add_parser("generate", help="generate text from a checkpoint or a random-init preset")
-    g.add_argument("--checkpoint", help="HF checkpoint directory (kimi_k3 or kimi_linear)")
-    g.add_argument("--preset", default="debug", choices=sorted(PRESETS))
-    g.add_argument("--random-init", action="store_true", help="use random weights of --preset")
+    _add_model_flags(g)
     g.add_argument("--prompt", required=True)
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.8)
     g.add_argument("--top-p", type=float, default=0.95)
     g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    g.add_argument("--dtype", default=None, choices=sorted(_DTYPES))
     g.set_defaults(fn=cmd_generate)
 
     t = sub.add_parser("train", help="train a model (torchrun for several processes)")
-    _add_run_config_flags(t)
+    _add_config_flags(t, RunConfig)
     t.set_defaults(fn=cmd_train)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (docs/serving.md)")
-    s.add_argument("--checkpoint", help="HF checkpoint directory, or a training run (its export)")
-    s.add_argument("--preset", default="debug", choices=sorted(PRESETS))
-    s.add_argument("--random-init", action="store_true", help="serve random weights of --preset")
+    _add_model_flags(s)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $OPENK3_API_KEY, else none)")
     s.add_argument("--served-model-name", default=None,
                    help="the model's name in the API (default: checkpoint directory name, or openk3-PRESET)")
-    s.add_argument("--max-num-seqs", type=int, default=None, help="EngineConfig.max_num_seqs")
-    s.add_argument("--max-model-len", type=int, default=None, help="EngineConfig.max_model_len")
-    s.add_argument("--no-prefix-caching", action="store_true", help="EngineConfig.enable_prefix_caching=False")
-    s.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    s.add_argument("--dtype", default=None, choices=sorted(_DTYPES))
+    _add_config_flags(s, EngineConfig)
     s.set_defaults(fn=cmd_serve)
 
     pl = sub.add_parser("plot", help="write PNG charts of a run's metrics")

@@ -5,8 +5,8 @@ the instructions handed out (``BlockCopy``, ``KDARestore``) before the forward p
 that returned them.
 
 Prefix cache, in brief (K3_SPEC §5):
-- Token ids are hashed in chained fine blocks of ``hash_block_size`` tokens (default 512);
-  MLA latents live in coarse physical blocks of ``physical_block_size`` tokens (default 6144).
+- Token ids are hashed in chained fine blocks of ``hash_block_size`` tokens; MLA latents live
+  in coarse physical blocks of ``physical_block_size`` tokens (both ``EngineConfig`` fields).
 - A hit at boundary ``b`` (a multiple of ``hash_block_size``) needs every hash block below ``b``
   registered with matching token ids *and* a KDA checkpoint (recurrent + conv state of every KDA
   layer) stored for exactly that prefix: KDA state cannot be rebuilt from the latents.
@@ -25,6 +25,7 @@ import itertools
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
+from openk3.serve.config import EngineConfig
 from openk3.serve.sequence import Sequence
 
 
@@ -34,47 +35,6 @@ def hash_token_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int
     Collisions are tolerated: every hit is verified against the stored token ids.
     """
     return hash((parent_hash, token_ids))
-
-
-@dataclass
-class CacheConfig:
-    """Sizes of the hybrid cache, all in tokens or in pool entries.
-
-    num_blocks: physical MLA blocks in the pool.
-    num_state_slots: KDA state slots (recurrent + conv state), one per running sequence.
-    physical_block_size: tokens per physical MLA block.
-    hash_block_size: tokens per prefix-hash block; must divide ``physical_block_size``.
-    num_kda_checkpoints: KDA checkpoint storage entries (the checkpoint memory budget).
-    kda_checkpoint_interval: a checkpoint is taken every this many tokens (and at prompt ends,
-        rounded down to a hash boundary); a multiple of ``hash_block_size``.
-    enable_prefix_caching: off means no hashes, no checkpoints, no hits.
-    """
-
-    num_blocks: int
-    num_state_slots: int
-    physical_block_size: int = 6144
-    hash_block_size: int = 512
-    num_kda_checkpoints: int = 16
-    kda_checkpoint_interval: int = 8192
-    enable_prefix_caching: bool = True
-
-    def __post_init__(self):
-        for name in ("num_blocks", "num_state_slots", "physical_block_size", "hash_block_size",
-                     "kda_checkpoint_interval"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.num_kda_checkpoints < 0:
-            raise ValueError(f"num_kda_checkpoints must be >= 0, got {self.num_kda_checkpoints}")
-        if self.physical_block_size % self.hash_block_size:
-            raise ValueError(
-                f"hash_block_size ({self.hash_block_size}) must divide "
-                f"physical_block_size ({self.physical_block_size})"
-            )
-        if self.kda_checkpoint_interval % self.hash_block_size:
-            raise ValueError(
-                f"kda_checkpoint_interval ({self.kda_checkpoint_interval}) must be a multiple of "
-                f"hash_block_size ({self.hash_block_size})"
-            )
 
 
 @dataclass(frozen=True)
@@ -155,19 +115,29 @@ def _cdiv(a: int, b: int) -> int:
 
 
 class BlockManager:
-    """Allocates MLA blocks and KDA state slots to sequences and runs the prefix cache."""
+    """Allocates MLA blocks and KDA state slots to sequences and runs the prefix cache.
 
-    def __init__(self, config: CacheConfig):
+    Block sizes, the checkpoint pool and ``enable_prefix_caching`` come from ``config``; the pool
+    sizes are what the model runner could afford: ``num_blocks`` physical MLA blocks (not
+    ``config.num_blocks``, which may be None) and ``num_state_slots`` KDA state slots (one per
+    running sequence).
+    """
+
+    def __init__(self, config: EngineConfig, num_blocks: int, num_state_slots: int):
+        for name, value in (("num_blocks", num_blocks), ("num_state_slots", num_state_slots)):
+            if value <= 0:
+                raise ValueError(f"{name} must be positive, got {value}")
         self.config = config
+        self.num_blocks, self.num_state_slots = num_blocks, num_state_slots
         self.block_size = config.physical_block_size
         self.hash_block_size = config.hash_block_size
-        self.ref_counts = [0] * config.num_blocks
-        self.free_block_ids: deque[int] = deque(range(config.num_blocks))  # hold no prefix
+        self.ref_counts = [0] * num_blocks
+        self.free_block_ids: deque[int] = deque(range(num_blocks))  # hold no prefix
         # Refcount 0 but still holding registered prefixes; least recently freed first.
         self.cached_block_ids: OrderedDict[int, None] = OrderedDict()
         self.hash_to_block: dict[int, _HashBlock] = {}
         self.block_to_hashes: dict[int, list[int]] = {}
-        self.free_state_slots: deque[int] = deque(range(config.num_state_slots))
+        self.free_state_slots: deque[int] = deque(range(num_state_slots))
         self.checkpoints: OrderedDict[int, _Checkpoint] = OrderedDict()  # LRU first
         self.free_checkpoint_ids: deque[int] = deque(range(config.num_kda_checkpoints))
         self.stats = PrefixCacheStats()
@@ -184,7 +154,7 @@ class BlockManager:
     @property
     def usage(self) -> float:
         """Fraction of MLA blocks held by sequences."""
-        return 1.0 - self.num_free_blocks / self.config.num_blocks
+        return 1.0 - self.num_free_blocks / self.num_blocks
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return _cdiv(num_tokens, self.block_size)

@@ -27,37 +27,12 @@ from dataclasses import dataclass
 
 import torch
 
-from openk3.serve.block_manager import BlockManager, CacheConfig
+from openk3.serve.block_manager import BlockManager
+from openk3.serve.config import EngineConfig
 from openk3.serve.model_runner import ModelRunner
 from openk3.serve.sampler import InvalidRequest, SamplingParams, make_generator, sample
-from openk3.serve.scheduler import Scheduler, SchedulerConfig
+from openk3.serve.scheduler import Scheduler
 from openk3.serve.sequence import Sequence
-
-
-@dataclass
-class EngineConfig:
-    """Serving settings; every default visible. Sizes are in tokens unless named otherwise.
-
-    max_model_len: prompt + max_tokens limit (None: the model's ``max_position_embeddings``,
-        capped by what the MLA cache holds).
-    num_blocks: physical MLA blocks (None: enough for ``max_num_seqs`` sequences of
-        ``max_model_len`` tokens, capped by ``cache_memory_gb``).
-    cache_memory_gb: budget for the MLA block pool when ``num_blocks`` is None.
-    cuda_graphs: capture decode steps as CUDA graphs (GPU only).
-    """
-
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 4096
-    max_model_len: int | None = None
-    num_blocks: int | None = None
-    cache_memory_gb: float = 8.0
-    physical_block_size: int = 6144
-    hash_block_size: int = 512
-    num_kda_checkpoints: int = 16
-    kda_checkpoint_interval: int = 8192
-    enable_prefix_caching: bool = True
-    cuda_graphs: bool = True
-    max_tokens_limit: int = 1 << 20  # absurd max_tokens are refused above this
 
 
 @dataclass
@@ -121,18 +96,11 @@ class LLMEngine:
         cfg = model.cfg
         self.eos_token_ids = tuple(eos_token_ids if eos_token_ids is not None
                                    else ([cfg.eos_token_id] if cfg.eos_token_id is not None else []))
+        # The runner sizes the cache for this model and machine; the policy objects get its sizes.
         self.runner = ModelRunner(model, config)
         self.max_model_len = self.runner.max_model_len
-        cache = CacheConfig(
-            num_blocks=self.runner.num_blocks, num_state_slots=config.max_num_seqs,
-            physical_block_size=config.physical_block_size, hash_block_size=config.hash_block_size,
-            num_kda_checkpoints=config.num_kda_checkpoints,
-            kda_checkpoint_interval=config.kda_checkpoint_interval,
-            enable_prefix_caching=config.enable_prefix_caching)
-        self.block_manager = BlockManager(cache)
-        self.scheduler = Scheduler(SchedulerConfig(
-            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=self.max_model_len), self.block_manager)
+        self.block_manager = BlockManager(config, self.runner.num_blocks, num_state_slots=config.max_num_seqs)
+        self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
         self.requests: dict[str, _Request] = {}
         self.stats = EngineStats()
         self._ids = itertools.count()

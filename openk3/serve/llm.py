@@ -11,39 +11,19 @@ from __future__ import annotations
 
 import torch
 
-from openk3.serve.engine import EngineConfig, LLMEngine, RequestOutput
+from openk3.runtime import load_model
+from openk3.serve.config import EngineConfig
+from openk3.serve.engine import LLMEngine, RequestOutput
 from openk3.serve.sampler import SamplingParams
 
 
-def load_model(checkpoint: str | None = None, preset: str | None = None, random_init: bool = False,
-               device: str | None = None, dtype: torch.dtype | None = None, seed: int = 0):
-    """(model, tokenizer, name) for serving: a checkpoint directory, or a preset with random
-    weights (``random_init=True``, byte tokenizer) for trying the engine without weights."""
-    from openk3 import build_model, load_pretrained
-    from openk3 import preset as get_preset
-    from openk3.tokenizer import ByteTokenizer, load_tokenizer
-
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if (checkpoint is None) == (preset is None):
-        raise ValueError("give exactly one of checkpoint (a directory) or preset (with random_init=True)")
-    if checkpoint is not None:
-        model = load_pretrained(checkpoint, dtype=dtype, device=device)
-        return model.eval(), load_tokenizer(checkpoint), str(checkpoint).rstrip("/").split("/")[-1]
-    if not random_init:
-        raise ValueError(f"preset={preset!r} has no weights: pass random_init=True to serve random ones")
-    if dtype is None:
-        dtype = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
-    model = build_model(get_preset(preset), device=device, dtype=dtype, seed=seed).eval()
-    return model, ByteTokenizer(), f"openk3-{preset}"
-
-
 class LLM:
-    """Keyword arguments other than the model's go to ``EngineConfig``."""
+    """The model as ``openk3.runtime.load_model`` loads it; the other keyword arguments are
+    ``EngineConfig`` fields."""
 
     def __init__(self, checkpoint: str | None = None, *, preset: str | None = None,
-                 random_init: bool = False, device: str | None = None,
-                 dtype: torch.dtype | None = None, seed: int = 0, **engine_config):
+                 random_init: bool = False, device: str | torch.device | None = None,
+                 dtype: str | torch.dtype | None = None, seed: int = 0, **engine_config):
         model, tokenizer, name = load_model(checkpoint, preset, random_init, device, dtype, seed)
         self.engine = LLMEngine(model, tokenizer, EngineConfig(**engine_config), model_name=name)
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from openk3.serve.block_manager import BlockManager
+from openk3.serve.config import EngineConfig
 from openk3.serve.scheduler import SchedulerOutput
 from openk3.serve.sequence import Sequence
 
@@ -119,7 +120,10 @@ class _Views:
 
 
 class ModelRunner:
-    def __init__(self, model, config):
+    """Sizes the cache from ``config`` and the model: ``num_blocks`` MLA blocks and the
+    ``max_model_len`` they leave (both resolved here, at run time, when the config says None)."""
+
+    def __init__(self, model, config: EngineConfig):
         self.model, self.config = model.eval(), config
         cfg = self.cfg = model.cfg
         p = model.model.embed_tokens.weight

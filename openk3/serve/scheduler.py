@@ -22,22 +22,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from openk3.serve.block_manager import BlockCopy, BlockManager, KDARestore
+from openk3.serve.config import EngineConfig
 from openk3.serve.sequence import Sequence, SequenceStatus
-
-
-@dataclass
-class SchedulerConfig:
-    """max_num_seqs: running sequences at once. max_num_batched_tokens: tokens per step (the
-    chunked-prefill budget). max_model_len: prompt + max_tokens limit per request."""
-
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    max_model_len: int = 131072
-
-    def __post_init__(self):
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
 
 @dataclass
@@ -63,8 +49,13 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
-        self.config = config
+    """Reads ``max_num_seqs`` and ``max_num_batched_tokens`` from ``config``; ``max_model_len`` is
+    the resolved limit (the model runner's, never None)."""
+
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int):
+        if max_model_len <= 0:
+            raise ValueError(f"max_model_len must be positive, got {max_model_len}")
+        self.config, self.max_model_len = config, max_model_len
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
@@ -84,7 +75,7 @@ class Scheduler:
 
     def add_request(self, seq: Sequence) -> None:
         """Queue ``seq``; raises ValueError naming it when it can never fit."""
-        rid, limit = seq.request_id, self.config.max_model_len
+        rid, limit = seq.request_id, self.max_model_len
         if rid in self.requests:
             raise ValueError(f"request {rid!r} already exists")
         if seq.num_prompt_tokens + seq.max_tokens > limit:
@@ -93,10 +84,10 @@ class Scheduler:
                 f"({seq.max_tokens}) exceeds max_model_len ({limit})"
             )
         bm = self.block_manager
-        if bm.num_blocks_for(seq.num_prompt_tokens + seq.max_tokens) > bm.config.num_blocks:
+        if bm.num_blocks_for(seq.num_prompt_tokens + seq.max_tokens) > bm.num_blocks:
             raise ValueError(
                 f"request {rid!r}: {seq.num_prompt_tokens + seq.max_tokens} tokens exceed the "
-                f"MLA cache ({bm.config.num_blocks} blocks of {bm.block_size})"
+                f"MLA cache ({bm.num_blocks} blocks of {bm.block_size})"
             )
         self.waiting.append(seq)
         self.requests[rid] = seq

@@ -5,15 +5,16 @@ import random
 import pytest
 
 from openk3.serve import block_manager as bm_module
-from openk3.serve.block_manager import BlockCopy, BlockManager, CacheConfig, KDARestore
+from openk3.serve.block_manager import BlockCopy, BlockManager, KDARestore
+from openk3.serve.config import EngineConfig
 from openk3.serve.sequence import Sequence
 
 
-def make_manager(**overrides) -> BlockManager:
-    config = dict(num_blocks=16, num_state_slots=4, physical_block_size=6144, hash_block_size=512,
-                  num_kda_checkpoints=8, kda_checkpoint_interval=8192)
+def make_manager(num_blocks=16, num_state_slots=4, **overrides) -> BlockManager:
+    config = dict(physical_block_size=6144, hash_block_size=512, num_kda_checkpoints=8,
+                  kda_checkpoint_interval=8192)
     config.update(overrides)
-    return BlockManager(CacheConfig(**config))
+    return BlockManager(EngineConfig(**config), num_blocks, num_state_slots)
 
 
 def tokens(n: int, seed: int) -> list[int]:

@@ -1,14 +1,17 @@
 """``openk3 serve`` as a user runs it: a subprocess serving a saved checkpoint, reached with the
-official ``openai`` client, stopped with Ctrl-C."""
+official ``openai`` client, stopped with Ctrl-C; and its flags, one per ``EngineConfig`` field."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+import typing
+from pathlib import Path
 
 import pytest
 
@@ -16,7 +19,62 @@ httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
+import openk3  # noqa: E402
 from openk3 import build_model, preset, save_pretrained  # noqa: E402
+from openk3.cli import build_parser, main  # noqa: E402
+from openk3.serve import server as server_module  # noqa: E402
+from openk3.serve.config import EngineConfig  # noqa: E402
+from openk3.train.config import RunConfig  # noqa: E402
+
+# The subprocess imports the openk3 these tests import, whatever is installed.
+PYTHONPATH = [str(Path(openk3.__file__).parents[1])] + os.environ.get("PYTHONPATH", "").split(os.pathsep)
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(p for p in PYTHONPATH if p)}
+
+
+def _subparser(name: str):
+    (sub,) = [a for a in build_parser()._actions if a.dest == "command"]
+    return sub.choices[name]
+
+
+@pytest.mark.parametrize("command,config", [("serve", EngineConfig), ("train", RunConfig)])
+def test_every_config_field_is_a_flag_of_the_same_name(command, config):
+    options = {o: a for a in _subparser(command)._actions for o in a.option_strings}
+    hints = typing.get_type_hints(config)
+    for f in dataclasses.fields(config):
+        flag = "--" + f.name.replace("_", "-")
+        assert options[flag].dest == f.name, flag
+        assert f"{config.__name__}.{f.name} (default " in options[flag].help, flag
+        if hints[f.name] is bool:
+            assert options["--no-" + flag[2:]] is options[flag], flag
+
+
+def test_serve_flags_reach_the_engine(monkeypatch):
+    served = {}
+    monkeypatch.setattr(server_module, "serve", lambda engine, name, **kw: served.update(engine=engine, name=name))
+    assert main(["serve", "--random-init", "--max-num-seqs", "3", "--max-num-batched-tokens", "40",
+                 "--physical-block-size", "32", "--hash-block-size", "8", "--kda-checkpoint-interval", "16",
+                 "--num-kda-checkpoints", "5", "--max-model-len", "200", "--no-enable-prefix-caching",
+                 "--no-cuda-graphs", "--cache-memory-gb", "0.5"]) == 0
+    engine = served["engine"].engine
+    served["engine"].shutdown()
+    assert served["name"] == "openk3-debug"
+    assert engine.config == EngineConfig(
+        max_num_seqs=3, max_num_batched_tokens=40, physical_block_size=32, hash_block_size=8,
+        kda_checkpoint_interval=16, num_kda_checkpoints=5, max_model_len=200, enable_prefix_caching=False,
+        cuda_graphs=False, cache_memory_gb=0.5)
+    assert engine.block_manager.config is engine.config is engine.scheduler.config
+    assert engine.block_manager.block_size == 32 and engine.block_manager.num_state_slots == 3
+    assert engine.scheduler.max_model_len == engine.max_model_len == 200
+
+
+def test_serve_flags_left_out_keep_engine_config_defaults():
+    args = build_parser().parse_args(["serve", "--random-init"])
+    assert all(getattr(args, f.name) is None for f in dataclasses.fields(EngineConfig))
+
+
+def test_serve_refuses_a_preset_without_weights(capsys):
+    assert main(["serve", "--preset", "debug"]) == 2
+    assert "random_init" in capsys.readouterr().err
 
 
 def _free_port() -> int:
@@ -30,9 +88,9 @@ def test_openk3_serve_checkpoint_end_to_end(tmp_path):
     save_pretrained(build_model(preset("debug"), seed=3), ckpt)
     port = _free_port()
     cmd = [sys.executable, "-m", "openk3", "serve", "--checkpoint", str(ckpt), "--port", str(port),
-           "--api-key", "sk-cli", "--max-model-len", "256", "--max-num-seqs", "4"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+           "--api-key", "sk-cli", "--max-model-len", "256", "--max-num-seqs", "4",
+           "--max-num-batched-tokens", "64"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
@@ -66,3 +124,10 @@ def test_openk3_serve_checkpoint_end_to_end(tmp_path):
             proc.kill()
             raise
     assert proc.returncode == 0, out
+
+
+def test_config_flags_take_tuples_and_json():
+    args = build_parser().parse_args(["train", "--data", "a.txt", "b/", "--model-overrides",
+                                      '{"num_hidden_layers": 4}', "--no-resume", "--lr", "0.5"])
+    assert (args.data, args.model_overrides, args.resume, args.lr) == (["a.txt", "b/"], {"num_hidden_layers": 4},
+                                                                      False, 0.5)

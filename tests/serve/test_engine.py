@@ -4,6 +4,8 @@ prefixes, preemption), sampling options, bad input, and no leaks under random wo
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -11,8 +13,11 @@ from hypothesis import strategies as st
 
 from openk3 import build_model, preset
 from openk3.generate import generate
-from openk3.serve.engine import EngineConfig, LLMEngine
+from openk3.serve.block_manager import BlockManager
+from openk3.serve.config import EngineConfig
+from openk3.serve.engine import LLMEngine
 from openk3.serve.sampler import InvalidRequest, SamplingParams
+from openk3.serve.scheduler import Scheduler
 from openk3.tokenizer import ByteTokenizer
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, logprobs=2)
@@ -41,8 +46,8 @@ def tokens(seed: int, n: int) -> list[int]:
 
 def assert_free(eng: LLMEngine) -> None:
     bm = eng.block_manager
-    assert bm.num_free_blocks == bm.config.num_blocks
-    assert bm.num_free_state_slots == bm.config.num_state_slots
+    assert bm.num_free_blocks == bm.num_blocks
+    assert bm.num_free_state_slots == bm.num_state_slots
     assert all(c == 0 for c in bm.ref_counts)
     assert not eng.requests and not eng.scheduler.has_unfinished()
 
@@ -235,3 +240,28 @@ def test_incremental_detokenization_waits_for_whole_characters(model):
     assert seen[-1] == "h€llo, wörld ✓"
     r = _Request(seq=None, params=SamplingParams(), generator=None)
     assert eng._detokenize(r, ids[:2], final=True) == "h\ufffd"  # flushed when the request ends
+
+
+def test_engine_config_is_the_one_source_of_defaults(model):
+    """The scheduler and block manager read the engine's config itself (their constructors have
+    no defaults to disagree with it); only run-time sizes come from the runner."""
+    for cls in (BlockManager, Scheduler):
+        params = list(inspect.signature(cls).parameters.values())
+        assert all(p.default is inspect.Parameter.empty for p in params), cls
+    eng = LLMEngine(model, ByteTokenizer())
+    defaults = EngineConfig()
+    assert eng.config == defaults
+    assert eng.scheduler.config is eng.config and eng.block_manager.config is eng.config
+    bm = eng.block_manager
+    assert (bm.block_size, bm.hash_block_size) == (defaults.physical_block_size, defaults.hash_block_size)
+    assert len(bm.free_checkpoint_ids) == defaults.num_kda_checkpoints
+    assert bm.num_state_slots == defaults.max_num_seqs and bm.num_blocks == eng.runner.num_blocks
+    assert eng.scheduler.max_model_len == eng.max_model_len == model.cfg.max_position_embeddings
+
+
+@pytest.mark.parametrize("field,value", [("max_num_seqs", 0), ("cache_memory_gb", -1.0), ("num_blocks", 0),
+                                         ("num_kda_checkpoints", -1), ("hash_block_size", 500),
+                                         ("kda_checkpoint_interval", 1000)])
+def test_invalid_engine_config_names_field(field, value):
+    with pytest.raises(ValueError, match=f"EngineConfig.{field}="):
+        EngineConfig(**{field: value})

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from openk3 import build_model, preset
-from openk3.serve.engine import EngineConfig, LLMEngine
+from openk3.serve.config import EngineConfig
+from openk3.serve.engine import LLMEngine
 from openk3.serve.sampler import SamplingParams
 from openk3.tokenizer import ByteTokenizer
 
@@ -31,7 +32,7 @@ def test_engine_logprobs_match_full_forward(graphs):
         kda_checkpoint_interval=64, max_model_len=1024, cuda_graphs=graphs), eos_token_ids=())
     outs = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=24, logprobs=1))
     assert bool(eng.runner._graphs) == graphs
-    assert eng.block_manager.num_free_blocks == eng.block_manager.config.num_blocks
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
     errs = []
     for p, o in zip(prompts, outs):
         ids = torch.tensor([p + o.token_ids[:-1]], device="cuda")

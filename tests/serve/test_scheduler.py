@@ -12,19 +12,19 @@ from collections import Counter
 from hypothesis import given, settings, strategies as st
 import pytest
 
-from openk3.serve.block_manager import BlockManager, CacheConfig
-from openk3.serve.scheduler import Scheduler, SchedulerConfig
+from openk3.serve.block_manager import BlockManager
+from openk3.serve.config import EngineConfig
+from openk3.serve.scheduler import Scheduler
 from openk3.serve.sequence import Sequence, SequenceStatus
 
 EOS = 0
 
 
 def make(num_blocks=16, max_num_seqs=4, budget=32, max_model_len=128, num_state_slots=4, **cache):
-    cache_config = dict(num_blocks=num_blocks, num_state_slots=num_state_slots, physical_block_size=16,
-                        hash_block_size=4, num_kda_checkpoints=4, kda_checkpoint_interval=8)
+    cache_config = dict(physical_block_size=16, hash_block_size=4, num_kda_checkpoints=4, kda_checkpoint_interval=8)
     cache_config.update(cache)
-    bm = BlockManager(CacheConfig(**cache_config))
-    return Scheduler(SchedulerConfig(max_num_seqs, budget, max_model_len), bm)
+    config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, **cache_config)
+    return Scheduler(config, BlockManager(config, num_blocks, num_state_slots), max_model_len)
 
 
 class FakeRunner:
@@ -73,12 +73,12 @@ def check_invariants(sched: Scheduler, out) -> None:
     assert len(out.scheduled) <= config.max_num_seqs and len(sched.running) <= config.max_num_seqs
     assert all(n > 0 for _, n in out.scheduled)
     refs = Counter(b for seq in sched.running for b in seq.block_table)
-    assert all(bm.ref_counts[b] == refs.get(b, 0) for b in range(bm.config.num_blocks))
+    assert all(bm.ref_counts[b] == refs.get(b, 0) for b in range(bm.num_blocks))
     free = list(bm.free_block_ids) + list(bm.cached_block_ids)
     assert len(free) == len(set(free)) and all(bm.ref_counts[b] == 0 for b in free)
-    assert len(free) + len(refs) == bm.config.num_blocks
+    assert len(free) + len(refs) == bm.num_blocks
     slots = [seq.state_slot for seq in sched.running] + list(bm.free_state_slots)
-    assert sorted(slots) == list(range(bm.config.num_state_slots))
+    assert sorted(slots) == list(range(bm.num_state_slots))
     assert all(seq.status is SequenceStatus.WAITING and not seq.block_table for seq in sched.waiting)
     # Preempted sequences wait at the front, the earliest admitted first.
     k = len(out.preempted_ids)
@@ -88,8 +88,8 @@ def check_invariants(sched: Scheduler, out) -> None:
 def assert_drained(sched: Scheduler) -> None:
     bm = sched.block_manager
     assert not sched.requests and not sched.running and not sched.waiting
-    assert all(r == 0 for r in bm.ref_counts) and bm.num_free_blocks == bm.config.num_blocks
-    assert bm.num_free_state_slots == bm.config.num_state_slots
+    assert all(r == 0 for r in bm.ref_counts) and bm.num_free_blocks == bm.num_blocks
+    assert bm.num_free_state_slots == bm.num_state_slots
 
 
 def test_max_length_check_names_the_request():

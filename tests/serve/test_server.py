@@ -7,7 +7,6 @@ plain, unpaged decoding loop) token for token, alone or in a batch of concurrent
 from __future__ import annotations
 
 import json
-import re
 import socket
 import threading
 import time
@@ -22,11 +21,13 @@ httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 pytest.importorskip("fastapi")
+prometheus_parser = pytest.importorskip("prometheus_client.parser")
 
 from openk3 import build_model, preset  # noqa: E402
 from openk3.generate import generate  # noqa: E402
 from openk3.serve.chat import ChatTemplate, ChatTemplateError  # noqa: E402
-from openk3.serve.engine import AsyncEngine, EngineConfig, LLMEngine  # noqa: E402
+from openk3.serve.config import EngineConfig  # noqa: E402
+from openk3.serve.engine import AsyncEngine, LLMEngine  # noqa: E402
 from openk3.serve.server import build_app  # noqa: E402
 from openk3.tokenizer import ByteTokenizer  # noqa: E402
 
@@ -76,11 +77,21 @@ def reference(srv, prompt: str, max_tokens: int) -> str:
     return TOK.decode(generate(srv.model, TOK.encode(prompt), max_tokens, temperature=0.0))
 
 
+def metric_families(srv) -> dict:
+    """/metrics as Prometheus' own text parser reads it, by family name."""
+    r = srv.http.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    return {f.name: f for f in prometheus_parser.text_string_to_metric_families(r.text)}
+
+
 def metrics(srv) -> dict[str, float]:
     """Every sample of /metrics: {'name{labels}': value}."""
-    samples = re.finditer(r"^([a-zA-Z_:][a-zA-Z0-9_:]*(?:\{[^}]*\})?) (\S+)$", srv.http.get("/metrics").text,
-                          re.MULTILINE)
-    return {m[1]: float(m[2]) for m in samples}
+    out = {}
+    for family in metric_families(srv).values():
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+            out[sample.name + (f"{{{labels}}}" if labels else "")] = sample.value
+    return out
 
 
 def wait_idle(srv, timeout: float = 10.0) -> None:
@@ -90,8 +101,8 @@ def wait_idle(srv, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while True:
         s = srv.engine.stats()
-        if (s.num_running == s.num_waiting == 0 and bm.num_free_blocks == bm.config.num_blocks
-                and bm.num_free_state_slots == bm.config.num_state_slots and not eng.requests):
+        if (s.num_running == s.num_waiting == 0 and bm.num_free_blocks == bm.num_blocks
+                and bm.num_free_state_slots == bm.num_state_slots and not eng.requests):
             return
         assert time.monotonic() < deadline, f"engine not idle: {s}, {bm.num_free_blocks} free blocks"
         time.sleep(0.05)
@@ -214,6 +225,17 @@ def test_models_health_and_auth(srv):
     bad = openai.OpenAI(base_url=srv.url + "/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
+
+
+def test_metrics_exposition(srv):
+    kinds = {name: f.type for name, f in metric_families(srv).items()}
+    for name in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds"):
+        assert kinds["openk3_" + name] == "histogram", name
+    for name in ("prompt_tokens", "generation_tokens", "requests_finished", "prefix_cache_queries",
+                 "prefix_cache_hits", "prefix_cache_saved_tokens", "num_preemptions"):
+        assert kinds["openk3_" + name] == "counter", name
+    for name in ("num_requests_running", "num_requests_waiting", "cache_usage_ratio", "prefix_cache_hit_rate"):
+        assert kinds["openk3_" + name] == "gauge", name
 
 
 def test_metrics_move(srv):

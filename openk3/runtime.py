@@ -1,0 +1,96 @@
+"""Where a model runs and how it is loaded: the one place for device and dtype defaults, and
+``load_model``, which ``openk3 generate``, ``openk3 serve`` and ``openk3.LLM`` share.
+
+    >>> model, tokenizer, name = load_model(preset="debug", random_init=True, device="cpu")
+    >>> name, next(model.parameters()).dtype
+    ('openk3-debug', torch.float32)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from openk3.checkpoint import load_pretrained
+from openk3.config import preset as model_preset
+from openk3.model import build_model
+from openk3.tokenizer import load_tokenizer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str | torch.device | None = None) -> torch.device:
+    """The device called ``name``; None (or ``"auto"``) is CUDA when available, else the CPU.
+
+    Raises ValueError for a malformed name or for CUDA on a machine without it.
+    """
+    if name is None or name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise ValueError(f"device={name!r}: {e}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={name!r} but no CUDA device is available")
+    return device
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    """bf16 on CUDA (what the kernels are built for); fp32 elsewhere, where bf16 matmuls are slow
+    and the PyTorch references are exact."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def resolve_dtype(name: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """A dtype or its name in ``DTYPES``; None (or ``"auto"``) is ``default_dtype(device)``."""
+    if name is None or name == "auto":
+        return default_dtype(device)
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in DTYPES:
+        raise ValueError(f"dtype={name!r}: choose one of {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+def checkpoint_dir(path: str | Path) -> Path:
+    """The weights directory ``path`` names: a training run's directory (it has
+    ``run_config.json``) means its ``export/``, anything else is taken as it is."""
+    path = Path(path)
+    if not (path / "run_config.json").exists():
+        return path
+    if not (path / "export").is_dir():
+        raise ValueError(f"checkpoint={str(path)!r} is a training run without export/ "
+                         f"(written when training ends)")
+    return path / "export"
+
+
+def load_model(checkpoint: str | Path | None = None, preset: str | None = None, random_init: bool = False,
+               device: str | torch.device | None = None, dtype: str | torch.dtype | None = None,
+               seed: int = 0):
+    """(model in eval mode, tokenizer, name) from a checkpoint directory (or a training run's, see
+    ``checkpoint_dir``), or from a preset with random weights (``random_init=True``, byte
+    tokenizer) for trying things without weights.
+
+    ``device`` and ``dtype`` default as in ``resolve_device`` / ``default_dtype``; ``seed`` seeds
+    random weights. The name is the checkpoint directory's (the run's for a training run), or
+    ``openk3-PRESET``. Raises ValueError unless exactly one of ``checkpoint`` / ``preset`` is
+    given, and ``random_init`` is set exactly when ``preset`` is.
+    """
+    if checkpoint is not None and preset is not None:
+        raise ValueError(f"give checkpoint or preset, not both (checkpoint={str(checkpoint)!r}, "
+                         f"preset={preset!r})")
+    if checkpoint is None and preset is None:
+        raise ValueError("give checkpoint (a directory), or preset with random_init=True")
+    if checkpoint is not None and random_init:
+        raise ValueError("random_init=True applies to a preset; a checkpoint brings its weights")
+    if preset is not None and not random_init:
+        raise ValueError(f"preset={preset!r} has no weights: pass random_init=True for random ones")
+    device = resolve_device(device)
+    dtype = resolve_dtype(dtype, device)
+    if checkpoint is not None:
+        path = checkpoint_dir(checkpoint)
+        model = load_pretrained(path, dtype=dtype, device=device)
+        return model.eval(), load_tokenizer(path), Path(checkpoint).resolve().name
+    model = build_model(model_preset(preset), device=device, dtype=dtype, seed=seed)
+    return model.eval(), load_tokenizer(None), f"openk3-{preset}"

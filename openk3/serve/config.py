@@ -1,0 +1,68 @@
+"""``EngineConfig``: every serving setting and its default, in one place. No tensors.
+
+The scheduler, the block manager and the model runner all read this one object. What depends on
+the model and the machine (the number of MLA blocks the runner can afford, the context that
+leaves, one KDA state slot per running sequence) is worked out by the runner and handed to the
+others as arguments, never written back here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineConfig:
+    """Serving settings. Sizes are in tokens unless named otherwise; ``openk3 serve`` has one
+    flag per field, spelled the same (``--max-num-seqs``).
+
+    Scheduling and requests:
+        max_num_seqs: sequences running at once (also the number of KDA state slots).
+        max_num_batched_tokens: tokens per step, decodes plus prefill chunks (the chunked-prefill
+            budget).
+        max_model_len: prompt + max_tokens limit per request (None: the model's
+            ``max_position_embeddings``, capped by what the MLA cache holds).
+        max_tokens_limit: requests asking for more ``max_tokens`` than this are refused.
+    Cache (block manager and model runner):
+        num_blocks: physical MLA blocks (None: enough for ``max_num_seqs`` sequences of
+            ``max_model_len`` tokens, capped by ``cache_memory_gb``).
+        cache_memory_gb: budget for the MLA block pool when ``num_blocks`` is None.
+        physical_block_size: tokens per physical MLA block.
+        hash_block_size: tokens per prefix-hash block; must divide ``physical_block_size``.
+        num_kda_checkpoints: KDA checkpoint storage entries (the checkpoint memory budget).
+        kda_checkpoint_interval: a KDA checkpoint is taken every this many tokens (and at prompt
+            ends, rounded down to a hash boundary); a multiple of ``hash_block_size``.
+        enable_prefix_caching: off means no hashes, no checkpoints, no hits.
+    Runner:
+        cuda_graphs: capture decode steps as CUDA graphs (GPU only).
+    """
+
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 4096
+    max_model_len: int | None = None
+    max_tokens_limit: int = 1 << 20
+    num_blocks: int | None = None
+    cache_memory_gb: float = 8.0
+    physical_block_size: int = 6144
+    hash_block_size: int = 512
+    num_kda_checkpoints: int = 16
+    kda_checkpoint_interval: int = 8192
+    enable_prefix_caching: bool = True
+    cuda_graphs: bool = True
+
+    def __post_init__(self):
+        def bad(name: str, why: str) -> ValueError:
+            return ValueError(f"EngineConfig.{name}={getattr(self, name)!r}: {why}")
+
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "max_tokens_limit",
+                     "num_blocks", "cache_memory_gb", "physical_block_size", "hash_block_size",
+                     "kda_checkpoint_interval"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise bad(name, "must be positive")
+        if self.num_kda_checkpoints < 0:
+            raise bad("num_kda_checkpoints", "must be >= 0")
+        if self.physical_block_size % self.hash_block_size:
+            raise bad("hash_block_size", f"must divide physical_block_size ({self.physical_block_size})")
+        if self.kda_checkpoint_interval % self.hash_block_size:
+            raise bad("kda_checkpoint_interval", f"must be a multiple of hash_block_size ({self.hash_block_size})")

@@ -1,0 +1,70 @@
+"""Prometheus metrics of the HTTP server (``GET /metrics``), through ``prometheus_client``.
+
+Latency histograms and finished requests are measured by the server as responses go out. The
+engine's own counters and gauges (tokens, queue lengths, cache usage, prefix-cache hits,
+preemptions) live in ``EngineStats``; a collector reads them at scrape time instead of copying
+them into client-side metrics on every step. Each ``ServerMetrics`` has its own registry, so
+several apps in one process (tests) never share or collide on a metric.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from openk3.serve.engine import EngineStats
+
+
+class _EngineCollector:
+    """The engine's counters and gauges, read from ``stats()`` at every scrape."""
+
+    def __init__(self, stats: Callable[[], EngineStats]):
+        self.stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.stats()
+        yield CounterMetricFamily("openk3_prompt_tokens_total",
+                                  "Prompt tokens computed (prefix-cache hits excluded).", value=s.prompt_tokens)
+        yield CounterMetricFamily("openk3_generation_tokens_total", "Tokens generated.", value=s.generation_tokens)
+        yield GaugeMetricFamily("openk3_num_requests_running", "Requests in the running batch.", value=s.num_running)
+        yield GaugeMetricFamily("openk3_num_requests_waiting", "Requests queued for admission.", value=s.num_waiting)
+        yield GaugeMetricFamily("openk3_cache_usage_ratio", "Fraction of MLA cache blocks held by requests.",
+                                value=s.cache_usage)
+        yield CounterMetricFamily("openk3_prefix_cache_queries_total", "Admissions that looked up the prefix cache.",
+                                  value=s.prefix_queries)
+        yield CounterMetricFamily("openk3_prefix_cache_hits_total", "Prefix-cache lookups that hit.",
+                                  value=s.prefix_hits)
+        yield GaugeMetricFamily("openk3_prefix_cache_hit_rate", "prefix_cache_hits / prefix_cache_queries.",
+                                value=s.prefix_hits / s.prefix_queries if s.prefix_queries else 0.0)
+        yield CounterMetricFamily("openk3_prefix_cache_saved_tokens_total", "Prefill tokens skipped thanks to hits.",
+                                  value=s.prefix_tokens_saved)
+        yield CounterMetricFamily("openk3_num_preemptions_total", "Requests preempted for lack of cache.",
+                                  value=s.num_preemptions)
+
+
+class ServerMetrics:
+    """One server's metrics: ``ttft`` / ``itl`` / ``e2e`` histograms (seconds) and ``finished``
+    (by finish reason) are observed by the server; ``render`` adds the engine's at scrape time."""
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, engine_stats: Callable[[], EngineStats]):
+        self.registry = CollectorRegistry()
+        self.ttft = Histogram("openk3_time_to_first_token_seconds", "Request arrival to first token.",
+                              buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80),
+                              registry=self.registry)
+        self.itl = Histogram("openk3_inter_token_latency_seconds", "Time between consecutive tokens.",
+                             buckets=(0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5, 5),
+                             registry=self.registry)
+        self.e2e = Histogram("openk3_e2e_request_latency_seconds", "Request arrival to last token.",
+                             buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320), registry=self.registry)
+        self.finished = Counter("openk3_requests_finished_total",
+                                "Requests ended, by finish reason (abort: the client left, or the engine failed).",
+                                ["finish_reason"], registry=self.registry)
+        self.registry.register(_EngineCollector(engine_stats))
+
+    def render(self) -> bytes:
+        """Every metric in the Prometheus text format (``content_type``)."""
+        return generate_latest(self.registry)
