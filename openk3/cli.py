@@ -1,4 +1,4 @@
-"""The ``openk3`` command: ``params``, ``generate``, ``train``, ``serve``, ``plot``."""
+"""The openk3 command: params, generate, train, serve, plot."""
 
 from __future__ import annotations
 
@@ -10,12 +10,11 @@ import sys
 import time
 import types
 import typing
-from pathlib import Path
 
 from openk3.config import PRESETS, preset
 from openk3.runtime import DTYPES, checkpoint_dir, load_model
 from openk3.serve.config import EngineConfig
-from openk3.train.config import RunConfig, run_preset
+from openk3.train.config import RunConfig, resolve_run_config
 
 
 def _fmt(n: int) -> str:
@@ -121,13 +120,10 @@ def _config_flags_given(args: argparse.Namespace, cls: type) -> dict:
 def cmd_train(args: argparse.Namespace) -> int:
     from openk3.train.trainer import TrainingDiverged, train
 
-    given = _config_flags_given(args, RunConfig)
-    name = given.pop("preset", "debug")
-    cfg = run_preset(name, **given)
-    saved = Path(cfg.out) / "run_config.json"
-    if cfg.resume and saved.exists():  # continue the run as it was configured
-        prev = json.loads(saved.read_text())["run"]
-        cfg = RunConfig.from_dict({**prev, **given, "resume": True})
+    cfg, notices = resolve_run_config(_config_flags_given(args, RunConfig))
+    if os.environ.get("RANK", "0") == "0":
+        for notice in notices:
+            print(f"openk3 train: {notice}", file=sys.stderr)
     try:
         summary = train(cfg)
     except TrainingDiverged as e:
