@@ -14,10 +14,10 @@ def test_default_corpus_is_stdlib_without_tests():
     assert resolve_sources(None) == files
 
 
-def test_read_documents_of_sources(corpus, docs, tmp_path):
-    read = list(read_documents(resolve_sources(corpus)))
-    assert sorted(read) == sorted(docs)
-    assert read == list(read_documents(resolve_sources(corpus)))  # deterministic order
+def test_read_documents_of_sources(mixed_corpus, corpus_docs, tmp_path):
+    read = list(read_documents(resolve_sources(mixed_corpus)))
+    assert sorted(read) == sorted(corpus_docs)
+    assert read == list(read_documents(resolve_sources(mixed_corpus)))  # deterministic order
     (tmp_path / "one.txt").write_bytes(b"caf\xe9 latin-1 bytes")  # replaced, not an error
     (tmp_path / "blank.txt").write_text("  \n")  # no document
     assert list(read_documents([tmp_path / "blank.txt", tmp_path / "one.txt"])) == ["caf\ufffd latin-1 bytes"]
