@@ -53,10 +53,9 @@ class MLAState:
 
 @dataclass
 class ModelCache:
-    """One entry per decoder layer; ``seq_len`` counts the tokens already consumed."""
+    """One entry per decoder layer."""
 
     layers: list[KDAState | MLAState] = field(default_factory=list)
-    seq_len: int = 0
 
     @classmethod
     def for_config(cls, cfg) -> "ModelCache":

@@ -39,8 +39,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int):
         super().__init__()
         self.cfg, self.index = cfg, index
-        self.is_mla = cfg.is_mla_layer(index)
-        self.self_attn = MLAttention(cfg) if self.is_mla else KDAttention(cfg)
+        self.self_attn = MLAttention(cfg) if cfg.is_mla_layer(index) else KDAttention(cfg)
         self.mlp = MoE(cfg) if cfg.is_moe_layer(index) else MLP(cfg, cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -81,7 +80,6 @@ class DecoderLayer(nn.Module):
 @dataclass
 class CausalLMOutput:
     logits: torch.Tensor  # [B, T, vocab] (only the kept positions)
-    hidden: torch.Tensor | None = None  # [B, T, d], the final-normed hidden state
 
 
 class KimiModel(nn.Module):
@@ -109,7 +107,7 @@ class KimiModel(nn.Module):
 
 
 class KimiForCausalLM(nn.Module):
-    """``forward(input_ids, cache=None, return_hidden=False, logits_to_keep=0)``.
+    """``forward(input_ids, cache=None, logits_to_keep=0)``.
 
     With a ``ModelCache``, the call continues the cached sequences and updates the cache, so
     feeding a sequence token by token reproduces the full-sequence logits.
@@ -127,25 +125,23 @@ class KimiForCausalLM(nn.Module):
         self.stored_dtypes: dict[str, torch.dtype] = {}
 
     def forward(self, input_ids: torch.Tensor, cache: ModelCache | None = None,
-                return_hidden: bool = False, logits_to_keep: int = 0) -> CausalLMOutput:
+                logits_to_keep: int = 0) -> CausalLMOutput:
         """input_ids: [B, T]. ``logits_to_keep=n`` computes logits of the last n positions only."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, T], got {tuple(input_ids.shape)}")
         hidden = self.model(input_ids, cache)
-        if cache is not None:
-            cache.seq_len += input_ids.shape[1]
         kept = hidden[:, -logits_to_keep:] if logits_to_keep else hidden
-        return CausalLMOutput(self.lm_head(kept), hidden if return_hidden else None)
+        return CausalLMOutput(self.lm_head(kept))
 
     def new_cache(self) -> ModelCache:
         return ModelCache.for_config(self.cfg)
 
     @torch.no_grad()
-    def init_weights(self, seed: int | None = None) -> None:
+    def init_weights(self, seed: int) -> None:
         """Training-from-scratch init: normal(0, initializer_range) matrices, output projections
-        scaled by 1/sqrt(2 * layers), unit norms, zero AttnRes queries and router biases."""
-        if seed is not None:
-            torch.manual_seed(seed)
+        scaled by 1/sqrt(2 * layers), unit norms, zero AttnRes queries and router biases. Seeds
+        torch's global generator with ``seed`` first."""
+        torch.manual_seed(seed)
         std = self.cfg.initializer_range
         out_std = std / math.sqrt(2 * self.cfg.num_hidden_layers)
         for name, p in self.named_parameters():
@@ -168,11 +164,12 @@ class KimiForCausalLM(nn.Module):
 
 
 def build_model(cfg: ModelConfig, device: torch.device | str | None = None,
-                dtype: torch.dtype | None = None, init: bool = True, seed: int | None = 0) -> KimiForCausalLM:
-    """Build the model; on ``device='meta'`` nothing is allocated (parameter counting, loading)."""
+                dtype: torch.dtype | None = None, seed: int = 0) -> KimiForCausalLM:
+    """Build the model, initialised from ``seed``; on ``device='meta'`` nothing is allocated
+    or initialised (parameter counting, loading)."""
     with torch.device(device or "cpu"):
         model = KimiForCausalLM(cfg)
-    if init and str(device) != "meta":
+    if str(device) != "meta":
         model.init_weights(seed)
     if dtype is not None:
         model.to(dtype)

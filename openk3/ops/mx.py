@@ -79,29 +79,6 @@ def unpack_fp4(packed_u8: torch.Tensor) -> torch.Tensor:
     return codes.flatten(-2)
 
 
-def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
-    """Pack pairs of FP4 codes into bytes (inverse of :func:`unpack_fp4`).
-
-    Args:
-        codes: uint8 ``[..., N]`` with values in 0..15 and ``N`` even.
-    Returns:
-        uint8 ``[..., N/2]``: low nibble = even element, high nibble = odd element.
-    """
-    if codes.dtype != torch.uint8:
-        raise ValueError(f"codes must be uint8, got {codes.dtype}")
-    if codes.dim() == 0 or codes.shape[-1] % 2 != 0:
-        raise ValueError(f"codes must have an even last dimension, got shape {tuple(codes.shape)}")
-    if bool((codes > 15).any()):
-        raise ValueError("codes must hold 4-bit values (0..15)")
-    return _pack_nibbles(codes)
-
-
-def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
-    # No value check here: the quantiser calls this on every QAT step and a check would
-    # be a host sync.
-    return codes[..., 0::2] | (codes[..., 1::2] << 4)
-
-
 def mxfp4_dequantize(
     weight_packed: torch.Tensor,
     weight_scale: torch.Tensor,
@@ -216,7 +193,8 @@ def mxfp4_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     codes = _round_to_e2m1_codes(scaled).flatten(-2)  # [..., cols]
     scale_byte = torch.where(finite, exponent + E8M0_BIAS, torch.full_like(exponent, 255))
     weight_scale = scale_byte.squeeze(-1).to(torch.uint8)
-    return _pack_nibbles(codes), weight_scale
+    weight_packed = codes[..., 0::2] | (codes[..., 1::2] << 4)  # the inverse of unpack_fp4
+    return weight_packed, weight_scale
 
 
 class _StraightThrough(torch.autograd.Function):

@@ -32,6 +32,8 @@ from openk3.model.moe import Router
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)  # quintic Newton-Schulz, a / b / c
 UPDATE_RMS = 0.2  # Muon's update RMS, matched to a typical AdamW update
+ADAMW_BETAS = (0.9, 0.95)  # the usual LLM-pretraining betas, not torch's (0.9, 0.999)
+WSD_DECAY_FRACTION = 0.2  # share of a `wsd` run spent decaying the learning rate
 
 
 def zeropower_via_newtonschulz(G: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
@@ -125,7 +127,7 @@ def _blocks(M: torch.Tensor, split: HeadSplit | None) -> list[torch.Tensor]:
     X = M.mT if split.dim == 1 else M  # a column split is a row split of the transpose
     *lead, R, C = X.shape
     if R % split.period:
-        raise ValueError(f"muon_update: {'columns' if split.dim else 'rows'} ({R}) of a "
+        raise ValueError(f"Muon: {'columns' if split.dim else 'rows'} ({R}) of a "
                          f"{tuple(M.shape)} matrix are not a multiple of the head period {split.sizes}")
     heads = X.reshape(*lead, R // split.period, split.period, C)  # [..., H, period, C]
     return [b.reshape(-1, size, C) for b, size in zip(heads.split(split.sizes, dim=-2), split.sizes)]
@@ -145,10 +147,15 @@ def _assemble(blocks: list[torch.Tensor], M: torch.Tensor, split: HeadSplit | No
 
 def muon_updates(ms: list[torch.Tensor], splits: list[HeadSplit | None],
                  ns_steps: int = 5) -> list[torch.Tensor]:
-    """``muon_update`` of many momenta at once: blocks of the same shape (the same projection
-    of every layer, every expert) are stacked and orthogonalised in one batched Newton-Schulz,
-    so a step costs a few dozen large matmul chains instead of one small chain per matrix
-    (the per-matrix loop was ~0.5 s of host time per step for ``small`` on an H200)."""
+    """The Muon step directions for momenta ``ms`` (each [..., rows, cols]), before the
+    learning rate; each is a tensor of its momentum's shape and dtype.
+
+    Without a split, a whole matrix (each one of a leading batch, e.g. experts) is
+    orthogonalised; with one, the blocks of each head are, each scaled with its own block
+    shape. Blocks of the same shape (the same projection of every layer, every expert) are
+    stacked and orthogonalised in one batched Newton-Schulz, so a step costs a few dozen large
+    matmul chains instead of one small chain per matrix (the per-matrix loop was ~0.5 s of
+    host time per step for ``small`` on an H200)."""
     pieces = [_blocks(m, split) for m, split in zip(ms, splits)]
     groups: dict[tuple, list[tuple[int, int]]] = {}
     for i, blocks in enumerate(pieces):
@@ -161,16 +168,6 @@ def muon_updates(ms: list[torch.Tensor], splits: list[HeadSplit | None],
         for (i, j), o in zip(members, out.split([b.shape[0] for b in stacked])):
             done[i][j] = o
     return [_assemble(blocks, m, split) for blocks, m, split in zip(done, ms, splits)]
-
-
-def muon_update(M: torch.Tensor, split: HeadSplit | None = None, ns_steps: int = 5) -> torch.Tensor:
-    """The Muon step direction for momentum ``M`` [..., rows, cols], before the learning rate.
-
-    Without ``split``: the whole matrix (each one of a leading batch, e.g. experts) is
-    orthogonalised. With one: the blocks of each head are, each scaled with its own block
-    shape. Returns a tensor of M's shape and dtype.
-    """
-    return muon_updates([M], [split], ns_steps)[0]
 
 
 class Muon(torch.optim.Optimizer):
@@ -288,12 +285,12 @@ def _classify(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter],
 
 
 def build_optimizers(model: nn.Module, lr: float, weight_decay: float,
-                     betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
-                     muon_momentum: float = 0.95, optimizer: str = "muon") -> list[torch.optim.Optimizer]:
+                     optimizer: str = "muon") -> list[torch.optim.Optimizer]:
     """``optimizer="muon"``: [per-head Muon for the matrices, AdamW for the rest];
     ``"adamw"``: [AdamW for everything] (the baseline). Both share the base ``lr`` and decay
     embeddings, ``lm_head`` and matrices by ``weight_decay``, never 1-D parameters or AttnRes
-    queries. Every param group records ``initial_lr`` for ``set_lr``."""
+    queries. Muon keeps its default momentum, AdamW uses ``ADAMW_BETAS``. Every param group
+    records ``initial_lr`` for ``set_lr``."""
     if optimizer not in ("muon", "adamw"):
         raise ValueError(f"optimizer must be 'muon' or 'adamw', got {optimizer!r}")
     muon, decay, nodecay = _classify(model)
@@ -301,22 +298,22 @@ def build_optimizers(model: nn.Module, lr: float, weight_decay: float,
         decay, muon = decay + muon, []
     adam_groups = [dict(params=decay, weight_decay=weight_decay, initial_lr=lr),
                    dict(params=nodecay, weight_decay=0.0, initial_lr=lr)]
-    adamw = torch.optim.AdamW([g for g in adam_groups if g["params"]], lr=lr, betas=betas, eps=eps)
+    adamw = torch.optim.AdamW([g for g in adam_groups if g["params"]], lr=lr, betas=ADAMW_BETAS)
     if not muon:
         return [adamw]
     splits = head_slices(model)
-    opt = Muon([dict(params=muon, initial_lr=lr)], lr=lr, momentum=muon_momentum,
-               weight_decay=weight_decay, head_splits={p: splits[p] for p in muon if p in splits})
+    opt = Muon([dict(params=muon, initial_lr=lr)], lr=lr, weight_decay=weight_decay,
+               head_splits={p: splits[p] for p in muon if p in splits})
     return [opt, adamw]
 
 
 def lr_multiplier(step: int, max_steps: int, warmup_steps: int, schedule: str = "cosine",
-                  min_lr_ratio: float = 0.1, decay_fraction: float = 0.2) -> float:
+                  min_lr_ratio: float = 0.1) -> float:
     """Learning-rate multiplier of 0-indexed ``step`` in a run of ``max_steps`` steps.
 
     Linear warmup ``(step + 1) / warmup_steps``, reaching 1 at step ``warmup_steps - 1``; then
     ``"cosine"``: cosine from 1 down to ``min_lr_ratio`` at the last step, ``max_steps - 1``;
-    ``"wsd"`` (warmup-stable-decay): 1 until the last ``decay_fraction`` of the run, then linear
+    ``"wsd"`` (warmup-stable-decay): 1 until the last ``WSD_DECAY_FRACTION`` of the run, then linear
     down to ``min_lr_ratio`` at the last step. Steps past the end keep ``min_lr_ratio``.
     """
     if schedule not in ("cosine", "wsd"):
@@ -324,16 +321,15 @@ def lr_multiplier(step: int, max_steps: int, warmup_steps: int, schedule: str = 
     if max_steps < 1 or not 0 <= warmup_steps < max_steps:
         raise ValueError(f"need max_steps >= 1 and 0 <= warmup_steps < max_steps, "
                          f"got {max_steps}, {warmup_steps}")
-    if not 0 <= min_lr_ratio <= 1 or not 0 <= decay_fraction <= 1:
-        raise ValueError(f"min_lr_ratio and decay_fraction must be in [0, 1], "
-                         f"got {min_lr_ratio}, {decay_fraction}")
+    if not 0 <= min_lr_ratio <= 1:
+        raise ValueError(f"min_lr_ratio must be in [0, 1], got {min_lr_ratio}")
     if step < warmup_steps:
         return (step + 1) / warmup_steps
     last = max_steps - 1
     if schedule == "cosine":
         progress = min(1.0, (step - warmup_steps) / max(1, last - warmup_steps))
         return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-    decay_start = max(warmup_steps, last - round(decay_fraction * max_steps))
+    decay_start = max(warmup_steps, last - round(WSD_DECAY_FRACTION * max_steps))
     if step <= decay_start:
         return 1.0
     progress = min(1.0, (step - decay_start) / max(1, last - decay_start))

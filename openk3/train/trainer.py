@@ -25,7 +25,8 @@ from openk3.model import build_model
 from openk3.model.moe import MoE
 from openk3.train import state as ckpt
 from openk3.train.balance import Balancer
-from openk3.train.data import TokenStream, prepare_data, val_batches
+from openk3.train.data import prepare_data
+from openk3.train.stream import TokenStream, val_batches
 from openk3.train.metrics import MetricsLog, Progress, flops_per_token, peak_flops
 from openk3.train.optim import build_optimizers, lr_multiplier, set_lr
 

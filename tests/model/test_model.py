@@ -40,7 +40,7 @@ def test_token_by_token_decoding_reproduces_full_logits(name):
             parts += [model(ids[:, t:t + 1], cache).logits for t in range(split, 20)]
             parts.append(model(ids[:, 20:], cache).logits)  # a chunk after decoding (chunked prefill)
             inc = torch.cat(parts, 1)
-            assert cache.seq_len == 29
+            assert {layer.length for layer in cache.layers if isinstance(layer, MLAState)} == {29}
             torch.testing.assert_close(inc, full, rtol=1e-4, atol=1e-4)
 
 
@@ -105,8 +105,7 @@ def test_backward_reaches_every_parameter():
     cfg = preset("debug")
     model = _randomise(build_model(cfg))
     ids = torch.randint(0, cfg.vocab_size, (2, 24))
-    out = model(ids, return_hidden=True)
-    assert out.hidden.shape == (2, 24, cfg.hidden_size)
+    out = model(ids)
     torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), ids.flatten()).backward()
     no_grad = [n for n, p in model.named_parameters()
                if p.requires_grad and (p.grad is None or not p.grad.abs().sum() > 0)]
