@@ -8,11 +8,11 @@ over the MoE layers) at a few steps and writes docs/img/balance_debug_training.p
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 from pathlib import Path
 
 from openk3.train.config import run_preset
+from openk3.train.metrics import read_metrics
 from openk3.train.trainer import train
 
 
@@ -29,7 +29,7 @@ def main() -> None:
             train(run_preset("debug", out=str(out), max_steps=args.steps, balance=method,
                              log_interval=5, eval_interval=10**6, ckpt_interval=10**6, num_samples=0,
                              warmup_steps=min(20, args.steps - 1)))
-            rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+            rows = read_metrics(out)
             curves[method] = [(r["step"], sum(r["load_max_over_mean"]) / len(r["load_max_over_mean"]),
                                r["loss"]) for r in rows]
     marks = [s for s in (5, 25, 50, 100, 150, 300) if s <= args.steps]

@@ -30,7 +30,7 @@ from openk3.serve.engine import EngineConfig, LLMEngine
 from openk3.serve.sampler import SamplingParams
 from openk3.tokenizer import ByteTokenizer
 
-COPY_BANDWIDTH = 4.3e12  # bytes/s, measured on the H200 (NOTES.md)
+COPY_BANDWIDTH = 4.3e12  # bytes/s, the H200's device copy (docs/benchmarks.md)
 ROWS: list[dict] = []
 
 

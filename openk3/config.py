@@ -178,6 +178,9 @@ class ModelConfig(_DictIO):
             raise bad("hidden_act", "must be 'situ' or 'silu'")
         if self.kda_gate_lower_bound is not None and self.kda_gate_lower_bound >= 0:
             raise bad("kda_gate_lower_bound", "must be negative (a log-decay) or None")
+        if self.num_nextn_predict_layers != 0:
+            raise bad("num_nextn_predict_layers", "multi-token-prediction layers are not supported yet "
+                      "(issue P9); the K3 release ships none")
         if self.attn_res_block_size is not None and self.attn_res_block_size <= 0:
             raise bad("attn_res_block_size", "must be positive or None")
         if self.moe_latent_size is not None and self.moe_latent_size <= 0:

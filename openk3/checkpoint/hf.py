@@ -29,10 +29,9 @@ from openk3.checkpoint.atomic import atomic_directory
 from openk3.checkpoint.hf_config import from_hf, to_hf
 from openk3.config import ModelConfig
 from openk3.model.model import KimiForCausalLM, _keep_fp32, build_model
-from openk3.ops.mx import mxfp4_dequantize, mxfp4_quantize
+from openk3.ops.mx import MX_BLOCK_SIZE, mxfp4_dequantize, mxfp4_quantize
 
 MXFP4_FORMAT = "mxfp4-pack-quantized"
-MX_GROUP = 32
 K3_ALOG_PAD = 128
 SKIPPED_PREFIXES = ("vision_tower.", "mm_projector.")  # the vision part of a K3 release
 
@@ -55,7 +54,7 @@ def _is_moe_name(cfg: ModelConfig, name: str) -> bool:
 
 
 def to_hf_name(cfg: ModelConfig, name: str) -> str:
-    """Our parameter name -> HF name (not for stacked experts, see ``_expert_hf_names``)."""
+    """Our parameter name -> HF name (not for stacked experts, see ``_hf_tensors``)."""
     hf = re.sub(r"_res\.(norm|proj)\.weight$", r"_res_\1.weight", name)
     if _is_moe_name(cfg, name):
         hf = hf.replace(".mlp.", ".block_sparse_moe.", 1)
@@ -275,7 +274,7 @@ def mxfp4_quantization_config() -> dict:
             "targets": ["Linear"],
             "input_activations": None,
             "output_activations": None,
-            "weights": {"num_bits": 4, "type": "float", "group_size": MX_GROUP, "symmetric": True,
+            "weights": {"num_bits": 4, "type": "float", "group_size": MX_BLOCK_SIZE, "symmetric": True,
                         "strategy": "group", "scale_dtype": "torch.uint8", "dynamic": False},
         }},
         "ignore": ["re:.*self_attn.*", "re:.*shared_experts.*",
@@ -295,8 +294,8 @@ def save_pretrained(model: KimiForCausalLM, path: str | os.PathLike, experts: st
     if experts not in ("bf16", "mxfp4"):
         raise ValueError(f"save_pretrained: experts={experts!r} must be 'bf16' or 'mxfp4'")
     cfg = model.cfg
-    if experts == "mxfp4" and cfg.moe_intermediate_size % MX_GROUP:
-        raise ValueError(f"save_pretrained: experts='mxfp4' needs moe_intermediate_size divisible by {MX_GROUP}")
+    if experts == "mxfp4" and cfg.moe_intermediate_size % MX_BLOCK_SIZE:
+        raise ValueError(f"save_pretrained: experts='mxfp4' needs moe_intermediate_size divisible by {MX_BLOCK_SIZE}")
     with atomic_directory(path) as tmp:
         # shards are written as they fill (memory: one shard), named once their count is known
         written: list[tuple[Path, list[str]]] = []

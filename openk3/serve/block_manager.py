@@ -70,16 +70,7 @@ class Allocation:
 class PrefixCacheStats:
     queries: int = 0  # admissions that looked up the prefix cache
     hits: int = 0
-    queried_tokens: int = 0
     saved_tokens: int = 0  # prefill tokens skipped thanks to hits
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / self.queries if self.queries else 0.0
-
-    @property
-    def token_hit_rate(self) -> float:
-        return self.saved_tokens / self.queried_tokens if self.queried_tokens else 0.0
 
 
 @dataclass(frozen=True)
@@ -201,7 +192,6 @@ class BlockManager:
             raise RuntimeError(f"request {seq.request_id!r} does not fit; call can_allocate first")
         if self.config.enable_prefix_caching:
             self.stats.queries += 1
-            self.stats.queried_tokens += seq.num_tokens
         seq.state_slot = self.free_state_slots.popleft()
         block_copy = kda_restore = None
         num_cached = 0

@@ -266,7 +266,6 @@ class AsyncEngine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._wake = threading.Event()
         self._stop = False
-        self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="openk3-engine", daemon=True)
         self._thread.start()
 
@@ -310,7 +309,6 @@ class AsyncEngine:
             try:
                 outputs = eng.step()
             except Exception as e:  # noqa: BLE001 - fail every request, keep serving
-                self._error = e
                 for rid in list(eng.requests):
                     eng.abort(rid)
                     self._push(rid, e)

@@ -42,6 +42,8 @@ class _EngineCollector:
                                   value=s.prefix_tokens_saved)
         yield CounterMetricFamily("openk3_num_preemptions_total", "Requests preempted for lack of cache.",
                                   value=s.num_preemptions)
+        yield CounterMetricFamily("openk3_engine_steps_total", "Scheduler steps that ran a forward pass.",
+                                  value=s.num_steps)
 
 
 class ServerMetrics:
