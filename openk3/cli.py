@@ -47,12 +47,16 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
     p.add_argument("--dtype", default=None, choices=sorted(DTYPES),
                    help="default: bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--tokenizer", default=None, metavar="DIR|bytes",
+                   help="a directory with tokenizer.json or tiktoken.model, or 'bytes' for raw UTF-8 "
+                        "(default: the checkpoint's own; with --random-init, one whose every id is visible)")
 
 
 def _load_model(args: argparse.Namespace, seed: int = 0):
     """``load_model`` from the flags of ``_add_model_flags``."""
     preset_name = args.preset or ("debug" if args.random_init else None)
-    return load_model(args.checkpoint, preset_name, args.random_init, args.device, args.dtype, seed)
+    return load_model(args.checkpoint, preset_name, args.random_init, args.device, args.dtype, seed,
+                      args.tokenizer)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

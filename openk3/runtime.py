@@ -15,7 +15,7 @@ import torch
 from openk3.checkpoint import load_pretrained
 from openk3.config import preset as model_preset
 from openk3.model import build_model
-from openk3.tokenizer import load_tokenizer
+from openk3.tokenizer import VisibleTokenizer, load_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -67,10 +67,14 @@ def checkpoint_dir(path: str | Path) -> Path:
 
 def load_model(checkpoint: str | Path | None = None, preset: str | None = None, random_init: bool = False,
                device: str | torch.device | None = None, dtype: str | torch.dtype | None = None,
-               seed: int = 0):
+               seed: int = 0, tokenizer: str | Path | None = None):
     """(model in eval mode, tokenizer, name) from a checkpoint directory (or a training run's, see
-    ``checkpoint_dir``), or from a preset with random weights (``random_init=True``, byte
-    tokenizer) for trying things without weights.
+    ``checkpoint_dir``), or from a preset with random weights (``random_init=True``) for trying
+    things without weights.
+
+    ``tokenizer``: a directory holding one, or ``"bytes"`` (``openk3.tokenizer.load_tokenizer``);
+    None means the checkpoint's own (an error if it has none), or for random weights the
+    ``VisibleTokenizer``, whose every id decodes to visible text.
 
     ``device`` and ``dtype`` default as in ``resolve_device`` / ``default_dtype``; ``seed`` seeds
     random weights. The name is the checkpoint directory's (the run's for a training run), or
@@ -90,7 +94,9 @@ def load_model(checkpoint: str | Path | None = None, preset: str | None = None, 
     dtype = resolve_dtype(dtype, device)
     if checkpoint is not None:
         path = checkpoint_dir(checkpoint)
+        tok = load_tokenizer(tokenizer if tokenizer is not None else path)  # fails before the weights load
         model = load_pretrained(path, dtype=dtype, device=device)
-        return model.eval(), load_tokenizer(path), Path(checkpoint).resolve().name
+        return model.eval(), tok, Path(checkpoint).resolve().name
+    tok = load_tokenizer(tokenizer) if tokenizer is not None else VisibleTokenizer()
     model = build_model(model_preset(preset), device=device, dtype=dtype, seed=seed)
-    return model.eval(), load_tokenizer(None), f"openk3-{preset}"
+    return model.eval(), tok, f"openk3-{preset}"

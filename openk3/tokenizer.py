@@ -1,5 +1,6 @@
 """Tokenizers: a checkpoint's ``tokenizer.json`` (``tokenizers``), Kimi's ``tiktoken.model``
-(``tiktoken``, offline from the local file), or a byte-level fallback for random-init models."""
+(``tiktoken``, offline from the local file), raw UTF-8 bytes (only when asked for), and the
+visible-ids tokenizer that random-init models get."""
 
 from __future__ import annotations
 
@@ -21,13 +22,22 @@ NUM_RESERVED_SPECIAL = 256
 
 
 class ByteTokenizer:
-    """UTF-8 bytes as ids 0..255 (for models without a tokenizer; needs vocab_size >= 256)."""
+    """UTF-8 bytes as ids 0..255 (needs vocab_size >= 256); ids above 255 decode to nothing."""
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+class VisibleTokenizer(ByteTokenizer):
+    """For random-init models: text in as UTF-8 bytes (so ASCII round-trips), and every id out
+    as visible text of its own: printable ASCII, tab and newline as themselves, any other id as
+    ``<id>``. A random model's output then streams, and stop strings match, as real text does."""
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(chr(i) if 32 <= i < 127 or i in (9, 10) else f"<{i}>" for i in ids)
 
 
 class HFTokenizer:
@@ -71,12 +81,23 @@ class TiktokenTokenizer:
         return self.enc.decode(ids)
 
 
-def load_tokenizer(path: str | Path | None):
-    """The tokenizer stored in a checkpoint directory, or ``ByteTokenizer`` when there is none."""
-    if path is not None:
-        path = Path(path)
-        if (path / "tokenizer.json").exists():
-            return HFTokenizer(path / "tokenizer.json")
-        if (path / "tiktoken.model").exists():
-            return TiktokenTokenizer(path / "tiktoken.model")
-    return ByteTokenizer()
+TOKENIZER_FILES = ("tokenizer.json", "tiktoken.model")
+
+
+def load_tokenizer(path: str | Path):
+    """The tokenizer stored in checkpoint directory ``path`` (``tokenizer.json`` read with
+    ``tokenizers``, else Kimi's ``tiktoken.model``), or, for ``path="bytes"``, raw UTF-8 bytes.
+    A directory with neither file is an error naming them: silently falling back to bytes would
+    print garbage for any real model."""
+    if str(path) == "bytes":
+        return ByteTokenizer()
+    path = Path(path)
+    if path.is_file() and path.name in TOKENIZER_FILES:
+        path = path.parent
+    if (path / "tokenizer.json").exists():
+        return HFTokenizer(path / "tokenizer.json")
+    if (path / "tiktoken.model").exists():
+        return TiktokenTokenizer(path / "tiktoken.model")
+    raise ValueError(f"{path}: no tokenizer ({' or '.join(TOKENIZER_FILES)}); copy the model's "
+                     "tokenizer there, give another with --tokenizer DIR, or --tokenizer bytes for "
+                     "raw UTF-8 bytes")

@@ -48,7 +48,9 @@ def run_dir(tmp_path_factory):
 def test_a_training_run_means_its_export(run_dir):
     assert checkpoint_dir(run_dir) == run_dir / "export"
     assert checkpoint_dir(run_dir / "export") == run_dir / "export"
-    model, tokenizer, name = load_model(run_dir, device="cpu")
+    with pytest.raises(ValueError, match=r"export: no tokenizer \(tokenizer.json or tiktoken.model\)"):
+        load_model(run_dir, device="cpu")
+    model, tokenizer, name = load_model(run_dir, device="cpu", tokenizer="bytes")
     assert name == "d1" and not model.training
     want = build_model(preset("debug"), seed=5)
     assert torch.equal(model.lm_head.weight, want.lm_head.weight)
@@ -63,8 +65,9 @@ def test_a_training_run_without_export_is_a_clear_error(tmp_path):
 
 
 def test_random_preset():
-    model, _, name = load_model(preset="debug", random_init=True, dtype="bfloat16", seed=3)
+    model, tok, name = load_model(preset="debug", random_init=True, dtype="bfloat16", seed=3)
     assert name == "openk3-debug" and next(model.parameters()).dtype == torch.bfloat16
+    assert tok.decode([4000]) == "<4000>"  # every id of a random model is visible text
 
 
 @pytest.mark.parametrize("kwargs,message", [

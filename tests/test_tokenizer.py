@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from openk3.tokenizer import NUM_RESERVED_SPECIAL, ByteTokenizer, load_tokenizer
+from openk3.tokenizer import NUM_RESERVED_SPECIAL, ByteTokenizer, VisibleTokenizer, load_tokenizer
 
 
 def _write_tiktoken_checkpoint(path):
@@ -43,7 +43,17 @@ def test_hf_tokenizer_json(tmp_path):
     assert tok.decode(tok.encode("def f(x):")) == "def f(x):"
 
 
-def test_byte_fallback():
-    tok = load_tokenizer(None)
+def test_bytes_only_when_asked_for(tmp_path):
+    tok = load_tokenizer("bytes")
     assert isinstance(tok, ByteTokenizer)
     assert tok.encode("é") == [0xC3, 0xA9] and tok.decode([0xC3, 0xA9]) == "é"
+    with pytest.raises(ValueError, match=r"no tokenizer \(tokenizer.json or tiktoken.model\).*--tokenizer bytes"):
+        load_tokenizer(tmp_path)
+
+
+def test_visible_tokenizer_decodes_every_id_to_visible_text():
+    tok = VisibleTokenizer()
+    assert tok.decode(tok.encode("def f(x):\n\treturn 1")) == "def f(x):\n\treturn 1"
+    text = tok.decode(list(range(4096)))
+    assert "\ufffd" not in text and all(c.isprintable() or c in "\n\t" for c in text)
+    assert tok.decode([3000, 65, 0]) == "<3000>A<0>"

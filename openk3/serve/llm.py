@@ -23,8 +23,9 @@ class LLM:
 
     def __init__(self, checkpoint: str | None = None, *, preset: str | None = None,
                  random_init: bool = False, device: str | torch.device | None = None,
-                 dtype: str | torch.dtype | None = None, seed: int = 0, **engine_config):
-        model, tokenizer, name = load_model(checkpoint, preset, random_init, device, dtype, seed)
+                 dtype: str | torch.dtype | None = None, seed: int = 0,
+                 tokenizer: str | None = None, **engine_config):
+        model, tokenizer, name = load_model(checkpoint, preset, random_init, device, dtype, seed, tokenizer)
         self.engine = LLMEngine(model, tokenizer, EngineConfig(**engine_config), model_name=name)
 
     def generate(self, prompts: str | list[str] | list[list[int]],

@@ -77,6 +77,13 @@ def test_serve_refuses_a_preset_without_weights(capsys):
     assert "random_init" in capsys.readouterr().err
 
 
+def test_a_checkpoint_without_tokenizer_is_refused(tmp_path, capsys):
+    save_pretrained(build_model(preset("debug"), seed=3), tmp_path / "ck")
+    assert main(["serve", "--checkpoint", str(tmp_path / "ck")]) == 2
+    err = capsys.readouterr().err
+    assert "no tokenizer (tokenizer.json or tiktoken.model)" in err and err.count("\n") == 1
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -88,7 +95,7 @@ def test_openk3_serve_checkpoint_end_to_end(tmp_path):
     save_pretrained(build_model(preset("debug"), seed=3), ckpt)
     port = _free_port()
     cmd = [sys.executable, "-m", "openk3", "serve", "--checkpoint", str(ckpt), "--port", str(port),
-           "--api-key", "sk-cli", "--max-model-len", "256", "--max-num-seqs", "4",
+           "--api-key", "sk-cli", "--tokenizer", "bytes", "--max-model-len", "256", "--max-num-seqs", "4",
            "--max-num-batched-tokens", "64"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
     url = f"http://127.0.0.1:{port}"
