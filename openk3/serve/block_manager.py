@@ -255,7 +255,7 @@ class BlockManager:
         return chain[:num_hash_blocks]
 
     def _find_hit(self, seq: Sequence) -> _Hit | None:
-        if not self.config.enable_prefix_caching or not self.checkpoints:
+        if not self.config.enable_prefix_caching or not self.checkpoints or seq.wants_prompt_logprobs:
             return None
         size = self.hash_block_size
         # At least one token must be left to compute: it produces the next-token logits.

@@ -29,7 +29,7 @@ import torch
 
 from openk3.serve.block_manager import BlockManager
 from openk3.serve.config import EngineConfig
-from openk3.serve.model_runner import ModelRunner
+from openk3.serve.model_runner import ModelRunner, PromptLogprobs
 from openk3.serve.sampler import InvalidRequest, SamplingParams, make_generator, sample
 from openk3.serve.scheduler import Scheduler
 from openk3.serve.sequence import Sequence
@@ -57,6 +57,9 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None  # "stop", "length", "abort"
     num_cached_tokens: int = 0
+    # with SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (it
+    # has no context); complete once the prompt is computed, i.e. from the first token on
+    prompt_logprobs: list[Logprob | None] | None = None
 
 
 @dataclass
@@ -85,6 +88,7 @@ class _Request:
     sent_text: int = 0  # characters already returned as deltas
     sent_tokens: int = 0
     logprobs: list[Logprob] | None = None
+    prompt_logprobs: list[Logprob | None] | None = None
     finish_reason: str | None = None
 
 
@@ -143,10 +147,15 @@ class LLMEngine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.requests:
             raise InvalidRequest("request_id", f"{rid!r} already exists")
-        seq = Sequence(rid, ids, params.max_tokens, self.eos_token_ids + tuple(params.stop_token_ids))
+        # max_tokens=0 still samples one token internally (the prompt's last logits are computed
+        # anyway); _output reports none
+        seq = Sequence(rid, ids, max(1, params.max_tokens), self.eos_token_ids + tuple(params.stop_token_ids))
+        seq.wants_prompt_logprobs = params.prompt_logprobs is not None
         gen = make_generator(params.seed, self.runner.device)
         self.scheduler.add_request(seq)
-        self.requests[rid] = _Request(seq, params, gen, logprobs=[] if params.logprobs is not None else None)
+        self.requests[rid] = _Request(
+            seq, params, gen, logprobs=[] if params.logprobs is not None else None,
+            prompt_logprobs=[None] * len(ids) if seq.wants_prompt_logprobs else None)
         return rid
 
     def abort(self, request_id: str) -> bool:
@@ -169,9 +178,12 @@ class LLMEngine:
         self.stats.num_preemptions += len(out.preempted_ids)
         self.stats.prompt_tokens += sum(n for s, n in out.scheduled if s.num_computed_tokens <= s.num_prompt_tokens)
         sampled = out.sampled
-        logits = self.runner.execute(out, self.block_manager)  # [len(sampled), V]
+        result = self.runner.execute(out, self.block_manager)
+        for rid, piece in result.prompt_logprobs.items():
+            self._record_prompt_logprobs(self.requests[rid], piece)
         if not sampled:
             return []
+        logits = result.logits  # [len(sampled), V]
         reqs = [self.requests[s.request_id] for s in sampled]
         tokens, _ = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
         tokens = tokens.tolist()
@@ -188,10 +200,22 @@ class LLMEngine:
         self.stats.generation_tokens += len(tokens)
         return [self._output(r) for r in reqs]
 
+    @staticmethod
+    def _record_prompt_logprobs(r: _Request, piece: PromptLogprobs) -> None:
+        k = r.params.prompt_logprobs
+        token, ids, values = (piece.token.tolist(), piece.top_ids[:, :k].tolist(),
+                              piece.top_values[:, :k].tolist())
+        for i, (lp, top_ids, top_values) in enumerate(zip(token, ids, values)):
+            pos = piece.first + i  # a recomputation after preemption overwrites, never appends
+            r.prompt_logprobs[pos] = Logprob(r.seq.token_ids[pos], lp, dict(zip(top_ids, top_values)))
+
     def _output(self, r: _Request) -> RequestOutput:
         seq, stops = r.seq, r.params.stop
         finish = seq.finish_reason if seq.is_finished else None
         ids = seq.output_token_ids
+        if r.params.max_tokens == 0:  # the one internal token is not reported
+            ids, finish = [], ("length" if finish is not None else None)
+            r.logprobs = [] if r.logprobs is not None else None
         if finish == "stop" and ids and ids[-1] in seq.eos_token_ids:
             text_ids = ids[:-1]  # the stop token itself is not text
         else:
@@ -214,7 +238,8 @@ class LLMEngine:
         delta_ids, r.sent_tokens = ids[r.sent_tokens:], len(ids)
         return RequestOutput(seq.request_id, seq.prompt_token_ids, list(ids), visible, delta_ids,
                              delta_text, list(r.logprobs) if r.logprobs is not None else None,
-                             finish is not None, finish, seq.num_cached_tokens)
+                             finish is not None, finish, seq.num_cached_tokens,
+                             list(r.prompt_logprobs) if r.prompt_logprobs is not None else None)
 
     def _detokenize(self, r: _Request, ids: list[int], final: bool) -> str:
         """Text of ``ids`` (the output so far), decoding only the window since the last

@@ -25,7 +25,7 @@ generate path's ``KDAState`` / ``MLAState``: the model code is the same for both
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -35,8 +35,34 @@ from openk3.serve.scheduler import SchedulerOutput
 from openk3.serve.sequence import Sequence
 
 
+MAX_TOP_LOGPROBS = 20  # the most alternatives a request may ask for (OpenAI's limit)
+PROMPT_LOGITS_ROWS = 1024  # prompt positions turned into log-probabilities at a time
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+@dataclass
+class PromptLogprobs:
+    """Log-probabilities of prompt tokens ``first ..`` (positions of the sequence):
+    ``token [n]`` of the prompt's own tokens, ``top_ids`` / ``top_values [n, MAX_TOP_LOGPROBS]``
+    the most likely alternatives."""
+
+    first: int
+    token: torch.Tensor
+    top_ids: torch.Tensor
+    top_values: torch.Tensor
+
+
+@dataclass
+class StepResult:
+    """``logits [len(out.sampled), vocab]`` in ``out.sampled`` order; ``prompt_logprobs`` by
+    request id (one piece per step and request; a long prompt chunk is split and the pieces
+    concatenated here)."""
+
+    logits: torch.Tensor
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
 
 
 class KDAPool:
@@ -194,26 +220,47 @@ class ModelRunner:
 
     # Forward passes.
 
-    def execute(self, out: SchedulerOutput, bm: BlockManager) -> torch.Tensor:
-        """Run the step; returns logits [len(out.sampled), vocab] in ``out.sampled`` order."""
+    def execute(self, out: SchedulerOutput, bm: BlockManager) -> StepResult:
+        """Run the step: logits of ``out.sampled`` and the prompt log-probabilities of this step's
+        tokens of every sequence that wants them (``Sequence.wants_prompt_logprobs``)."""
         self._apply_cache_ops(out)
         decode = [(s, n) for s, n in out.scheduled if n == 1]
         prefill = [(s, n) for s, n in out.scheduled if n > 1]
         logits: dict[str, torch.Tensor] = {}
+        result = StepResult(torch.empty(0, self.cfg.vocab_size, device=self.device))
         if decode:
             seqs = [s for s, _ in decode]
             rows = self._decode(seqs)
             logits.update((s.request_id, rows[j]) for j, s in enumerate(seqs)
                           if s.num_computed_tokens == s.num_tokens)
+            for j, s in enumerate(seqs):
+                if s.wants_prompt_logprobs:
+                    self._add_prompt_logprobs(result, s, s.num_computed_tokens - 1, rows[j:j + 1])
         if prefill:
-            logits.update(self._prefill(prefill))
+            logits.update(self._prefill(prefill, result))
         self._save_checkpoints(out, bm)
-        sampled = out.sampled
-        if not sampled:
-            return torch.empty(0, self.cfg.vocab_size, device=self.device)
-        return torch.stack([logits[s.request_id] for s in sampled])
+        if out.sampled:
+            result.logits = torch.stack([logits[s.request_id] for s in out.sampled])
+        return result
 
-    def _prefill(self, chunks: list[tuple[Sequence, int]]) -> dict[str, torch.Tensor]:
+    @staticmethod
+    def _add_prompt_logprobs(result: StepResult, seq: Sequence, start: int, logits: torch.Tensor) -> None:
+        """Log-probabilities of prompt tokens ``start + 1 ..`` from the logits of positions
+        ``start ..`` (rows of ``logits``), up to the last prompt token."""
+        n = min(logits.shape[0], seq.num_prompt_tokens - 1 - start)
+        if n <= 0:
+            return
+        targets = torch.tensor(seq.token_ids[start + 1:start + 1 + n], device=logits.device)
+        logp = torch.log_softmax(logits[:n].float(), dim=-1)
+        top = logp.topk(min(MAX_TOP_LOGPROBS, logp.shape[-1]), dim=-1)
+        piece = PromptLogprobs(start + 1, logp.gather(-1, targets[:, None])[:, 0], top.indices, top.values)
+        before = result.prompt_logprobs.get(seq.request_id)
+        if before is not None:  # the next piece of the same chunk
+            piece = PromptLogprobs(before.first, *(torch.cat([a, b]) for a, b in zip(
+                (before.token, before.top_ids, before.top_values), (piece.token, piece.top_ids, piece.top_values))))
+        result.prompt_logprobs[seq.request_id] = piece
+
+    def _prefill(self, chunks: list[tuple[Sequence, int]], result: StepResult) -> dict[str, torch.Tensor]:
         ids, slots, segments, segment_slots, cu, last = [], [], [], [], [0], {}
         for seq, n in chunks:
             end = seq.num_computed_tokens  # already advanced by the scheduler
@@ -232,6 +279,11 @@ class ModelRunner:
         state_slots = torch.tensor([s.state_slot for s, _ in chunks], device=dev, dtype=torch.long)
         batch = MLABatch(torch.cat(slots), segments=segments, segment_slots=segment_slots)
         hidden = self._forward(torch.tensor([ids], device=dev), batch, state_slots, (cu_seqlens, cu_cpu))
+        for (seq, n), (a, b, start) in zip(chunks, segments):
+            if seq.wants_prompt_logprobs:  # in pieces: [rows, vocab] fp32 logits are large
+                for lo in range(a, b, PROMPT_LOGITS_ROWS):
+                    hi = min(b, lo + PROMPT_LOGITS_ROWS)
+                    self._add_prompt_logprobs(result, seq, start + lo - a, self.model.lm_head(hidden[0, lo:hi]))
         if not last:
             return {}
         rows = hidden[0, list(last.values())]

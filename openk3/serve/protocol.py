@@ -15,6 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from openk3.serve.engine import Logprob, RequestOutput
 from openk3.serve.sampler import SamplingParams
 
+MAX_N = 128  # choices per prompt, as OpenAI allows
+
 # Errors.
 
 
@@ -54,11 +56,18 @@ class SamplingRequest(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted, ignored
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    n: int = Field(1, ge=1, le=MAX_N)  # choices per prompt
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None, choice: int = 0,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
+        """The engine parameters of choice number ``choice`` of a prompt: a seeded request's
+        choices draw from seeds ``seed, seed + 1, ...``, so they differ and each is reproducible."""
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         given = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k}
-        return SamplingParams(**{k: v for k, v in given.items() if v is not None}, seed=self.seed,
-                              max_tokens=max_tokens, stop=stop, logprobs=logprobs)
+        seed = None if self.seed is None else (self.seed + choice + 2**63) % 2**64 - 2**63
+        return SamplingParams(**{k: v for k, v in given.items() if v is not None}, seed=seed,
+                              max_tokens=max_tokens, stop=stop, logprobs=logprobs,
+                              prompt_logprobs=prompt_logprobs)
 
     @property
     def include_usage(self) -> bool:
@@ -66,15 +75,19 @@ class SamplingRequest(BaseModel):
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[int] | list[str] | list[list[int]]  # one prompt; a list of one is fine
-    max_tokens: int | None = 16
-    logprobs: int | None = None  # top alternatives per token
+    prompt: str | list[int] | list[str] | list[list[int]]  # one prompt, or a list of prompts
+    max_tokens: int | None = 16  # 0 (with echo): score the prompt, generate nothing
+    logprobs: int | None = None  # top alternatives per token (prompt tokens too, with echo)
+    echo: bool = False  # the prompt comes back before the completion (and its log-probs)
 
 
 class ContentPart(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
     type: str
     text: str | None = None
+
+
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class ChatMessage(BaseModel):
@@ -92,49 +105,96 @@ class ChatCompletionRequest(SamplingRequest):
 
 
 # Features the engine lacks: the value that means "off" (None is always accepted as well).
-UNSUPPORTED = {"n": 1, "best_of": 1, "echo": False, "presence_penalty": 0, "frequency_penalty": 0,
-               "logit_bias": None, "suffix": None}
+UNSUPPORTED = {"best_of": 1, "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None,
+               "suffix": None}
 
 
-def one_prompt(prompt: str | list) -> str | list[int]:
+def prompt_list(prompt: str | list) -> list[str | list[int]]:
+    """The prompts of a completion request: a string or a list of token ids is one prompt; a
+    list of strings or of id lists is several (each answered by ``n`` choices, in order)."""
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) > 1:
-            raise APIError(400, f"{len(prompt)} prompts given; one per request is supported", "prompt")
-        return prompt[0]
-    return prompt
+        return list(prompt)
+    return [prompt]
 
 
-def message_text(m: ChatMessage) -> str:
-    if m.content is None or isinstance(m.content, str):
-        return m.content or ""
+def message_text(m: ChatMessage, index: int) -> str:
+    """The text of ``messages[index]``; an unknown role, or no content where one is required
+    (every role but an assistant's), is a 400 naming the message."""
+    if m.role not in CHAT_ROLES:
+        raise APIError(400, f"messages[{index}].role {m.role!r} is not one of {list(CHAT_ROLES)}",
+                       "messages")
+    if m.content is None:
+        if m.role != "assistant":
+            raise APIError(400, f"messages[{index}].content is required for role {m.role!r}", "messages")
+        return ""
+    if isinstance(m.content, str):
+        return m.content
     if any(p.type != "text" or p.text is None for p in m.content):
-        raise APIError(400, "only text content parts are supported", "messages")
+        raise APIError(400, f"messages[{index}]: only text content parts are supported", "messages")
     return "".join(p.text for p in m.content)
 
 
-# Responses and stream chunks.
+# Responses and stream chunks. A request has one or more choices (prompts x n); ``outputs`` are
+# ``(choice index, RequestOutput)`` pairs as the engine produces them, the choices interleaved.
 
 
-def usage(out: RequestOutput) -> dict:
-    p, c = len(out.prompt_token_ids), len(out.token_ids)
+def usage(outs: list[RequestOutput], n: int) -> dict:
+    """Token counts of a whole response: ``outs`` in choice order, ``n`` choices per prompt (each
+    prompt is counted once, as OpenAI does)."""
+    firsts = outs[::n]
+    p, c = sum(len(o.prompt_token_ids) for o in firsts), sum(len(o.token_ids) for o in outs)
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
-            "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in firsts)}}
 
 
 def _finite(logprob: float) -> float:
     return max(logprob, -9999.0)  # JSON has no -Infinity; OpenAI reports -9999 too
 
 
-def completion_logprobs(tokenizer, lps: list[Logprob], offset: int) -> dict:
-    """Legacy completions format; ``text_offset`` counts characters of the generated text."""
-    tokens = [tokenizer.decode([lp.token_id]) for lp in lps]
+def completion_logprobs(tokenizer, lps: list[Logprob | None], offset: int) -> dict:
+    """Legacy completions format; ``text_offset`` counts characters from the start of the
+    choice's text. A None entry (the first prompt token, which has no context) stays null."""
+    tokens = [tokenizer.decode([lp.token_id]) for lp in lps if lp is not None]
     offsets = []
     for t in tokens:
         offsets.append(offset)
         offset += len(t)
-    return {"tokens": tokens, "token_logprobs": [_finite(lp.logprob) for lp in lps],
-            "top_logprobs": [{tokenizer.decode([i]): _finite(v) for i, v in lp.top.items()} for lp in lps],
+    return {"tokens": tokens,
+            "token_logprobs": [None if lp is None else _finite(lp.logprob) for lp in lps],
+            "top_logprobs": [None if lp is None else {tokenizer.decode([i]): _finite(v) for i, v in lp.top.items()}
+                             for lp in lps],
             "text_offset": offsets}
+
+
+def _echo_logprobs(out: RequestOutput) -> list[Logprob | None]:
+    """The prompt's entries of an echoed choice: null for the first token, then each token's."""
+    lps = out.prompt_logprobs or []
+    return [None] + lps[1:] if lps else []
+
+
+def _first_prompt_token(tokenizer, out: RequestOutput) -> str:
+    return tokenizer.decode(out.prompt_token_ids[:1])
+
+
+def completion_choice(tokenizer, out: RequestOutput, index: int, echo: str | None) -> dict:
+    """One choice of a finished completion; ``echo`` is the prompt text when the request echoes."""
+    logprobs = None
+    if out.logprobs is not None:
+        lps = (_echo_logprobs(out) if echo is not None else []) + out.logprobs
+        logprobs = completion_logprobs(tokenizer, lps, 0)
+        if echo is not None:  # the first prompt token has no log-prob but is text
+            logprobs["tokens"].insert(0, _first_prompt_token(tokenizer, out))
+            logprobs["text_offset"] = _offsets(logprobs["tokens"])
+    return {"index": index, "text": (echo or "") + out.text, "logprobs": logprobs,
+            "finish_reason": out.finish_reason}
+
+
+def _offsets(tokens: list[str]) -> list[int]:
+    out, offset = [], 0
+    for t in tokens:
+        out.append(offset)
+        offset += len(t)
+    return out
 
 
 def chat_logprobs(tokenizer, lps: list[Logprob]) -> dict:
@@ -146,53 +206,65 @@ def chat_logprobs(tokenizer, lps: list[Logprob]) -> dict:
                          "top_logprobs": [entry(i, v) for i, v in lp.top.items()]} for lp in lps]}
 
 
-def completion_choice(tokenizer, out: RequestOutput) -> dict:
-    logprobs = None if out.logprobs is None else completion_logprobs(tokenizer, out.logprobs, 0)
-    return {"index": 0, "text": out.text, "logprobs": logprobs, "finish_reason": out.finish_reason}
-
-
-def chat_choice(tokenizer, out: RequestOutput) -> dict:
+def chat_choice(tokenizer, out: RequestOutput, index: int, echo: str | None = None) -> dict:
     logprobs = None if out.logprobs is None else chat_logprobs(tokenizer, out.logprobs)
-    return {"index": 0, "message": {"role": "assistant", "content": out.text}, "logprobs": logprobs,
+    return {"index": index, "message": {"role": "assistant", "content": out.text}, "logprobs": logprobs,
             "finish_reason": out.finish_reason}
 
 
-async def completion_chunks(tokenizer, outputs: AsyncIterator[RequestOutput], head: dict,
-                            include_usage: bool) -> AsyncIterator[dict]:
-    """``text_completion`` chunks: new text and log-probs as they come; ``head`` is the id,
-    object, created and model every chunk repeats."""
-    sent_logprobs = offset = 0
+async def completion_chunks(tokenizer, outputs: AsyncIterator[tuple[int, RequestOutput]], head: dict,
+                            include_usage: bool, n: int, echoes: list[str | None]) -> AsyncIterator[dict]:
+    """``text_completion`` chunks: new text and log-probs of each choice as they come (an echoed
+    prompt in the choice's first chunk); ``head`` is the id, object, created and model every
+    chunk repeats; ``echoes[i]`` the prompt text of choice i when echoing."""
+    sent: dict[int, int] = {}  # choice -> log-probs sent
+    offsets: dict[int, int] = {}  # choice -> characters sent
+    last: dict[int, RequestOutput] = {}
     async with contextlib.aclosing(outputs):
-        async for out in outputs:
+        async for index, out in outputs:
+            first = index not in last
+            last[index] = out
+            text, echo = out.delta_text, echoes[index]
             logprobs = None
             if out.logprobs is not None:
-                logprobs = completion_logprobs(tokenizer, out.logprobs[sent_logprobs:], offset)
-                sent_logprobs = len(out.logprobs)
-                offset += sum(len(t) for t in logprobs["tokens"])
-            if out.delta_text or out.finished or (logprobs and logprobs["tokens"]):
-                yield {**head, "choices": [{"index": 0, "text": out.delta_text, "logprobs": logprobs,
+                lps = out.logprobs[sent.get(index, 0):]
+                if first and echo is not None:
+                    lps = _echo_logprobs(out) + lps
+                logprobs = completion_logprobs(tokenizer, lps, offsets.get(index, 0))
+                if first and echo is not None:
+                    logprobs["tokens"].insert(0, _first_prompt_token(tokenizer, out))
+                    logprobs["text_offset"] = _offsets(logprobs["tokens"])
+                sent[index] = len(out.logprobs)
+            if first and echo is not None:
+                text = echo + text
+            offsets[index] = offsets.get(index, 0) + len(text)
+            if text or out.finished or (logprobs and logprobs["tokens"]):
+                yield {**head, "choices": [{"index": index, "text": text, "logprobs": logprobs,
                                             "finish_reason": out.finish_reason}]}
     if include_usage:
-        yield {**head, "choices": [], "usage": usage(out)}
+        yield {**head, "choices": [], "usage": usage([last[i] for i in sorted(last)], n)}
 
 
-async def chat_chunks(tokenizer, outputs: AsyncIterator[RequestOutput], head: dict,
-                      include_usage: bool) -> AsyncIterator[dict]:
-    """``chat.completion.chunk`` objects: the assistant role first, then content deltas."""
-    def chunk(delta: dict, logprobs: dict | None = None, finish_reason: str | None = None) -> dict:
+async def chat_chunks(tokenizer, outputs: AsyncIterator[tuple[int, RequestOutput]], head: dict,
+                      include_usage: bool, n: int, echoes: list[str | None]) -> AsyncIterator[dict]:
+    """``chat.completion.chunk`` objects: each choice's assistant role first, then content deltas."""
+    def chunk(index: int, delta: dict, logprobs: dict | None = None, finish_reason: str | None = None) -> dict:
         return {**head, "choices": [
-            {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
+            {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
 
-    sent_logprobs = 0
+    sent: dict[int, int] = {}
+    last: dict[int, RequestOutput] = {}
     async with contextlib.aclosing(outputs):
-        yield chunk({"role": "assistant", "content": ""})
-        async for out in outputs:
+        for index in range(len(echoes)):
+            yield chunk(index, {"role": "assistant", "content": ""})
+        async for index, out in outputs:
+            last[index] = out
             logprobs = None
-            if out.logprobs is not None and len(out.logprobs) > sent_logprobs:
-                logprobs = chat_logprobs(tokenizer, out.logprobs[sent_logprobs:])
-                sent_logprobs = len(out.logprobs)
+            if out.logprobs is not None and len(out.logprobs) > sent.get(index, 0):
+                logprobs = chat_logprobs(tokenizer, out.logprobs[sent.get(index, 0):])
+                sent[index] = len(out.logprobs)
             if out.delta_text or out.finished or logprobs:
-                yield chunk({"content": out.delta_text} if out.delta_text else {}, logprobs,
+                yield chunk(index, {"content": out.delta_text} if out.delta_text else {}, logprobs,
                             out.finish_reason)
     if include_usage:
-        yield {**head, "choices": [], "usage": usage(out)}
+        yield {**head, "choices": [], "usage": usage([last[i] for i in sorted(last)], n)}

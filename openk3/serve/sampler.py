@@ -26,7 +26,9 @@ class InvalidRequest(ValueError):
 class SamplingParams:
     """Per-request sampling settings (OpenAI-style names). ``temperature == 0`` is greedy;
     ``top_k == 0`` and ``top_p == 1`` disable those filters; ``logprobs`` = how many top
-    alternatives to return besides the chosen token's (None: none)."""
+    alternatives to return besides the chosen token's (None: none); ``prompt_logprobs`` the same
+    for every prompt token after the first (each given the tokens before it; None: none).
+    ``max_tokens == 0`` generates nothing (with ``prompt_logprobs``: scoring a text)."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -36,14 +38,17 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         checks = (
             ("temperature", 0 <= self.temperature <= 100, "must be in [0, 100]"),
             ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
             ("top_k", self.top_k >= 0, "must be >= 0 (0 disables it)"),
-            ("max_tokens", self.max_tokens >= 1, "must be >= 1"),
+            ("max_tokens", self.max_tokens >= 0, "must be >= 0"),
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, "must be in [0, 20]"),
+            ("prompt_logprobs", self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
+             "must be in [0, 20]"),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
             ("seed", self.seed is None or -2**63 <= self.seed < 2**63, "must fit in 64 bits"),
         )

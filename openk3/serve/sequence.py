@@ -47,6 +47,10 @@ class Sequence:
         # the whole life of the sequence because token ids are only ever appended.
         self.block_hashes: list[int] = []
         self.num_registered_hash_blocks = 0
+        # The log-probabilities of the prompt's own tokens are wanted: every prompt token is then
+        # computed here (a prefix-cache hit would skip their logits), though its blocks are still
+        # registered for others.
+        self.wants_prompt_logprobs = False
 
     def __repr__(self) -> str:
         return (

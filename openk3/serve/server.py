@@ -6,7 +6,9 @@ server-sent events), ``GET /v1/models``, ``GET /health`` and ``GET /metrics`` (P
 With an API key, every ``/v1/*`` call needs ``Authorization: Bearer KEY``.
 
 Every error has OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``; bad input is
-HTTP 400 naming the request parameter at fault. One prompt and one choice (``n`` = 1) per request.
+HTTP 400 naming the request parameter at fault. A completion request may hold several prompts and
+ask for ``n`` choices of each; every choice is its own engine request. ``echo`` with ``logprobs``
+(and ``max_tokens`` 0) scores the prompt's own tokens, which lm-evaluation-harness relies on.
 A client that goes away, streaming or not, aborts its request: the engine frees its cache.
 
 The wire format (request models, response and chunk JSON) is ``protocol.py``; this file is the
@@ -47,7 +49,7 @@ from openk3.serve.protocol import (
     completion_chunks,
     error_body,
     message_text,
-    one_prompt,
+    prompt_list,
     usage,
 )
 from openk3.serve.sampler import InvalidRequest, SamplingParams
@@ -106,11 +108,46 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T | None
     return None
 
 
-async def _last(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
+async def _merged(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """``(i, output)`` of every stream, as they come. Closing it closes them all (aborting their
+    engine requests); a failing stream fails it."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async with contextlib.aclosing(stream):
+                async for out in stream:
+                    queue.put_nowait((i, out))
+        except Exception as e:  # noqa: BLE001 - handed to the consumer
+            queue.put_nowait((i, e))
+        finally:
+            queue.put_nowait((i, done))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        running = len(tasks)
+        while running:
+            i, item = await queue.get()
+            if item is done:
+                running -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _last(outputs: AsyncIterator[tuple[int, RequestOutput]], n: int) -> list[RequestOutput]:
+    """The final output of each of ``n`` choices, in choice order."""
+    final: dict[int, RequestOutput] = {}
     async with contextlib.aclosing(outputs):
-        async for out in outputs:
-            last = out
-    return last
+        async for i, out in outputs:
+            final[i] = out
+    return [final[i] for i in range(n)]
 
 
 class OpenAIServer:
@@ -162,24 +199,36 @@ class OpenAIServer:
 
     async def completions(self, req: CompletionRequest, request: Request) -> Response:
         self._check(req)
-        prompt = one_prompt(req.prompt)
-        params = req.sampling_params(16 if req.max_tokens is None else req.max_tokens, req.logprobs)
-        ids = self.engine.validate(prompt, params)
+        prompts = prompt_list(req.prompt)
+        max_tokens = 16 if req.max_tokens is None else req.max_tokens
+        # echo with logprobs: the prompt's own tokens are scored too (lm-evaluation-harness)
+        prompt_logprobs = req.logprobs if req.echo else None
+        choices = []
+        for prompt in prompts:
+            ids = self.engine.validate(prompt, req.sampling_params(max_tokens, req.logprobs))
+            echo = (prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)) if req.echo else None
+            choices += [(ids, req.sampling_params(max_tokens, req.logprobs, j, prompt_logprobs), echo)
+                        for j in range(req.n)]
         head = self._head("cmpl", "text_completion")
-        return await self._reply(req, request, self._generate(ids, params, head["id"]), head,
-                                 completion_chunks, completion_choice)
+        return await self._reply(req, request, choices, head, completion_chunks, completion_choice)
 
-    async def _reply(self, req: SamplingRequest, request: Request, outputs: AsyncIterator[RequestOutput],
-                     head: dict, chunks, choice) -> Response:
-        """Stream ``chunks(tokenizer, outputs, head, include_usage)`` as server-sent events, or
-        wait for the final output and answer ``choice(tokenizer, out)`` with usage; 499 if the
-        client left first."""
+    async def _reply(self, req: SamplingRequest, request: Request,
+                     choices: list[tuple[list[int], SamplingParams, str | None]], head: dict,
+                     chunks, choice) -> Response:
+        """Run every choice (prompt ids, engine parameters, echoed prompt text) as its own engine
+        request. Stream ``chunks(...)`` as server-sent events, or wait for every choice and answer
+        ``choice(...)`` for each with the usage; 499 if the client left first."""
+        outputs = _merged([self._generate(ids, params, f"{head['id']}-{i}")
+                           for i, (ids, params, _) in enumerate(choices)])
+        echoes = [echo for _, _, echo in choices]
         if req.stream:
-            return _EventStream(_sse(chunks(self.tokenizer, outputs, head, req.include_usage)))
-        out = await _unless_disconnected(request, _last(outputs))
-        if out is None:
+            return _EventStream(_sse(chunks(self.tokenizer, outputs, head, req.include_usage, req.n, echoes)))
+        final = await _unless_disconnected(request, _last(outputs, len(choices)))
+        if final is None:
             return Response(status_code=499)  # nobody is listening
-        return JSONResponse({**head, "choices": [choice(self.tokenizer, out)], "usage": usage(out)})
+        return JSONResponse({**head, "choices": [choice(self.tokenizer, out, i, echoes[i])
+                                                 for i, out in enumerate(final)],
+                             "usage": usage(final, req.n)})
 
     # /v1/chat/completions
 
@@ -189,21 +238,24 @@ class OpenAIServer:
             raise APIError(400, "messages is empty", "messages")
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
-        messages = [{**m.model_dump(exclude_none=True), "content": message_text(m)} for m in req.messages]
+        messages = [{**m.model_dump(exclude_none=True), "content": message_text(m, i)}
+                    for i, m in enumerate(req.messages)]
         ids = self.tokenizer.encode(self.chat_template.render(messages))
         limit = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if max_tokens is None:
             max_tokens = max(1, self.engine.engine.max_model_len - len(ids))
+        if max_tokens < 1:
+            raise APIError(400, f"{limit}: {max_tokens} must be >= 1", limit)
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
         try:
-            params = req.sampling_params(max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
-            self.engine.validate(ids, params)
+            self.engine.validate(ids, req.sampling_params(max_tokens, logprobs))
         except InvalidRequest as e:  # name the chat request's fields, not the engine's
             param = {"prompt": "messages", "max_tokens": limit, "logprobs": "top_logprobs"}.get(e.param, e.param)
             raise APIError(400, f"{param}: {e.message}", param) from e
         head = self._head("chatcmpl", "chat.completion.chunk" if req.stream else "chat.completion")
-        return await self._reply(req, request, self._generate(ids, params, head["id"]), head,
-                                 chat_chunks, chat_choice)
+        choices = [(ids, req.sampling_params(max_tokens, logprobs, j), None) for j in range(req.n)]
+        return await self._reply(req, request, choices, head, chat_chunks, chat_choice)
 
     # The rest.
 

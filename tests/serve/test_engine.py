@@ -179,7 +179,7 @@ def test_bad_requests_name_the_parameter(model):
             eng.add_request(prompt, params)
         assert e.value.param == param
     for kw, param in [({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"),
-                      ({"top_k": -2}, "top_k"), ({"max_tokens": 0}, "max_tokens"),
+                      ({"top_k": -2}, "top_k"), ({"max_tokens": -1}, "max_tokens"),
                       ({"logprobs": 50}, "logprobs"), ({"stop": ("",)}, "stop"),
                       ({"seed": 2**64}, "seed")]:
         with pytest.raises(InvalidRequest) as e:

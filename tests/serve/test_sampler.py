@@ -54,7 +54,7 @@ def test_logprob_of_chosen_token():
 
 
 @pytest.mark.parametrize("field,value", [("temperature", -1.0), ("top_p", 0.0), ("top_k", -2),
-                                         ("max_tokens", 0), ("logprobs", 50)])
+                                         ("max_tokens", -1), ("prompt_logprobs", 21), ("logprobs", 50)])
 def test_bad_parameters_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})

@@ -266,7 +266,7 @@ BAD = [
     ("completions", {"prompt": "hi", "temperature": -1}, "temperature"),
     ("completions", {"prompt": "hi", "top_p": 0}, "top_p"),
     ("completions", {"prompt": "hi", "top_k": -2}, "top_k"),
-    ("completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ("completions", {"prompt": "hi", "max_tokens": -1}, "max_tokens"),
     ("completions", {"prompt": "hi", "max_tokens": 10**12}, "max_tokens"),
     ("completions", {"prompt": "hi", "max_tokens": MAX_MODEL_LEN}, "max_tokens"),
     ("completions", {"prompt": "hi", "max_tokens": "5"}, "max_tokens"),
@@ -276,13 +276,16 @@ BAD = [
     ("completions", {"prompt": "hi", "stop": 5}, "stop"),
     ("completions", {"prompt": "hi", "logprobs": 50}, "logprobs"),
     ("completions", {"prompt": "hi", "stream": "yes"}, "stream"),
-    ("completions", {"prompt": "hi", "n": 2}, "n"),
-    ("completions", {"prompt": "hi", "echo": True}, "echo"),
+    ("completions", {"prompt": "hi", "n": 0}, "n"),
+    ("completions", {"prompt": "hi", "n": "2"}, "n"),
+    ("completions", {"prompt": "hi", "n": 129}, "n"),
+    ("completions", {"prompt": "hi", "echo": "yes"}, "echo"),
+    ("completions", {"prompt": "hi", "best_of": 3}, "best_of"),
     ("completions", {"prompt": "hi", "frequency_penalty": 0.5}, "frequency_penalty"),
     ("completions", {"prompt": ""}, "prompt"),
     ("completions", {"prompt": []}, "prompt"),
     ("completions", {"prompt": 5}, "prompt"),
-    ("completions", {"prompt": ["a", "b"]}, "prompt"),
+    ("completions", {"prompt": ["a", ""]}, "prompt"),
     ("completions", {"prompt": [1, 10**6]}, "prompt"),
     ("completions", {"prompt": LONG}, "prompt"),
     ("completions", {"max_tokens": 3}, "prompt"),
@@ -298,7 +301,10 @@ BAD = [
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
                           "top_logprobs": 99}, "top_logprobs"),
-    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 3}, "n"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 0}, "n"),
+    ("chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
+    ("chat/completions", {"messages": [{"role": "user", "content": None}]}, "messages"),
+    ("chat/completions", {"messages": [{"role": "system"}, {"role": "user", "content": "hi"}]}, "messages"),
 ]
 
 
@@ -392,3 +398,83 @@ def test_health_reports_a_stopped_engine():
     assert client.get("/health").status_code == 200
     async_engine.shutdown()
     assert client.get("/health").status_code == 503
+
+
+# Scoring, several prompts and choices (what lm-evaluation-harness sends).
+
+
+def _forward_logprobs(model, ids: list[int]) -> torch.Tensor:
+    """log p(ids[t] | ids[:t]) for t >= 1, from one plain forward pass: [len(ids) - 1]."""
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    return logp[:-1].gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+
+
+@pytest.mark.parametrize("max_tokens", [0, 1])
+def test_echo_scores_the_prompt_like_a_forward_pass(srv, max_tokens):
+    prompt = "def add(a, b):\n    return a + b\n" * 3  # crosses KDA checkpoints: several prefill chunks
+    ids = TOK.encode(prompt)
+    r = srv.http.post("/v1/completions", json={"prompt": prompt, "echo": True, "logprobs": 2,
+                                               "max_tokens": max_tokens, "temperature": 0})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    lp = choice["logprobs"]
+    assert choice["text"].startswith(prompt) and len(choice["text"]) == len(prompt) + max_tokens
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(ids) + max_tokens
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    want = _forward_logprobs(srv.model, ids)
+    got = torch.tensor(lp["token_logprobs"][1:len(ids)])
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+    for top, value in zip(lp["top_logprobs"][1:len(ids)], got.tolist()):
+        assert len(top) <= 2 and max(top.values()) >= value - 1e-4
+    assert lp["text_offset"][:3] == [0, 1, 2]
+    assert r.json()["usage"]["completion_tokens"] == max_tokens
+    wait_idle(srv)
+
+
+def test_echo_scoring_ignores_the_prefix_cache(srv):
+    prompt = "cached " * 20
+    for _ in range(2):  # the second request's prefix is cached, but its prompt must be scored
+        r = srv.http.post("/v1/completions", json={"prompt": prompt, "echo": True, "logprobs": 1,
+                                                   "max_tokens": 0})
+        lp = r.json()["choices"][0]["logprobs"]["token_logprobs"]
+        assert None not in lp[1:] and len(lp) == len(TOK.encode(prompt))
+    torch.testing.assert_close(torch.tensor(lp[1:]), _forward_logprobs(srv.model, TOK.encode(prompt)),
+                               rtol=0, atol=1e-4)
+
+
+def test_several_prompts_and_choices(srv):
+    prompts = ["alpha", "beta gamma"]
+    r = srv.http.post("/v1/completions", json={"prompt": prompts, "n": 3, "max_tokens": 5,
+                                               "temperature": 1.0, "seed": 7})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert [c["index"] for c in body["choices"]] == list(range(6))
+    texts = [c["text"] for c in body["choices"]]
+    assert len(set(texts[:3])) > 1  # different seeds per choice
+    again = srv.http.post("/v1/completions", json={"prompt": prompts[1], "n": 3, "max_tokens": 5,
+                                                   "temperature": 1.0, "seed": 7}).json()
+    assert [c["text"] for c in again["choices"]] == texts[3:]  # reproducible, prompt by prompt
+    assert body["usage"]["prompt_tokens"] == len("alpha") + len("beta gamma")
+    assert body["usage"]["completion_tokens"] == 30
+    streamed = srv.client.completions.create(model=MODEL, prompt=prompts, n=3, max_tokens=5,
+                                             temperature=1.0, seed=7, stream=True)
+    by_index: dict[int, str] = {}
+    for chunk in streamed:
+        for c in chunk.choices:
+            by_index[c.index] = by_index.get(c.index, "") + c.text
+    assert [by_index[i] for i in range(6)] == texts
+    chat = srv.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                              n=2, max_tokens=4, temperature=0)
+    assert [c.index for c in chat.choices] == [0, 1] and chat.choices[0].message.content == chat.choices[1].message.content
+    wait_idle(srv)
+
+
+def test_streamed_echo_starts_with_the_prompt(srv):
+    chunks = list(srv.client.completions.create(model=MODEL, prompt="Echo me", echo=True, logprobs=1,
+                                                max_tokens=3, temperature=0, stream=True))
+    text = "".join(c.choices[0].text for c in chunks)
+    assert text.startswith("Echo me") and len(text) == len("Echo me") + 3
+    tokens = [t for c in chunks for t in c.choices[0].logprobs.tokens]
+    assert len(tokens) == len("Echo me") + 3
+    wait_idle(srv)
