@@ -22,7 +22,6 @@ import torch.nn.functional as F
 
 from openk3.train.config import RunConfig
 from openk3.model import build_model
-from openk3.model.moe import MoE
 from openk3.train import state as ckpt
 from openk3.train.balance import Balancer
 from openk3.train.data import TokenStream, prepare_data, val_batches
@@ -90,10 +89,6 @@ class _StopFlag:
 
     def __exit__(self, *exc) -> None:
         signal.signal(signal.SIGINT, self._old)
-
-
-def _moe_layers(model) -> list[MoE]:
-    return [m for m in model.modules() if isinstance(m, MoE)]
 
 
 class _ActivationProbe:
@@ -188,7 +183,7 @@ def train(cfg: RunConfig) -> dict:
         apply_fsdp(model, env, ignored_params=set(ep_params.values()))
     optimizers = build_optimizers(model, lr=cfg.lr, weight_decay=cfg.weight_decay,
                                   optimizer=cfg.optimizer)
-    balancer = Balancer(cfg.balance, model_cfg.num_experts, model_cfg.num_experts_per_token)
+    balancer = Balancer(cfg.balance, model_cfg.num_experts, model_cfg.num_experts_per_token).attach(model)
     stream = TokenStream(data.train_path, data.dtype, cfg.seq_len, cfg.batch_size, seed=cfg.seed,
                          rank=env.rank, world_size=env.world_size)
     start = 0
@@ -209,7 +204,6 @@ def train(cfg: RunConfig) -> dict:
     if start and env.is_main:  # rows logged after the checkpoint we resume from are redone
         metrics.truncate_after(start)
     probe = _ActivationProbe(model)
-    moes = _moe_layers(model)
     last_saved = start
     summary: dict = {"start_step": start}
     amp = (torch.autocast("cuda", dtype=env.dtype) if env.device.type == "cuda"
@@ -238,10 +232,10 @@ def train(cfg: RunConfig) -> dict:
                     with amp:
                         logits = model(inputs).logits
                     loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-                    loss = loss + cfg.aux_loss_coef * balancer.aux_loss(moes)
+                    loss = loss + cfg.aux_loss_coef * balancer.aux_loss()
                     (loss / cfg.grad_accum).backward()
                     loss_sum += loss.detach()
-                    balancer.update(moes)  # biases for the *next* batch; never re-route this one
+                    balancer.update()  # biases for the *next* batch; never re-route this one
             except torch.cuda.OutOfMemoryError as e:
                 raise RuntimeError(_oom_message(cfg)) from e
             loss_val = loss_sum / cfg.grad_accum
@@ -281,7 +275,7 @@ def train(cfg: RunConfig) -> dict:
                        "grad_norm": float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor")
                                           else grad_norm),
                        "tokens_per_s": tok_s, "tokens": step * tokens_per_step,
-                       "load_max_over_mean": balancer.stats(moes),
+                       "load_max_over_mean": balancer.stats(),
                        "max_abs_activation": probe.read()}
                 if env.device.type == "cuda":
                     row["mfu"] = tok_s * flops_tok / peak
