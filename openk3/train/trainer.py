@@ -165,7 +165,8 @@ def train(cfg: RunConfig) -> dict:
     parallel = parallelize(model, env, ep=cfg.ep)
     optimizers = build_optimizers(model, lr=cfg.lr, weight_decay=cfg.weight_decay,
                                   optimizer=cfg.optimizer)
-    balancer = Balancer(cfg.balance, model_cfg.num_experts, model_cfg.num_experts_per_token).attach(model)
+    balancer = Balancer(cfg.balance, model_cfg.num_experts,
+                        model_cfg.num_experts_per_token).attach(model)
     stream = TokenStream(data.train_path, data.dtype, cfg.seq_len, cfg.batch_size, seed=cfg.seed,
                          rank=env.rank, world_size=env.world_size)
     start = 0
