@@ -22,7 +22,6 @@ from openk3 import build_model, preset
 from openk3.train.balance import Balancer
 from openk3.train.metrics import flops_per_token, peak_flops
 from openk3.train.optim import build_optimizers
-from openk3.train.trainer import _moe_layers
 
 
 def time_steps(step, steps: int) -> float:
@@ -39,15 +38,14 @@ def openk3_row(args) -> dict:
     cfg = preset(args.preset)
     model = build_model(cfg, device="cuda").train()
     opts = build_optimizers(model, lr=1e-3, weight_decay=0.1)
-    bal = Balancer("qb", cfg.num_experts, cfg.num_experts_per_token)
-    moes = _moe_layers(model)
+    bal = Balancer("qb", cfg.num_experts, cfg.num_experts_per_token).attach(model)
     ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), device="cuda")
 
     def step():
         with torch.autocast("cuda", dtype=torch.bfloat16):
             logits = model(ids[:, :-1]).logits
         F.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten()).backward()
-        bal.update(moes)
+        bal.update()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         for o in opts:
             o.step()

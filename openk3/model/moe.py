@@ -44,7 +44,9 @@ class Router(nn.Module):
     """Sigmoid scores in fp32; top-k chosen on ``s + bias``; weights from the unbiased ``s``.
 
     ``e_score_correction_bias`` is the balancing bias (Quantile Balancing updates it during
-    training; frozen at inference). It only affects *which* experts are chosen.
+    training; frozen at inference). It only affects *which* experts are chosen. The MoE layer
+    uses only the choice and its weights; the scores are returned for load balancing, which
+    reads them through a forward hook on this module (``openk3.train.balance.Balancer``).
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -136,17 +138,11 @@ class MoE(nn.Module):
             self.routed_expert_up_proj = nn.Linear(latent, d, bias=False)
         self.experts = RoutedExperts(cfg, latent or d)
         self.shared_experts = MLP(cfg, d, cfg.moe_intermediate_size * cfg.num_shared_experts)
-        # Routing of the last training forward, read by the trainer for load balancing
-        # (bias updates, auxiliary loss) and load statistics; not kept in eval mode.
-        self.last_scores: torch.Tensor | None = None  # [N, E] fp32 sigmoid scores (with graph)
-        self.last_topk_idx: torch.Tensor | None = None  # [N, k]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         xf = x.reshape(-1, shape[-1])  # [N, d]
-        scores, topk_idx, topk_weight = self.gate(xf)
-        if self.training:
-            self.last_scores, self.last_topk_idx = scores, topk_idx
+        _, topk_idx, topk_weight = self.gate(xf)
         if self.cfg.moe_latent_size is not None:
             u = self.experts(self.routed_expert_down_proj(xf), topk_idx, topk_weight)
             routed = self.routed_expert_up_proj(self.routed_expert_norm(u).to(x.dtype))  # norm in fp32

@@ -158,75 +158,8 @@ class MoonEPExperts(nn.Module):
         return ys[order.argsort()]
 
 
-def expert_parallel_groups(ep: int):
-    """(ep_group, replica_group) of this rank for expert parallelism of size ``ep`` composed with
-    data parallelism over ``world / ep`` replicas: EP groups are consecutive ranks
-    ``[g*ep, (g+1)*ep)`` (each holds all experts once); replica groups join the ranks holding the
-    same experts (``r, r + ep, r + 2ep, ...``) and average those experts' gradients. With
-    ``ep == world`` both are None: the whole world is the one EP group and there are no replicas.
-    Every rank must call this (group creation is collective)."""
-    world, rank = dist.get_world_size(), dist.get_rank()
-    if ep < 1 or world % ep:
-        raise ValueError(f"expert-parallel size {ep} must divide the number of processes {world}")
-    if ep == world:
-        return None, None
-    ep_group = replica_group = None
-    for g in range(world // ep):  # every rank creates every group, in the same order
-        grp = dist.new_group(list(range(g * ep, (g + 1) * ep)))
-        if rank // ep == g:
-            ep_group = grp
-    for r in range(ep):
-        grp = dist.new_group(list(range(r, world, ep)))
-        if rank % ep == r:
-            replica_group = grp
-    return ep_group, replica_group
-
-
 def apply_moonep(model: nn.Module, group=None, replicate: bool = True) -> None:
     """Swap every MoE layer's routed experts for this rank's MoonEP share (in place)."""
     for m in model.modules():
         if isinstance(m, MoE):
             m.experts = MoonEPExperts(m.experts, group, replicate)
-
-
-def ep_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
-    """Name -> parameter of every rank-local expert share (``MoonEPExperts``) in ``model``."""
-    return {f"{name}.{w}": getattr(m, w) for name, m in model.named_modules()
-            if isinstance(m, MoonEPExperts) for w in ("w1", "w2", "w3")}
-
-
-def gather_experts(local: torch.Tensor, group=None) -> torch.Tensor:
-    """[G, ...] on each rank -> [E, ...] (rank r's experts at rows r*G...), on every rank."""
-    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, local.contiguous(), group=group)
-    return torch.cat(parts)
-
-
-def home_share(full: torch.Tensor, group=None) -> torch.Tensor:
-    """[E, ...] -> this rank's [G, ...] rows."""
-    return full.chunk(dist.get_world_size(group))[dist.get_rank(group)]
-
-
-def clip_grad_norm_mixed(model: nn.Module, max_norm: float, ep_params: dict[str, nn.Parameter],
-                         group=None) -> torch.Tensor:
-    """Global-norm clipping when FSDP's sharded (DTensor) gradients sit beside rank-local expert
-    gradients: squared norms of both kinds are summed (the expert ones over the EP ``group``,
-    whose ranks together hold each expert once), then every gradient is scaled by the same
-    factor. Returns the total norm (a plain tensor)."""
-    local_ids = {id(p) for p in ep_params.values()}
-    sharded = [p.grad for p in model.parameters() if p.grad is not None and id(p) not in local_ids]
-    local = [p.grad for p in ep_params.values() if p.grad is not None]
-    sq = torch.zeros((), device=next(model.parameters()).device)
-    if sharded:
-        norm = torch.nn.utils.get_total_norm(sharded)
-        sq = sq + (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).float() ** 2
-    if local:
-        local_sq = torch.stack([g.float().pow(2).sum() for g in local]).sum()
-        dist.all_reduce(local_sq, group=group)  # each rank holds different experts
-        sq = sq + local_sq
-    total = sq.sqrt()
-    coef = min(1.0, max_norm / (total.item() + 1e-6))
-    if coef < 1.0:
-        for g in sharded + local:
-            g.mul_(coef)
-    return total

@@ -43,23 +43,9 @@ class MoonEPPlan:
     replica_load: torch.Tensor
     moves: torch.Tensor
 
-    @property
-    def num_ranks(self) -> int:
-        return self.assignment.shape[1]
-
-    @property
-    def experts_per_rank(self) -> int:
-        return self.replicas.shape[1]
-
     def rank_load(self) -> torch.Tensor:
         """[R] pairs processed by each rank (home plus replica slots); all equal to total / R."""
         return self.assignment.sum(0)
-
-    def home_load(self) -> torch.Tensor:
-        """[E] pairs of each expert processed on its home rank."""
-        G = self.experts_per_rank
-        home_E = torch.arange(self.assignment.shape[0], device=self.assignment.device) // G
-        return self.assignment.gather(1, home_E[:, None])[:, 0]
 
     def num_replicas(self) -> int:
         """Replicas in use over all ranks (reads one value to the host)."""

@@ -10,7 +10,8 @@ expert receives about ``q = N*k/E`` of the N*k (token, slot) pairs of a batch.
   parallelism; error at most one bin.
 - ``sign_update``: DeepSeek-V3's sign step ``b_j -= gamma * sign(load_j - mean load)``.
 - ``switch_aux_loss``: the Switch Transformer auxiliary loss (differentiable, no bias).
-- ``Balancer``: applies one of these to every MoE layer of a model after each training step.
+- ``Balancer``: applies one of these to every MoE router of a model, from the routing its
+  forward hooks collect.
 
 All router math here runs in fp32 and is vectorised over tokens and experts. See
 ``docs/balancing.md`` for the derivation and measurements.
@@ -20,8 +21,11 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
-METHODS = ("qb", "qb_hist", "sign", "aux", "none")
+from openk3.model.moe import Router
+
+METHODS = ("qb", "sign", "aux", "none")
 DEFAULT_NUM_BINS = 1024
 DEFAULT_MIN_BIN_WIDTH = 1e-6  # ~8 fp32 ulps of a score near 1: finer bins would only bin rounding
 
@@ -221,26 +225,28 @@ def switch_aux_loss(scores: torch.Tensor, topk_idx: torch.Tensor, num_experts: i
     return num_experts * (f * P).sum()
 
 
-def load_stats(topk_idx: torch.Tensor, num_experts: int) -> dict[str, float]:
-    """Balance of one routing [N, k]: max/mean and min/mean of the expert loads, and their
-    coefficient of variation (population std / mean). Perfect balance: 1, 1, 0."""
+def load_max_over_mean(topk_idx: torch.Tensor, num_experts: int) -> float:
+    """Balance of one routing [N, k]: the largest expert load over the mean load (1 = perfect)."""
     loads = expert_loads(topk_idx, num_experts).float()
-    mean = loads.mean()
-    return {"max_over_mean": (loads.max() / mean).item(), "min_over_mean": (loads.min() / mean).item(),
-            "cv": (loads.std(unbiased=False) / mean).item()}
+    return (loads.max() / loads.mean()).item()
 
 
 class Balancer:
-    """Balances every MoE layer of a model, once per training step.
+    """Balances every MoE router of a model from the routing its forward hooks collect.
 
-    method: ``"qb"`` (exact Quantile Balancing; switches to the histogram estimator when
-    torch.distributed is initialised with world size > 1), ``"qb_hist"`` (always the histogram),
-    ``"sign"`` (DeepSeek-V3 sign step, ``gamma``), ``"aux"`` (Switch auxiliary loss, which the
-    trainer scales by its coefficient and adds to the loss) or ``"none"``.
+    method: ``"qb"`` (Quantile Balancing: the exact quantile on one process, the histogram
+    estimator when torch.distributed is initialised with world size > 1), ``"sign"`` (DeepSeek-V3
+    sign step, ``gamma``), ``"aux"`` (Switch auxiliary loss, which the trainer scales by its
+    coefficient and adds to the loss) or ``"none"`` (statistics only).
 
-    ``update`` reads each MoE's ``last_scores`` / ``last_topk_idx`` (the routing of the last
-    training forward) and writes the router's ``e_score_correction_bias`` in place; call it after
-    the step, on every rank (it is a collective when distributed: one all-reduce for all layers).
+    ``attach(model)`` registers a forward hook on every ``Router`` of ``model``. Each router
+    forward in training mode replaces that router's routing (scores [N, E] fp32, topk_idx [N, k]);
+    eval-mode forwards collect nothing. So after a training forward there is exactly one routing
+    per router, that forward's. ``aux_loss`` reads the scores with their autograd graph (kept for
+    ``"aux"`` only); ``update`` reads them detached and writes each router's
+    ``e_score_correction_bias`` in place; ``stats`` reads the chosen experts. ``detach`` removes
+    the hooks. ``update`` is a collective when distributed (one all-reduce for all layers): call
+    it on every rank.
     """
 
     def __init__(self, method: str, num_experts: int, top_k: int, *, num_bins: int = DEFAULT_NUM_BINS,
@@ -252,37 +258,63 @@ class Balancer:
         self.method, self.num_experts, self.top_k = method, num_experts, top_k
         self.num_bins, self.margin_range, self.gamma = num_bins, margin_range, gamma
         self.group = group
+        self._routers: list[Router] = []
+        self._routing: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+        self._hooks: list = []
 
-    def _routing(self, moe) -> tuple[torch.Tensor, torch.Tensor]:
-        scores, topk_idx = moe.last_scores, moe.last_topk_idx
-        if scores is None or topk_idx is None:
-            raise ValueError("an MoE layer has no routing recorded: run a forward in training mode first")
-        if scores.shape[-1] != self.num_experts or topk_idx.shape[-1] != self.top_k:
-            raise ValueError(f"routing shapes {tuple(scores.shape)}, {tuple(topk_idx.shape)} do not match "
-                             f"num_experts={self.num_experts}, top_k={self.top_k}")
-        if self.method in ("qb", "qb_hist") and getattr(getattr(moe, "cfg", None), "num_expert_group", 1) > 1:
+    def attach(self, model: nn.Module) -> Balancer:
+        """Hook every ``Router`` in ``model`` (in module order); returns self."""
+        if self._hooks:
+            raise ValueError("this Balancer is already attached to a model; call detach() first")
+        routers = [m for m in model.modules() if isinstance(m, Router)]
+        if not routers:
+            raise ValueError("the model has no MoE router (openk3.model.moe.Router) to balance")
+        for r in routers:
+            if (r.cfg.num_experts, r.cfg.num_experts_per_token) != (self.num_experts, self.top_k):
+                raise ValueError(f"a router has num_experts={r.cfg.num_experts}, top_k="
+                                 f"{r.cfg.num_experts_per_token}; this Balancer was built for "
+                                 f"num_experts={self.num_experts}, top_k={self.top_k}")
+        if self.method == "qb" and any(r.cfg.num_expert_group > 1 for r in routers):
             raise ValueError("Quantile Balancing assumes ungrouped routing (num_expert_group=1, as in K3)")
-        return scores.detach().float(), topk_idx.detach()
+        self._routers, self._routing = routers, [None] * len(routers)
+        self._hooks = [r.register_forward_hook(self._collector(i)) for i, r in enumerate(routers)]
+        return self
 
-    def _use_histogram(self) -> bool:
-        if self.method == "qb_hist":
-            return True
-        return self.method == "qb" and _dist_active() and dist.get_world_size(self.group) > 1
+    def detach(self) -> None:
+        """Remove the hooks: later forwards collect nothing (the last routing stays readable)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def _collector(self, i: int):
+        keep_graph = self.method == "aux"  # only the aux loss differentiates through the scores
+
+        def hook(router, _inputs, output):
+            if router.training:
+                scores, topk_idx, _ = output  # [N, E] fp32, [N, k]
+                self._routing[i] = (scores if keep_graph else scores.detach(), topk_idx)
+        return hook
+
+    def _collected(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        if not self._routers:
+            raise ValueError("the Balancer is not attached to a model: call attach(model) first")
+        if any(r is None for r in self._routing):
+            raise ValueError("an MoE router has no routing recorded: run a forward in training mode first")
+        return self._routing
 
     @torch.no_grad()
-    def update(self, moe_modules) -> None:
-        """Update the router bias of every module in ``moe_modules`` in place (no-op for aux/none)."""
+    def update(self) -> None:
+        """Update every router's bias in place from its collected routing (no-op for aux/none)."""
         if self.method in ("aux", "none"):
             return
-        moes = list(moe_modules)
-        routings = [self._routing(m) for m in moes]
-        biases = [m.gate.e_score_correction_bias for m in moes]
+        routings = self._collected()  # detached fp32 scores: only "aux" keeps the graph
+        biases = [r.e_score_correction_bias for r in self._routers]
         E, k = self.num_experts, self.top_k
         if self.method == "sign":
             loads = torch.stack([expert_loads(idx, E) for _, idx in routings])  # [L, E]
             loads = _all_reduce_sum_(loads, self.group).float()
             new = [b.float() - self.gamma * torch.sign(ld - ld.mean()) for b, ld in zip(biases, loads)]
-        elif self._use_histogram():
+        elif _dist_active() and dist.get_world_size(self.group) > 1:
             edges = [margin_bin_edges(b, self.num_bins, self.margin_range) for b in biases]
             counts = torch.stack([qb_histogram(s, b, k, e) for (s, _), b, e in zip(routings, biases, edges)])
             counts = _all_reduce_sum_(counts, self.group)  # [L, E, B+2]: one collective for all layers
@@ -292,22 +324,15 @@ class Balancer:
         for b, nb in zip(biases, new):
             b.copy_(nb)
 
-    def aux_loss(self, moe_modules) -> torch.Tensor:
-        """Sum over layers of ``switch_aux_loss`` (unscaled) for method "aux", else a zero scalar."""
-        moes = list(moe_modules)
+    def aux_loss(self) -> torch.Tensor:
+        """Sum over routers of ``switch_aux_loss`` (unscaled) for method "aux", else a zero scalar
+        (on the routing's device once a forward has run)."""
         if self.method != "aux":
-            device = moes[0].last_scores.device if moes and moes[0].last_scores is not None else None
-            return torch.zeros((), device=device)
-        if not moes:
-            return torch.zeros(())
-        losses = []
-        for m in moes:
-            if m.last_scores is None:
-                raise ValueError("an MoE layer has no routing recorded: run a forward in training mode first")
-            losses.append(switch_aux_loss(m.last_scores, m.last_topk_idx, self.num_experts))
-        return torch.stack(losses).sum()
+            scores = next((r[0] for r in self._routing if r is not None), None)
+            return torch.zeros((), device=None if scores is None else scores.device)
+        return torch.stack([switch_aux_loss(s, idx, self.num_experts) for s, idx in self._collected()]).sum()
 
     @torch.no_grad()
-    def stats(self, moe_modules) -> list[float]:
-        """Max/mean expert load of each layer's last routing (this rank's tokens; no collective)."""
-        return [load_stats(m.last_topk_idx, self.num_experts)["max_over_mean"] for m in moe_modules]
+    def stats(self) -> list[float]:
+        """Max/mean expert load of each router's last routing (this rank's tokens; no collective)."""
+        return [load_max_over_mean(idx, self.num_experts) for _, idx in self._collected()]

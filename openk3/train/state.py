@@ -10,7 +10,8 @@ Layout of a run directory::
 
 A checkpoint is written to a temporary directory and renamed into place, then LATEST is
 replaced (write + rename); a crash at any point leaves the previous checkpoint intact.
-With FSDP the full (unsharded) state is gathered to rank 0, which alone writes.
+The state dicts come from ``openk3.parallel.parallelize.Parallel.state_dict``: full (unsharded,
+all experts), gathered to rank 0, which alone writes. This file only persists them.
 """
 
 from __future__ import annotations
@@ -24,8 +25,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
-                                                     set_state_dict)
 
 CKPT_DIR = "checkpoints"
 LATEST = "LATEST"
@@ -55,40 +54,11 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _gather_expert_state(model_sd: dict, optim_sd: dict, optimizers, ep_params: dict,
-                         ep_group=None) -> None:
-    """Replace the rank-local expert shares (MoonEP) by the full [E, ...] tensors, in place."""
-    from openk3.parallel.expert_parallel import gather_experts
-
-    for fqn, p in ep_params.items():  # same order on every rank: these are collectives
-        full = gather_experts(p.detach(), ep_group)
-        state = next((opt.state[p] for opt in optimizers if p in opt.state), {})
-        moments = {k: gather_experts(v, ep_group) for k, v in sorted(state.items())
-                   if torch.is_tensor(v) and v.shape == p.shape}
-        if _is_main():
-            model_sd[fqn] = full.cpu()
-            optim_sd["state"].setdefault(fqn, {}).update({k: v.cpu() for k, v in moments.items()})
-
-
-def _slice_expert_state(model_sd: dict, optim_sd: dict, ep_params: dict, ep_group=None) -> None:
-    from openk3.parallel.expert_parallel import home_share
-
-    for fqn in ep_params:
-        E = model_sd[fqn].shape[0]
-        model_sd[fqn] = home_share(model_sd[fqn], ep_group)
-        for k, v in optim_sd["state"].get(fqn, {}).items():
-            if torch.is_tensor(v) and v.dim() and v.shape[0] == E:
-                optim_sd["state"][fqn][k] = home_share(v, ep_group)
-
-
-def save_checkpoint(run_dir: Path, step: int, model, optimizers, trainer_state: dict,
-                    keep_last: int, ep_params: dict | None = None, ep_group=None) -> Path | None:
-    """Collective under FSDP/EP (every rank calls it); rank 0 writes. Returns the directory.
-    Expert shares of MoonEP (``ep_params``) are gathered, so the files hold all E experts."""
-    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    model_sd, optim_sd = get_state_dict(model, optimizers, options=opts)
-    if ep_params:
-        _gather_expert_state(model_sd, optim_sd, optimizers, ep_params, ep_group)
+def save_checkpoint(run_dir: Path, step: int, model_sd: dict, optim_sd: dict, trainer_state: dict,
+                    keep_last: int) -> Path | None:
+    """Write full model and optimiser state dicts (``Parallel.state_dict``), this process's RNG
+    and ``trainer_state`` as checkpoint ``step``. Every rank may call it; rank 0 alone writes and
+    returns the directory."""
     if not _is_main():
         return None
     root = run_dir / CKPT_DIR
@@ -123,20 +93,14 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return path
 
 
-def load_checkpoint(path: Path, model, optimizers, ep_params: dict | None = None,
-                    ep_group=None) -> dict:
-    """Restore model, optimisers and RNG in place; returns the trainer state (step, data...).
-    With MoonEP, each rank takes its experts' rows of the saved [E, ...] tensors."""
+def load_checkpoint(path: Path) -> tuple[dict, dict, dict]:
+    """Read a checkpoint on this rank and restore its RNG state. Returns (model state dict,
+    optimiser state dict, trainer state: step, data position...) for ``Parallel.load_state_dict``."""
     try:
         model_sd = torch.load(path / "model.pt", map_location="cpu", weights_only=True)
         extra = torch.load(path / "optim.pt", map_location="cpu", weights_only=False)
         trainer = json.loads((path / "trainer.json").read_text())
     except (OSError, RuntimeError, json.JSONDecodeError) as e:
         raise ValueError(f"cannot read training checkpoint {path}: {e}") from e
-    if ep_params:
-        _slice_expert_state(model_sd, extra["optim"], ep_params, ep_group)
-    opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=False)
-    set_state_dict(model, optimizers, model_state_dict=model_sd, optim_state_dict=extra["optim"],
-                   options=opts)
     set_rng_state(extra["rng"])
-    return trainer
+    return model_sd, extra["optim"], trainer

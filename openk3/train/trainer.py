@@ -1,7 +1,9 @@
 """The training loop behind ``openk3 train``.
 
-One process per device. Under ``torchrun`` the process group is initialised here and FSDP2 is
-applied from outside the model (``openk3.parallel.fsdp``); the model code stays single-device.
+One process per device. Under ``torchrun`` the process group is initialised here; the parallel
+layout (FSDP2, MoonEP) is applied from outside the model by ``openk3.parallel.parallelize``, whose
+``Parallel`` answers every layout-dependent question (gradient reduction, clipping, state dicts,
+the exported model), so this loop reads the same for one process or many.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ import torch.nn.functional as F
 
 from openk3.train.config import RunConfig
 from openk3.model import build_model
-from openk3.model.moe import MoE
+from openk3.parallel.collectives import barrier, main_rank_first, mean_over_ranks
+from openk3.parallel.parallelize import parallelize
 from openk3.train import state as ckpt
 from openk3.train.balance import Balancer
 from openk3.train.data import prepare_data
@@ -93,10 +96,6 @@ class _StopFlag:
         signal.signal(signal.SIGINT, self._old)
 
 
-def _moe_layers(model) -> list[MoE]:
-    return [m for m in model.modules() if isinstance(m, MoE)]
-
-
 class _ActivationProbe:
     """max |p| after each decoder layer, recorded only on logging steps."""
 
@@ -128,10 +127,7 @@ def evaluate(model, data, cfg: RunConfig, env: Env) -> float:
         total += F.cross_entropy(logits.flatten(0, 1).float(), targets.to(env.device).flatten())
         n += 1
     model.train()
-    if env.world_size > 1:
-        dist.all_reduce(total)
-        total /= env.world_size
-    return (total / max(n, 1)).item()
+    return (mean_over_ranks(total) / max(n, 1)).item()
 
 
 def _oom_message(cfg: RunConfig) -> str:
@@ -158,12 +154,7 @@ def train(cfg: RunConfig) -> dict:
         return prepare_data(list(cfg.data) or None, vocab_size=model_cfg.vocab_size,
                             tokenizer_path=cfg.tokenizer, log=lambda m: _log(env, m))
 
-    if env.world_size > 1:  # rank 0 tokenises; the others then find it in the cache
-        data = prepare() if env.is_main else None
-        dist.barrier()
-        data = data or prepare()
-    else:
-        data = prepare()
+    data = main_rank_first(prepare)  # rank 0 tokenises; the others then find it in the cache
     if data.vocab_size > model_cfg.vocab_size:
         raise ValueError(f"tokenizer has {data.vocab_size} tokens but the model's vocab_size is "
                          f"{model_cfg.vocab_size}; set --vocab-size {data.vocab_size}")
@@ -172,29 +163,17 @@ def train(cfg: RunConfig) -> dict:
     # fp32 master weights; bf16 compute comes from autocast (one device) or FSDP's policy
     model = build_model(model_cfg, device=env.device, seed=cfg.seed)
     model.train()
-    ep_params: dict = {}
-    ep_group = replica_group = None
-    if cfg.ep > 1:
-        if env.world_size % cfg.ep:
-            raise ValueError(f"RunConfig.ep={cfg.ep}: must divide the number of processes "
-                             f"({env.world_size}); each group of ep ranks holds the experts once")
-        if model_cfg.num_experts % cfg.ep:
-            raise ValueError(f"RunConfig.ep={cfg.ep}: must divide num_experts={model_cfg.num_experts}")
-        from openk3.parallel.expert_parallel import apply_moonep, ep_parameters, expert_parallel_groups
-        ep_group, replica_group = expert_parallel_groups(cfg.ep)
-        apply_moonep(model, ep_group)
-        ep_params = ep_parameters(model)
-    if env.world_size > 1:
-        from openk3.parallel.fsdp import apply_fsdp
-        apply_fsdp(model, env, ignored_params=set(ep_params.values()))
+    parallel = parallelize(model, env, ep=cfg.ep)
     optimizers = build_optimizers(model, lr=cfg.lr, weight_decay=cfg.weight_decay,
                                   optimizer=cfg.optimizer)
-    balancer = Balancer(cfg.balance, model_cfg.num_experts, model_cfg.num_experts_per_token)
+    balancer = Balancer(cfg.balance, model_cfg.num_experts,
+                        model_cfg.num_experts_per_token).attach(model)
     stream = TokenStream(data.train_path, data.dtype, cfg.seq_len, cfg.batch_size, seed=cfg.seed,
                          rank=env.rank, world_size=env.world_size)
     start = 0
     if prev is not None:
-        trainer_state = ckpt.load_checkpoint(prev, model, optimizers, ep_params, ep_group)
+        model_sd, optim_sd, trainer_state = ckpt.load_checkpoint(prev)
+        parallel.load_state_dict(model_sd, optim_sd, optimizers)
         stream.load_state_dict(trainer_state["data"])
         start = trainer_state["step"]
         _log(env, f"resumed from {prev} at step {start}")
@@ -210,7 +189,6 @@ def train(cfg: RunConfig) -> dict:
     if start and env.is_main:  # rows logged after the checkpoint we resume from are redone
         metrics.truncate_after(start)
     probe = _ActivationProbe(model)
-    moes = _moe_layers(model)
     last_saved = start
     summary: dict = {"start_step": start}
     amp = (torch.autocast("cuda", dtype=env.dtype) if env.device.type == "cuda"
@@ -218,8 +196,8 @@ def train(cfg: RunConfig) -> dict:
 
     def save(step: int) -> None:
         nonlocal last_saved
-        ckpt.save_checkpoint(run_dir, step, model, optimizers,
-                             {"data": stream.state_dict()}, cfg.keep_last, ep_params, ep_group)
+        ckpt.save_checkpoint(run_dir, step, *parallel.state_dict(optimizers),
+                             {"data": stream.state_dict()}, cfg.keep_last)
         last_saved = step
 
     with _StopFlag() as flag, Progress(cfg.max_steps, start, enabled=env.is_main) as bar:
@@ -239,35 +217,20 @@ def train(cfg: RunConfig) -> dict:
                     with amp:
                         logits = model(inputs).logits
                     loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-                    loss = loss + cfg.aux_loss_coef * balancer.aux_loss(moes)
+                    loss = loss + cfg.aux_loss_coef * balancer.aux_loss()
                     (loss / cfg.grad_accum).backward()
                     loss_sum += loss.detach()
-                    balancer.update(moes)  # biases for the *next* batch; never re-route this one
+                    balancer.update()  # biases for the *next* batch; never re-route this one
             except torch.cuda.OutOfMemoryError as e:
                 raise RuntimeError(_oom_message(cfg)) from e
-            loss_val = loss_sum / cfg.grad_accum
-            if env.world_size > 1:
-                dist.all_reduce(loss_val)
-                loss_val /= env.world_size
-            loss_f = loss_val.item()
+            loss_f = mean_over_ranks(loss_sum / cfg.grad_accum).item()
             if not math.isfinite(loss_f):
                 raise TrainingDiverged(
                     f"non-finite loss {loss_f} at step {step}; stopping. The last good checkpoint "
                     f"is step {last_saved} in {run_dir / ckpt.CKPT_DIR} (resume with --resume, "
                     "perhaps with a lower --lr)")
-            max_norm = cfg.clip_grad if cfg.clip_grad > 0 else 1e30
-            if ep_params:
-                from openk3.parallel.expert_parallel import clip_grad_norm_mixed
-                for p in ep_params.values():  # local experts summed their EP group's loss
-                    if replica_group is not None:  # + the other groups' (same experts)
-                        if p.grad is None:  # every replica must join the reduction
-                            p.grad = torch.zeros_like(p)
-                        dist.all_reduce(p.grad, group=replica_group)
-                    if p.grad is not None:
-                        p.grad.div_(env.world_size)  # a mean over every rank's tokens
-                grad_norm = clip_grad_norm_mixed(model, max_norm, ep_params, ep_group)
-            else:
-                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+            parallel.reduce_gradients()
+            grad_norm = parallel.clip_grad_norm_(cfg.clip_grad if cfg.clip_grad > 0 else 1e30)
             for opt in optimizers:
                 opt.step()
                 opt.zero_grad(set_to_none=True)
@@ -279,10 +242,9 @@ def train(cfg: RunConfig) -> dict:
                 tok_s = tokens_per_step * (step - step_last) / max(now - t_last, 1e-9)
                 t_last, step_last = now, step
                 row = {"step": step, "loss": loss_f, "lr": cfg.lr * mult,
-                       "grad_norm": float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor")
-                                          else grad_norm),
+                       "grad_norm": float(grad_norm),
                        "tokens_per_s": tok_s, "tokens": step * tokens_per_step,
-                       "load_max_over_mean": balancer.stats(moes),
+                       "load_max_over_mean": balancer.stats(),
                        "max_abs_activation": probe.read()}
                 if env.device.type == "cuda":
                     row["mfu"] = tok_s * flops_tok / peak
@@ -299,40 +261,23 @@ def train(cfg: RunConfig) -> dict:
                 break
     summary.update(end_step=step, first_loss=losses[0] if losses else None,
                    last_loss=losses[-1] if losses else None, losses=losses)
-    plain = (export(run_dir, model, model_cfg, data, env, ep_params, ep_group)
-             if last_saved == step else None)
-    if env.is_main and not flag.stop and cfg.num_samples:
-        # sharded models need every rank for a forward: sample from the gathered copy instead
-        sampler = model if env.world_size == 1 else plain
-        if sampler is not None:
-            summary["samples"] = print_samples(sampler, data, cfg, env)
-    if dist.is_initialized():
-        dist.barrier()
+    # the final step is always checkpointed above; export those weights. A sharded model needs
+    # every rank for a forward, so samples come from the gathered single-device copy.
+    plain = parallel.gathered_model()
+    if plain is not None:
+        export(run_dir, plain, data)
+        if not flag.stop and cfg.num_samples:
+            summary["samples"] = print_samples(plain, data, cfg, env)
+    barrier()
     return summary
 
 
-def export(run_dir: Path, model, model_cfg, data, env: Env, ep_params: dict, ep_group=None):
-    """save_pretrained the current weights (+ tokenizer) to RUN_DIR/export (collective).
-
-    Returns the exported single-device model on rank 0 (a gathered CPU copy when sharded)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
+def export(run_dir: Path, model, data) -> None:
+    """save_pretrained a single-device ``model`` (+ the tokenizer) to RUN_DIR/export."""
     from openk3.checkpoint import save_pretrained
 
-    if env.world_size > 1:  # gather FSDP shards and expert shares to a CPU copy on rank 0
-        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
-                                                                    cpu_offload=True))
-        if ep_params:
-            from openk3.parallel.expert_parallel import gather_experts
-            for fqn, p in ep_params.items():
-                full[fqn] = gather_experts(p.detach(), ep_group).cpu()
-        if not env.is_main:
-            return None
-        model = build_model(model_cfg, device="meta")
-        model.load_state_dict(full, assign=True)
     save_pretrained(model, run_dir / "export")
     (run_dir / "export" / "tokenizer.json").write_bytes(Path(data.tokenizer_path).read_bytes())
-    return model
 
 
 def print_samples(model, data, cfg: RunConfig, env: Env) -> list[str]:

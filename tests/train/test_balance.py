@@ -3,7 +3,6 @@
 import socket
 import time
 from datetime import timedelta
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,8 +13,8 @@ from hypothesis import strategies as st
 
 from benchmarks.balance_synthetic import SyntheticRouter, simulate
 from openk3.config import preset
-from openk3.model.moe import MoE
-from openk3.train.balance import (Balancer, expert_loads, histogram_quantile, load_stats,
+from openk3.model.moe import MoE, Router
+from openk3.train.balance import (Balancer, expert_loads, histogram_quantile, load_max_over_mean,
                                   margin_bin_edges, qb_histogram, qb_margins, qb_update_exact,
                                   qb_update_histogram, sign_update, switch_aux_loss, target_load)
 
@@ -133,6 +132,20 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+class _ReplayRouter(Router):
+    """A router whose forward returns fixed scores [N, E] (routed with its current bias), so a
+    test controls exactly what the Balancer's hook collects."""
+
+    def __init__(self, scores: torch.Tensor, k: int, bias: torch.Tensor):
+        super().__init__(preset("debug").replace(num_experts=scores.shape[1], num_experts_per_token=k))
+        self.scores = scores
+        self.e_score_correction_bias.copy_(bias)
+
+    def forward(self, x):
+        topk_idx = (self.scores + self.e_score_correction_bias).topk(self.cfg.num_experts_per_token, -1).indices
+        return self.scores, topk_idx, self.scores.gather(1, topk_idx)
+
+
 def _dp_worker(rank, world_size, port, scores, bias, k, out_path):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=30))
@@ -140,10 +153,11 @@ def _dp_worker(rank, world_size, port, scores, bias, k, out_path):
         shard = scores.tensor_split(world_size)[rank]  # uneven shards on purpose
         E = scores.shape[1]
         topk_idx = (shard + bias).topk(k, -1).indices
-        moe = SimpleNamespace(last_scores=shard, last_topk_idx=topk_idx,
-                              gate=SimpleNamespace(e_score_correction_bias=bias.clone()))
-        Balancer("qb", E, k).update([moe])  # world size > 1: switches to the histogram
-        out = {"hist": qb_update_histogram(shard, bias, k), "balancer": moe.gate.e_score_correction_bias,
+        router = _ReplayRouter(shard, k, bias)
+        balancer = Balancer("qb", E, k).attach(router)
+        router(None)
+        balancer.update()  # world size > 1: switches to the histogram
+        out = {"hist": qb_update_histogram(shard, bias, k), "balancer": router.e_score_correction_bias,
                "sign": sign_update(topk_idx, bias, E, gamma=0.01)}
         if rank == 0:
             torch.save(out, out_path)
@@ -193,38 +207,116 @@ def test_sign_update_moves_against_the_load():
     assert torch.equal(new, torch.tensor([-0.5, 0.0, 0.5, 0.5]))
 
 
-def test_load_stats():
+def test_load_max_over_mean():
     topk_idx = torch.tensor([[0, 1], [0, 1], [0, 2], [0, 3]])  # loads 4, 2, 1, 1
-    st_ = load_stats(topk_idx, 4)
-    assert st_["max_over_mean"] == 2.0 and st_["min_over_mean"] == 0.5
-    assert st_["cv"] == pytest.approx(torch.tensor([4.0, 2, 1, 1]).std(unbiased=False).item() / 2)
+    assert load_max_over_mean(topk_idx, 4) == 2.0
+
+
+def _moe_stack(num_layers: int = 2) -> torch.nn.Sequential:
+    """MoE layers in a row: a model with one router per layer, as the Balancer sees a KimiForCausalLM."""
+    cfg = preset("debug")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[MoE(cfg) for _ in range(num_layers)]).train()
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # experts are torch.empty until initialised
+            p.normal_(0, 0.5 if name.endswith("gate.weight") else 0.05)
+    return model
+
+
+def _routing(model, x):
+    """Each layer's router output for the input ``model(x)`` gives it, computed without hooks."""
+    out = []
+    with torch.no_grad():
+        for m in model:
+            scores, topk_idx, _ = Router.forward(m.gate, x.reshape(-1, x.shape[-1]))
+            out.append((scores, topk_idx))
+            x = m(x)
+    return out
 
 
 def test_balancer_on_moe_layers():
-    cfg = preset("debug")
-    torch.manual_seed(0)
-    moes = [MoE(cfg).train() for _ in range(2)]
-    for m in moes:
-        torch.nn.init.normal_(m.gate.weight, std=0.5)
-    x = torch.randn(4, 16, cfg.hidden_size)
-    for m in moes:
-        m(x)
+    model = _moe_stack()
+    cfg = model[0].cfg
     E, k = cfg.num_experts, cfg.num_experts_per_token
-    old = [m.gate.e_score_correction_bias.clone() for m in moes]
-    Balancer("none", E, k).update(moes)
-    Balancer("aux", E, k).update(moes)
-    assert all(torch.equal(m.gate.e_score_correction_bias, b) for m, b in zip(moes, old))
-    Balancer("qb", E, k).update(moes)
-    for m, b in zip(moes, old):
-        assert torch.equal(m.gate.e_score_correction_bias, qb_update_exact(m.last_scores.detach(), b, k))
-    aux = Balancer("aux", E, k).aux_loss(moes)
-    torch.testing.assert_close(aux, sum(switch_aux_loss(m.last_scores, m.last_topk_idx, E) for m in moes))
-    aux.backward()
-    assert moes[0].gate.weight.grad is not None and moes[0].gate.weight.grad.abs().sum() > 0
-    assert Balancer("qb", E, k).aux_loss(moes).item() == 0.0
-    stats = Balancer("sign", E, k).stats(moes)
-    assert len(stats) == 2 and all(v >= 1.0 for v in stats)
+    balancers = {m: Balancer(m, E, k).attach(model) for m in ("none", "aux", "qb", "sign")}
+    x = torch.randn(4, 16, cfg.hidden_size)
+    routing = _routing(model, x)
+    model(x)
+    old = [m.gate.e_score_correction_bias.clone() for m in model]
+    balancers["none"].update()
+    balancers["aux"].update()
+    assert all(torch.equal(m.gate.e_score_correction_bias, b) for m, b in zip(model, old))
+    balancers["qb"].update()
+    for m, b, (scores, _) in zip(model, old, routing):
+        assert torch.equal(m.gate.e_score_correction_bias, qb_update_exact(scores, b, k))
+    aux = balancers["aux"].aux_loss()
+    torch.testing.assert_close(aux, sum(switch_aux_loss(s, idx, E) for s, idx in routing))
+    assert balancers["qb"].aux_loss().item() == 0.0
+    stats = balancers["sign"].stats()
+    assert stats == [load_max_over_mean(idx, E) for _, idx in routing] and all(v >= 1.0 for v in stats)
     with pytest.raises(ValueError, match="method"):
         Balancer("adam", E, k)
     with pytest.raises(ValueError, match="no routing"):
-        Balancer("qb", E, k).update([MoE(cfg)])
+        Balancer("qb", E, k).attach(_moe_stack()).update()
+    with pytest.raises(ValueError, match="attach"):
+        Balancer("qb", E, k).update()
+    with pytest.raises(ValueError, match="num_experts=8"):
+        Balancer("qb", 16, k).attach(model)
+    with pytest.raises(ValueError, match="already attached"):
+        balancers["qb"].attach(model)
+
+
+def test_hook_collects_one_routing_per_layer_per_training_forward():
+    """Every training forward replaces each layer's routing (never adds to it); micro-batches of
+    different sizes show which forward was collected."""
+    model = _moe_stack(3)
+    cfg = model[0].cfg
+    E, k = cfg.num_experts, cfg.num_experts_per_token
+    balancer = Balancer("sign", E, k, gamma=0.1).attach(model)
+    first, second = torch.randn(2, 8, cfg.hidden_size), torch.randn(3, 5, cfg.hidden_size)
+    model(first)
+    model(second)
+    routing = _routing(model, second)
+    assert balancer.stats() == [load_max_over_mean(idx, E) for _, idx in routing]
+    old = [m.gate.e_score_correction_bias.clone() for m in model]
+    balancer.update()  # the sign step on the second forward's 15 tokens per layer, not 31
+    for m, b, (_, idx) in zip(model, old, routing):
+        assert torch.equal(m.gate.e_score_correction_bias, sign_update(idx, b, E, gamma=0.1))
+
+
+def test_eval_forwards_and_detached_hooks_collect_nothing():
+    model = _moe_stack()
+    cfg = model[0].cfg
+    E, k = cfg.num_experts, cfg.num_experts_per_token
+    balancer = Balancer("qb", E, k).attach(model)
+    x, other = torch.randn(2, 8, cfg.hidden_size), torch.randn(2, 8, cfg.hidden_size)
+    model.eval()(x)
+    with pytest.raises(ValueError, match="no routing"):
+        balancer.stats()
+    model.train()(x)
+    model.eval()(other)  # evaluation between training steps leaves the training routing alone
+    want = [load_max_over_mean(idx, E) for _, idx in _routing(model, x)]
+    assert balancer.stats() == want
+    balancer.detach()
+    model.train()(other)
+    assert balancer.stats() == want  # no hook: the training forward was not collected
+    fresh = Balancer("qb", E, k).attach(model)
+    fresh.detach()
+    model(other)
+    with pytest.raises(ValueError, match="no routing"):
+        fresh.stats()
+
+
+def test_aux_loss_gradient_reaches_the_router_through_collected_scores():
+    model = _moe_stack()
+    cfg = model[0].cfg
+    balancer = Balancer("aux", cfg.num_experts, cfg.num_experts_per_token).attach(model)
+    model(torch.randn(2, 8, cfg.hidden_size))
+    balancer.aux_loss().backward()  # the aux loss alone: its gradient can only come through the hook
+    for m in model:
+        assert m.gate.weight.grad is not None and m.gate.weight.grad.abs().sum() > 0
+    # nothing after the last router feeds the loss: the graph ran through the collected scores
+    assert all(p.grad is None for n, p in model[-1].named_parameters() if not n.startswith("gate."))
+    sign = Balancer("sign", cfg.num_experts, cfg.num_experts_per_token).attach(model)
+    model(torch.randn(2, 8, cfg.hidden_size))
+    assert not sign.aux_loss().requires_grad  # other methods keep no graph

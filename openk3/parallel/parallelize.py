@@ -1,0 +1,108 @@
+"""The one place where parallelism is applied to a training model (as in torchtitan).
+
+``parallelize(model, env, ep=...)`` takes the single-device model and returns a ``Parallel``:
+everything the trainer needs that depends on how the model is laid out over processes. The
+trainer calls the same methods whatever the layout; with one process each is the plain
+single-device operation.
+
+Layout over W = ``env.world_size`` processes, each reading its own data:
+
+- W > 1: FSDP2 shards the parameters over all W ranks (``fsdp.py``); its gradients are averaged
+  in backward.
+- ``ep`` > 1 (dividing W): MoonEP splits every MoE layer's routed experts over groups of ``ep``
+  consecutive ranks (``expert_parallel.py``); FSDP leaves these shares alone and
+  ``ExpertShares`` (``expert_shares.py``) reduces, clips and gathers them.
+
+Context parallelism (a later issue) is another size beside ``ep``: its groups are made here and
+the sequence split joins the data path; the trainer's calls stay as they are.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_state_dict, set_state_dict)
+from torch.distributed.tensor import DTensor
+
+from openk3.model import build_model
+from openk3.parallel.expert_shares import ExpertShares
+from openk3.parallel.fsdp import apply_fsdp
+
+
+def parallelize(model: nn.Module, env, ep: int = 1) -> Parallel:
+    """Apply the parallel layout to ``model`` in place and return its ``Parallel``.
+
+    env: the trainer's ``Env`` (``rank``, ``world_size``, ``device``, ``dtype``); the process
+    group is already initialised when ``world_size > 1``. ep: expert-parallel size
+    (``RunConfig.ep``); 1 keeps every expert on every rank. Collective when ``world_size > 1``.
+    """
+    if env.world_size % ep:
+        raise ValueError(f"RunConfig.ep={ep}: must divide the number of processes "
+                         f"({env.world_size}); each group of ep ranks holds the experts once")
+    if model.cfg.num_experts % ep:
+        raise ValueError(f"RunConfig.ep={ep}: must divide num_experts={model.cfg.num_experts}")
+    experts = ExpertShares(model, ep) if ep > 1 else None
+    if env.world_size > 1:
+        apply_fsdp(model, env, ignored_params=set(experts.params.values()) if experts else None)
+    return Parallel(model, env.rank, env.world_size, experts)
+
+
+class Parallel:
+    """A model after ``parallelize``, and the operations that depend on its layout.
+
+    Methods that move data between ranks are collectives: every rank calls them in the same
+    order. State dicts are *full* (unsharded, all E experts, on CPU) and keyed by parameter name,
+    so a checkpoint does not depend on the number of processes or on ``ep``.
+    """
+
+    def __init__(self, model: nn.Module, rank: int, world_size: int,
+                 experts: ExpertShares | None = None):
+        self.model, self.rank, self.world_size, self.experts = model, rank, world_size, experts
+
+    def reduce_gradients(self) -> None:
+        """Finish the gradient reduction after the last backward of a step. FSDP's gradients
+        are reduced during backward; MoonEP's rank-local expert gradients are reduced here."""
+        if self.experts is not None:
+            self.experts.reduce_gradients()
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Scale all gradients so that their global L2 norm is at most ``max_norm``; returns the
+        norm before clipping as a plain 0-dim tensor (the same value on every rank)."""
+        if self.experts is not None:
+            return self.experts.clip_grad_norm_(self.model, max_norm)
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+    def state_dict(self, optimizers) -> tuple[dict, dict]:
+        """(model, optimiser) full state dicts, on rank 0 (other ranks get partial or empty dicts,
+        which they should not write). Collective."""
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model_sd, optim_sd = get_state_dict(self.model, optimizers, options=opts)
+        if self.experts is not None:
+            self.experts.gather_state(model_sd, optim_sd, optimizers)
+        return model_sd, optim_sd
+
+    def load_state_dict(self, model_sd: dict, optim_sd: dict, optimizers) -> None:
+        """Load full state dicts (as ``state_dict`` returns them, read on every rank) into the
+        model and ``optimizers``; each rank keeps its own shards. Collective."""
+        if self.experts is not None:
+            self.experts.slice_state(model_sd, optim_sd)
+        set_state_dict(self.model, optimizers, model_state_dict=model_sd, optim_state_dict=optim_sd,
+                       options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=False))
+
+    def gathered_model(self) -> nn.Module | None:
+        """The model as one single-device module, for ``save_pretrained`` and sampling: the
+        model itself with one process, else a CPU copy of the gathered weights on rank 0 and
+        None on the other ranks. Collective."""
+        if self.world_size == 1:
+            return self.model
+        full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True,
+                                                                         cpu_offload=True))
+        if self.experts is not None:
+            self.experts.gather_state(full)
+        if self.rank != 0:
+            return None
+        plain = build_model(self.model.cfg, device="meta")
+        plain.load_state_dict(full, assign=True)
+        return plain

@@ -1,0 +1,160 @@
+"""``parallelize``: one process is the plain single-device path; 2 gloo processes (FSDP2, and
+FSDP2 + MoonEP) give the gradient norm, weights, optimiser state and exported model of one
+process that trains on the same global batch."""
+
+from __future__ import annotations
+
+import copy
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+from openk3.config import preset
+from openk3.model import build_model
+from openk3.parallel.parallelize import parallelize
+from openk3.train.optim import build_optimizers
+from openk3.train.trainer import Env
+
+TINY = dict(num_hidden_layers=2, full_attn_layers=[2], hidden_size=64, linear_head_dim=16,
+            qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, kv_lora_rank=16, q_lora_rank=32,
+            intermediate_size=96, moe_intermediate_size=32, moe_latent_size=48,
+            attn_res_block_size=2, vocab_size=300)
+MAX_NORM = 0.05  # small enough that every test step clips
+
+
+def _model():
+    return build_model(preset("debug").replace(**TINY), device="cpu", seed=0).train()
+
+
+def _batch(rows: int) -> torch.Tensor:
+    return torch.randint(0, 300, (rows, 17), generator=torch.Generator().manual_seed(1))
+
+
+def _backward(model, ids) -> None:
+    logits = model(ids[:, :-1]).logits
+    F.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten()).backward()
+
+
+def _step(opts) -> None:
+    for opt in opts:
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def _grads(model) -> list:
+    return [None if p.grad is None else p.grad.tolist() for p in model.parameters()]
+
+
+def _env(rank=0, world=1) -> Env:
+    return Env(rank, world, torch.device("cpu"), torch.float32)
+
+
+def _assert_state_close(got, want, where: str = "") -> None:
+    """Nested state dicts equal: tensors to fp32 summation-order tolerance, the rest exactly
+    (a loaded optimiser holds its tuples as lists)."""
+    if isinstance(want, dict):
+        assert got.keys() == want.keys(), where
+        for key in want:
+            _assert_state_close(got[key], want[key], f"{where}.{key}")
+    elif isinstance(want, (list, tuple)):
+        assert isinstance(got, (list, tuple)) and len(got) == len(want), where
+        for i, (g, w) in enumerate(zip(got, want)):
+            _assert_state_close(g, w, f"{where}[{i}]")
+    elif torch.is_tensor(want):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=where)
+    else:
+        assert got == want, where
+
+
+def test_one_process_is_the_single_device_path():
+    model, ref = _model(), _model()
+    parallel = parallelize(model, _env())
+    assert parallel.model is model and parallel.gathered_model() is model
+    opts, ref_opts = build_optimizers(model, 1e-2, 0.1), build_optimizers(ref, 1e-2, 0.1)
+    ids = _batch(2)
+    _backward(model, ids)
+    _backward(ref, ids)
+    parallel.reduce_gradients()
+    assert _grads(model) == _grads(ref)  # nothing to reduce with one process
+    norm = parallel.clip_grad_norm_(MAX_NORM)
+    assert torch.equal(norm, torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM))
+    assert _grads(model) == _grads(ref)
+    _step(opts)
+    _step(ref_opts)
+    model_sd, optim_sd = parallel.state_dict(opts)
+    want = get_state_dict(ref, ref_opts, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    _assert_state_close(model_sd, want[0])
+    _assert_state_close(optim_sd, want[1])
+
+    fresh = _model()
+    fresh_parallel = parallelize(fresh, _env())
+    fresh_opts = build_optimizers(fresh, 1e-2, 0.1)
+    fresh_parallel.load_state_dict(copy.deepcopy(model_sd), copy.deepcopy(optim_sd), fresh_opts)
+    again = fresh_parallel.state_dict(fresh_opts)
+    _assert_state_close(again[0], model_sd)
+    _assert_state_close(again[1], optim_sd)
+
+
+def test_ep_must_divide_the_world_and_the_experts():
+    with pytest.raises(ValueError, match="RunConfig.ep=2: must divide the number of processes"):
+        parallelize(_model(), _env(), ep=2)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, ep: int, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.set_num_threads(1)
+        ids = _batch(2 * world)
+        ref = _model()  # one process, the whole global batch
+        ref_opts = build_optimizers(ref, 1e-2, 0.1)
+        _backward(ref, ids)
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)
+        _step(ref_opts)
+
+        model = _model()
+        parallel = parallelize(model, _env(rank, world), ep=ep)
+        opts = build_optimizers(model, 1e-2, 0.1)
+        _backward(model, ids.chunk(world)[rank])
+        parallel.reduce_gradients()
+        norm = parallel.clip_grad_norm_(MAX_NORM)
+        _step(opts)
+        model_sd, optim_sd = parallel.state_dict(opts)
+        plain = parallel.gathered_model()
+        saved = [model_sd, optim_sd]  # on rank 0; every rank reads the checkpoint files
+        dist.broadcast_object_list(saved, src=0)
+        parallel.load_state_dict(*copy.deepcopy(saved), opts)
+        again = parallel.state_dict(opts)
+        if rank == 0:
+            want = get_state_dict(ref, ref_opts, options=StateDictOptions(full_state_dict=True))
+            torch.testing.assert_close(norm, ref_norm, rtol=1e-5, atol=0)
+            _assert_state_close(model_sd, want[0])
+            _assert_state_close(optim_sd, want[1])
+            _assert_state_close(plain.state_dict(), want[0])
+            _assert_state_close(again[0], model_sd)
+            _assert_state_close(again[1], optim_sd)
+        else:
+            assert plain is None
+        results[rank] = "ok"
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("ep", [1, 2], ids=["fsdp", "fsdp+moonep"])
+def test_two_processes_equal_one(ep):
+    results = mp.Manager().dict()
+    mp.start_processes(_worker, args=(2, _free_port(), ep, results), nprocs=2, join=True,
+                       start_method="spawn")
+    assert dict(results) == {0: "ok", 1: "ok"}
