@@ -284,10 +284,11 @@ def mxfp4_quantization_config() -> dict:
 
 
 def save_pretrained(model: KimiForCausalLM, path: str | os.PathLike, experts: str = "bf16",
-                    max_shard_bytes: int = 4 << 30) -> None:
+                    max_shard_bytes: int = 4 << 30, extra_files: dict[str, bytes] | None = None) -> None:
     """Write ``config.json`` + sharded safetensors + index to ``path`` atomically.
 
     ``experts="mxfp4"`` packs the routed experts (K3 only); ``"bf16"`` keeps the model's dtype.
+    ``extra_files`` (name -> bytes, e.g. the tokenizer) are written in the same atomic write.
     The files are written to a temporary directory beside ``path`` and renamed into place
     (``openk3.checkpoint.atomic``); one shard at a time is held in memory.
     """
@@ -328,3 +329,5 @@ def save_pretrained(model: KimiForCausalLM, path: str | os.PathLike, experts: st
         dtype = str(model.model.embed_tokens.weight.dtype).removeprefix("torch.")
         (tmp / "config.json").write_text(json.dumps(to_hf(cfg, quantization_config=qc, dtype=dtype),
                                                     indent=2))
+        for name, content in (extra_files or {}).items():
+            (tmp / name).write_bytes(content)

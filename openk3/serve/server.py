@@ -23,6 +23,7 @@ import contextlib
 import json
 import logging
 import secrets
+import signal
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
@@ -56,6 +57,8 @@ from openk3.serve.sampler import InvalidRequest, SamplingParams
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+SHUTDOWN_MESSAGE = "the server is shutting down; this response was cut at the end of its grace period"
+GRACE_SECONDS = 5.0  # how long responses in flight may take to finish once shutdown begins
 
 
 class _EventStream(StreamingResponse):
@@ -72,13 +75,54 @@ class _EventStream(StreamingResponse):
             await self.body_iterator.aclose()
 
 
-async def _sse(chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
-    """Each chunk as ``data: {json}``, then ``data: [DONE]``. An engine failure mid-stream becomes
-    an error event: the 200 status line is already out."""
+class _ShuttingDown(Exception):
+    """The server is stopping and a response ran out of its grace period."""
+
+
+class Draining:
+    """Graceful shutdown: once ``begin(seconds)`` is called (the server got SIGTERM or Ctrl-C),
+    responses in flight get ``seconds`` to finish; then each stream ends with an error event and
+    ``[DONE]``, and each waiting request gets a 503, so no client sees a connection cut silently.
+    New requests get a 503 at once."""
+
+    def __init__(self) -> None:
+        self.started = False
+        self.expired = asyncio.Event()
+
+    def begin(self, seconds: float) -> None:
+        if not self.started:
+            self.started = True
+            asyncio.get_running_loop().call_later(seconds, self.expired.set)
+
+    async def race(self, task: asyncio.Future):
+        """``await task``, unless the grace period ends first: then cancel it and raise."""
+        expired = asyncio.ensure_future(self.expired.wait())
+        try:
+            await asyncio.wait((task, expired), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            expired.cancel()
+        if task.done():
+            return task.result()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+            await task
+        raise _ShuttingDown
+
+
+async def _sse(chunks: AsyncIterator[dict], draining: Draining) -> AsyncIterator[str]:
+    """Each chunk as ``data: {json}``, then ``data: [DONE]``. An engine failure mid-stream, or a
+    shutdown that outlasts the stream's grace period, becomes an error event: the 200 status line
+    is already out."""
     async with contextlib.aclosing(chunks):
         try:
-            async for chunk in chunks:
+            while True:
+                try:
+                    chunk = await draining.race(asyncio.ensure_future(anext(chunks)))
+                except StopAsyncIteration:
+                    break
                 yield f"data: {json.dumps(chunk)}\n\n"
+        except _ShuttingDown:
+            yield f"data: {json.dumps(error_body(SHUTDOWN_MESSAGE, 'server_error'))}\n\n"
         except Exception as e:
             logger.exception("stream failed")
             yield f"data: {json.dumps(error_body(str(e), 'server_error'))}\n\n"
@@ -91,16 +135,20 @@ async def _wait_for_disconnect(request: Request) -> None:
         pass
 
 
-async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
+async def _unless_disconnected(request: Request, work: Awaitable[T], draining: Draining) -> T | None:
     """``await work``, or cancel it (aborting its engine request) and return None if the client
-    disconnects first."""
+    disconnects first; a 503 if a shutdown's grace period ends first."""
     task = asyncio.ensure_future(work)
     gone = asyncio.ensure_future(_wait_for_disconnect(request))
     try:
-        done, _ = await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+        result = await draining.race(asyncio.ensure_future(asyncio.wait(
+            (task, gone), return_when=asyncio.FIRST_COMPLETED)))
+    except _ShuttingDown:
+        raise APIError(503, SHUTDOWN_MESSAGE, type="server_error") from None
     finally:
         gone.cancel()
         task.cancel()  # a no-op when it is done
+    done, _ = result
     if task in done:
         return task.result()
     with contextlib.suppress(asyncio.CancelledError):
@@ -158,8 +206,11 @@ class OpenAIServer:
         self.tokenizer = engine.tokenizer
         self.metrics = ServerMetrics(engine.stats)
         self.created = int(time.time())
+        self.draining = Draining()
 
     def _check(self, req: SamplingRequest) -> None:
+        if self.draining.started:
+            raise APIError(503, "the server is shutting down", type="server_error")
         if req.model is not None and req.model != self.model_name:
             raise APIError(404, f"the model {req.model!r} does not exist; this server serves "
                                 f"{self.model_name!r}", "model", "model_not_found")
@@ -222,8 +273,9 @@ class OpenAIServer:
                            for i, (ids, params, _) in enumerate(choices)])
         echoes = [echo for _, _, echo in choices]
         if req.stream:
-            return _EventStream(_sse(chunks(self.tokenizer, outputs, head, req.include_usage, req.n, echoes)))
-        final = await _unless_disconnected(request, _last(outputs, len(choices)))
+            return _EventStream(_sse(chunks(self.tokenizer, outputs, head, req.include_usage, req.n, echoes),
+                                     self.draining))
+        final = await _unless_disconnected(request, _last(outputs, len(choices)), self.draining)
         if final is None:
             return Response(status_code=499)  # nobody is listening
         return JSONResponse({**head, "choices": [choice(self.tokenizer, out, i, echoes[i])
@@ -328,15 +380,36 @@ def build_app(async_engine: AsyncEngine, model_name: str, api_key: str | None = 
     for error in (APIError, InvalidRequest, ChatTemplateError, RequestValidationError, HTTPException,
                   Exception):
         app.add_exception_handler(error, _handle_error)
+    app.state.draining = server.draining
     return app
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn, telling the app when shutdown begins (its own handling then waits for open
+    connections, up to ``timeout_graceful_shutdown``, and cuts what is left). A SIGTERM that
+    ended in a drained shutdown is not raised again afterwards (uvicorn would), so the process
+    exits 0 and the engine is shut down properly."""
+
+    def __init__(self, config: uvicorn.Config, draining: Draining, seconds: float):
+        super().__init__(config)
+        self.draining, self.seconds = draining, seconds
+
+    def handle_exit(self, sig, frame) -> None:
+        asyncio.get_running_loop().call_soon_threadsafe(self.draining.begin, self.seconds)
+        super().handle_exit(sig, frame)
+        self._captured_signals = [s for s in self._captured_signals if s != signal.SIGTERM]
 
 
 def serve(async_engine: AsyncEngine, model_name: str, *, host: str = "127.0.0.1", port: int = 8000,
           api_key: str | None = None, chat_template: ChatTemplate | None = None) -> None:
-    """Serve until interrupted, then stop the engine."""
+    """Serve until SIGTERM or Ctrl-C, then stop: responses in flight get ``GRACE_SECONDS - 1``
+    seconds to finish (then end with an error event, or a 503), uvicorn closes what is left at
+    ``GRACE_SECONDS``, and the engine stops."""
     app = build_app(async_engine, model_name, api_key, chat_template)
+    config = uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=GRACE_SECONDS)
     try:
-        # open streams would hold shutdown up forever; give them a few seconds
-        uvicorn.run(app, host=host, port=port, timeout_graceful_shutdown=5)
+        _DrainingServer(config, app.state.draining, GRACE_SECONDS - 1).run()
+    except KeyboardInterrupt:  # uvicorn raises Ctrl-C again once it has shut down
+        pass
     finally:
         async_engine.shutdown()

@@ -17,6 +17,7 @@ filters, norms and other 1-D parameters — goes to AdamW.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -334,6 +335,51 @@ def lr_multiplier(step: int, max_steps: int, warmup_steps: int, schedule: str = 
         return 1.0
     progress = min(1.0, (step - decay_start) / max(1, last - decay_start))
     return 1 - (1 - min_lr_ratio) * progress
+
+
+@dataclass(frozen=True)
+class LRSchedule:
+    """The learning-rate multiplier of every 0-indexed step of a run, and how a resumed run with
+    another ``max_steps`` continues it: never with a jump up.
+
+    ``lr_multiplier`` until an extension. Extending (or shortening) at step ``s0`` records
+    ``anchor = (s0, m0)``, the multiplier the run had reached; from there the run continues:
+    ``cosine`` with a cosine from ``m0`` down to ``min_lr_ratio`` at the new last step; ``wsd``
+    still in its stable phase (``m0 == 1``) keeps it until the new run's decay, and one already
+    decaying decays linearly from ``m0`` to ``min_lr_ratio`` over the steps left. A run resumed
+    during warm-up needs no anchor: warm-up does not depend on ``max_steps``.
+    """
+
+    max_steps: int
+    warmup_steps: int
+    schedule: str = "cosine"
+    min_lr_ratio: float = 0.1
+    anchor: tuple[int, float] | None = None
+
+    def __call__(self, step: int) -> float:
+        if self.anchor is None or step < self.anchor[0]:
+            return lr_multiplier(step, self.max_steps, self.warmup_steps, self.schedule, self.min_lr_ratio)
+        s0, m0 = self.anchor
+        if self.schedule == "wsd" and m0 >= 1.0:
+            return lr_multiplier(step, self.max_steps, self.warmup_steps, "wsd", self.min_lr_ratio)
+        progress = min(1.0, (step - s0) / max(1, self.max_steps - 1 - s0))
+        if self.schedule == "cosine":
+            return self.min_lr_ratio + (m0 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+        return m0 - (m0 - self.min_lr_ratio) * progress
+
+    def extended(self, max_steps: int, at_step: int) -> LRSchedule:
+        """This schedule with ``max_steps`` changed at 0-indexed step ``at_step`` (the next to run)."""
+        if max_steps == self.max_steps:
+            return self
+        anchor = None if at_step < self.warmup_steps else (at_step, self(at_step))
+        return dataclasses.replace(self, max_steps=max_steps, anchor=anchor)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> LRSchedule:
+        return cls(**{**d, "anchor": tuple(d["anchor"]) if d.get("anchor") is not None else None})
 
 
 def set_lr(optimizers: Iterable[torch.optim.Optimizer], multiplier: float) -> None:

@@ -9,7 +9,8 @@ Layout of a run directory::
     RUN_DIR/export/                save_pretrained() of the newest checkpoint + tokenizer.json
 
 A checkpoint is written to a temporary directory and renamed into place, then LATEST is
-replaced (write + rename); a crash at any point leaves the previous checkpoint intact.
+replaced (write + rename); a crash at any point leaves the previous checkpoint intact, and the
+next save removes what a killed one left (``openk3.checkpoint.atomic``).
 The state dicts come from ``openk3.parallel.parallelize.Parallel.state_dict``: full (unsharded,
 all experts), gathered to rank 0, which alone writes. This file only persists them.
 """
@@ -20,11 +21,12 @@ import json
 import os
 import random
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from openk3.checkpoint.atomic import atomic_directory
 
 CKPT_DIR = "checkpoints"
 LATEST = "LATEST"
@@ -62,25 +64,27 @@ def save_checkpoint(run_dir: Path, step: int, model_sd: dict, optim_sd: dict, tr
     if not _is_main():
         return None
     root = run_dir / CKPT_DIR
-    root.mkdir(parents=True, exist_ok=True)
     name = f"step_{step:06d}"
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=root))
-    try:
+    remove_partial_saves(run_dir)
+    with atomic_directory(root / name) as tmp:
         torch.save(model_sd, tmp / "model.pt")
         torch.save({"optim": optim_sd, "rng": rng_state()}, tmp / "optim.pt")
         (tmp / "trainer.json").write_text(json.dumps({"step": step, **trainer_state}, indent=1))
-        final = root / name
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     _atomic_write_text(root / LATEST, name)
     kept = sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_"))
     for old in kept[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
-    return final
+    return root / name
+
+
+def remove_partial_saves(run_dir: Path) -> None:
+    """Remove what killed saves left in ``run_dir``: temporary checkpoint and export
+    directories (``.step_*.tmp-*``, ``.export.tmp-*``, ``.export.old-*``). Rank 0 only."""
+    if not _is_main():
+        return
+    for pattern in (f"{CKPT_DIR}/.step_*.tmp-*", f"{CKPT_DIR}/.step_*.old-*", ".export.tmp-*", ".export.old-*"):
+        for stale in run_dir.glob(pattern):
+            shutil.rmtree(stale, ignore_errors=True)
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:

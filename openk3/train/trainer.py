@@ -22,16 +22,17 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from openk3.train.config import RunConfig
+from openk3.train.config import RUN_CONFIG_FILE, RunConfig
 from openk3.model import build_model
+from openk3.runtime import resolve_device, resolve_dtype
 from openk3.parallel.collectives import barrier, main_rank_first, mean_over_ranks
 from openk3.parallel.parallelize import parallelize
 from openk3.train import state as ckpt
 from openk3.train.balance import Balancer
-from openk3.train.data import prepare_data
+from openk3.train.data import BOS_TOKEN, PAD_TOKEN, prepare_data
 from openk3.train.stream import TokenStream, val_batches
 from openk3.train.metrics import MetricsLog, Progress, flops_per_token, peak_flops
-from openk3.train.optim import build_optimizers, lr_multiplier, set_lr
+from openk3.train.optim import LRSchedule, build_optimizers, set_lr
 
 
 class TrainingDiverged(RuntimeError):
@@ -54,20 +55,16 @@ def setup_env(cfg: RunConfig) -> Env:
     """Device, dtype and (under torchrun) the process group: NCCL on GPUs, gloo on CPUs."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
-    use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-    if cfg.device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("RunConfig.device='cuda' but no CUDA device is available")
-    if use_cuda:
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local)
-        device = torch.device("cuda", local)
-    else:
-        device = torch.device("cpu")
+    try:
+        device = resolve_device(cfg.device)
+    except ValueError as e:
+        raise ValueError(f"RunConfig.{e}") from None
+    if device.type == "cuda":  # one GPU per process: torchrun's LOCAL_RANK
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if use_cuda else "gloo")
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(
-        cfg.dtype, torch.bfloat16 if use_cuda else torch.float32)
-    return Env(rank, world, device, dtype)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return Env(rank, world, device, resolve_dtype(cfg.dtype, device))
 
 
 def _log(env: Env, msg: str) -> None:
@@ -143,6 +140,7 @@ def train(cfg: RunConfig) -> dict:
     model_cfg = cfg.model_config()  # validated before anything is allocated
     if env.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
+    ckpt.remove_partial_saves(run_dir)
     prev = ckpt.latest_checkpoint(run_dir) if cfg.resume else None
     if cfg.resume and prev is None:
         _log(env, f"--resume: no checkpoint in {run_dir}, starting a new run")
@@ -171,14 +169,20 @@ def train(cfg: RunConfig) -> dict:
     stream = TokenStream(data.train_path, data.dtype, cfg.seq_len, cfg.batch_size, seed=cfg.seed,
                          rank=env.rank, world_size=env.world_size)
     start = 0
+    schedule = LRSchedule(cfg.max_steps, cfg.warmup_steps, cfg.schedule, cfg.min_lr_ratio)
     if prev is not None:
         model_sd, optim_sd, trainer_state = ckpt.load_checkpoint(prev)
         parallel.load_state_dict(model_sd, optim_sd, optimizers)
         stream.load_state_dict(trainer_state["data"])
         start = trainer_state["step"]
+        if "lr_schedule" in trainer_state:  # a changed --max-steps continues, never jumps up
+            schedule = LRSchedule.from_dict(trainer_state["lr_schedule"]).extended(cfg.max_steps, start)
         _log(env, f"resumed from {prev} at step {start}")
+        if schedule.anchor is not None and schedule.anchor[0] == start:
+            _log(env, f"--max-steps {cfg.max_steps}: the {cfg.schedule} schedule continues from its "
+                      f"current learning rate {cfg.lr * schedule.anchor[1]:.2e} (docs/training.md)")
     if env.is_main:
-        (run_dir / "run_config.json").write_text(json.dumps(
+        (run_dir / RUN_CONFIG_FILE).write_text(json.dumps(
             {"run": cfg.to_dict(), "model": model_cfg.to_dict(), "world_size": env.world_size},
             indent=1))
 
@@ -197,15 +201,14 @@ def train(cfg: RunConfig) -> dict:
     def save(step: int) -> None:
         nonlocal last_saved
         ckpt.save_checkpoint(run_dir, step, *parallel.state_dict(optimizers),
-                             {"data": stream.state_dict()}, cfg.keep_last)
+                             {"data": stream.state_dict(), "lr_schedule": schedule.to_dict()}, cfg.keep_last)
         last_saved = step
 
     with _StopFlag() as flag, Progress(cfg.max_steps, start, enabled=env.is_main) as bar:
         t_last, step_last, step = time.perf_counter(), start, start
         losses: list[float] = []
         for step in range(start + 1, cfg.max_steps + 1):
-            mult = lr_multiplier(step - 1, cfg.max_steps, cfg.warmup_steps, cfg.schedule,
-                                 cfg.min_lr_ratio)
+            mult = schedule(step - 1)
             set_lr(optimizers, mult)
             logging_step = step % cfg.log_interval == 0 or step == cfg.max_steps
             probe.active = logging_step
@@ -273,11 +276,21 @@ def train(cfg: RunConfig) -> dict:
 
 
 def export(run_dir: Path, model, data) -> None:
-    """save_pretrained a single-device ``model`` (+ the tokenizer) to RUN_DIR/export."""
+    """save_pretrained a single-device ``model`` with its tokenizer to RUN_DIR/export, in one
+    atomic write: ``tokenizer.json`` and a ``tokenizer_config.json`` naming the special tokens,
+    which ``transformers.AutoTokenizer`` (and so lm-evaluation-harness) reads."""
     from openk3.checkpoint import save_pretrained
 
-    save_pretrained(model, run_dir / "export")
-    (run_dir / "export" / "tokenizer.json").write_bytes(Path(data.tokenizer_path).read_bytes())
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(data.tokenizer_path))
+    tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": tok.id_to_token(data.eos_id)}
+    for key, token in (("bos_token", BOS_TOKEN), ("pad_token", PAD_TOKEN)):
+        if tok.token_to_id(token) is not None:
+            tokenizer_config[key] = token
+    save_pretrained(model, run_dir / "export", extra_files={
+        "tokenizer.json": Path(data.tokenizer_path).read_bytes(),
+        "tokenizer_config.json": json.dumps(tokenizer_config, indent=1).encode()})
 
 
 def print_samples(model, data, cfg: RunConfig, env: Env) -> list[str]:

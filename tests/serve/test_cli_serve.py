@@ -138,3 +138,41 @@ def test_config_flags_take_tuples_and_json():
                                       '{"num_hidden_layers": 4}', "--no-resume", "--lr", "0.5"])
     assert (args.data, args.model_overrides, args.resume, args.lr) == (["a.txt", "b/"], {"num_hidden_layers": 4},
                                                                       False, 0.5)
+
+
+def test_sigterm_ends_streams_in_flight_with_an_error_event_and_done(tmp_path):
+    """A stream still running when the grace period ends is closed properly: an error event,
+    then [DONE]; the process exits cleanly, within the grace period and a little."""
+    port = _free_port()
+    cmd = [sys.executable, "-m", "openk3", "serve", "--random-init", "--port", str(port),
+           "--max-model-len", "4096", "--no-cuda-graphs"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline, "openk3 serve did not come up"
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.3)
+        lines = []
+        body = {"prompt": "x", "max_tokens": 4000, "temperature": 0, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line:
+                    lines.append(line)
+                if len(lines) == 3:  # the stream is running: stop the server
+                    proc.send_signal(signal.SIGTERM)
+                    stopped = time.monotonic()
+        waited = time.monotonic() - stopped
+        assert lines[-1] == "data: [DONE]"
+        assert '"server_error"' in lines[-2] and "shutting down" in lines[-2]
+        assert 3.5 < waited < 8, waited
+        proc.wait(timeout=30)
+        assert proc.returncode == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()

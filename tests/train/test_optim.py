@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from openk3 import build_model, preset
 from openk3.model.kda import KDAttention
 from openk3.model.mla import MLAttention
-from openk3.train.optim import (HeadSplit, Muon, build_optimizers, head_slices, lr_multiplier,
+from openk3.train.optim import (HeadSplit, LRSchedule, Muon, build_optimizers, head_slices, lr_multiplier,
                                 muon_updates, set_lr, zeropower_via_newtonschulz)
 
 # Quintic NS with (3.4445, -4.7750, 2.0315) and 5 steps leaves well-conditioned inputs'
@@ -322,3 +322,34 @@ def test_schedule_validation_and_set_lr():
 def test_muon_rejects_vectors():
     with pytest.raises(ValueError, match="matrices"):
         Muon([torch.nn.Parameter(torch.zeros(4))])
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "wsd"])
+@pytest.mark.parametrize("at_step", [5, 40, 75, 99, 100])
+def test_extending_a_run_never_raises_the_learning_rate(schedule, at_step):
+    """Resuming with a larger max_steps continues from the multiplier reached, down to the
+    minimum at the new end; it never jumps up (a restarted cosine would)."""
+    old = LRSchedule(100, 10, schedule, 0.1)
+    new = old.extended(300, at_step)
+    reached = old(at_step)
+    values = [new(s) for s in range(at_step, 300)]
+    assert values[0] == pytest.approx(reached)
+    if at_step >= 10:  # past warm-up: it only ever goes down from here
+        assert all(b <= a + 1e-12 for a, b in zip(values, values[1:]))
+    assert values[-1] == pytest.approx(0.1)
+    restarted = lr_multiplier(at_step, 300, 10, schedule, 0.1)
+    if schedule == "cosine" and 10 < at_step:
+        assert restarted > reached  # what the old code did
+
+
+def test_wsd_extended_in_its_stable_phase_keeps_it():
+    new = LRSchedule(100, 10, "wsd", 0.1).extended(300, 50)
+    assert all(new(s) == 1.0 for s in range(50, 240))
+    assert new(299) == pytest.approx(0.1)
+
+
+def test_extension_during_warmup_and_round_trip():
+    s = LRSchedule(100, 10, "cosine", 0.1).extended(200, 5)
+    assert s.anchor is None and s(5) == lr_multiplier(5, 200, 10)
+    again = s.extended(400, 150)
+    assert LRSchedule.from_dict(again.to_dict()) == again and again.anchor[0] == 150

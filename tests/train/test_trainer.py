@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -46,24 +47,36 @@ def tiny(corpus, out, **kw) -> RunConfig:
     return run_preset("debug", **base)
 
 
+def crash_after(run_dir, step: int) -> None:
+    """Make a finished run look as if its process had died just after writing checkpoint
+    ``step``: later checkpoints gone, ``LATEST`` pointing at it (metrics rows stay)."""
+    root = run_dir / "checkpoints"
+    for p in root.iterdir():
+        if p.is_dir() and int(p.name.split("_")[1]) > step:
+            shutil.rmtree(p)
+    (root / "LATEST").write_text(f"step_{step:06d}")
+
+
 def test_resume_is_exact(corpus, tmp_path):
-    straight = train(tiny(corpus, tmp_path / "a"))["losses"]
-    first = train(tiny(corpus, tmp_path / "b", max_steps=3))["losses"]
-    second = train(tiny(corpus, tmp_path / "b", resume=True))
-    assert second["start_step"] == 3
-    assert first + second["losses"] == straight  # bit-identical, not merely close
-    steps = [json.loads(x)["step"] for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [2, 3, 4, 6]
+    out = tmp_path / "run"
+    straight = train(tiny(corpus, out))["losses"]  # checkpoints at steps 3 and 6
+    crash_after(out, 3)
+    resumed = train(tiny(corpus, out, resume=True))
+    assert resumed["start_step"] == 3
+    assert straight[:3] + resumed["losses"] == straight  # bit-identical, not merely close
+    steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [2, 4, 6]  # rows logged after the checkpoint were dropped, then redone
 
 
 def test_resume_drops_metrics_logged_after_the_checkpoint(corpus, tmp_path):
     out = tmp_path / "run"
-    train(tiny(corpus, out, max_steps=3))
-    with open(out / "metrics.jsonl", "a") as fh:  # as if the run had logged step 4, then died
-        fh.write(json.dumps({"step": 4, "loss": 9.9}) + "\n")
+    train(tiny(corpus, out))
+    crash_after(out, 3)
+    with open(out / "metrics.jsonl", "a") as fh:  # as if the run had logged step 5, then died
+        fh.write(json.dumps({"step": 5, "loss": 9.9}) + "\n")
     train(tiny(corpus, out, resume=True))
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [2, 3, 4, 6] and rows[2]["loss"] != 9.9
+    assert [r["step"] for r in rows] == [2, 4, 6] and all(r["loss"] != 9.9 for r in rows)
 
 
 def test_metrics_plots_and_generate_from_run_dir(corpus, tmp_path, capsys):
@@ -211,13 +224,13 @@ def test_ep_composes_with_data_parallel_replicas(corpus, tmp_path):
 
 
 def test_moonep_resume_is_exact(corpus, tmp_path):
-    base = _train_args(corpus, tmp_path / "a", 4) + ["--batch-size", "1", "--balance", "sign", "--ep", "2"]
-    _torchrun(base)
-    split = _train_args(corpus, tmp_path / "b", 2) + ["--batch-size", "1", "--balance", "sign", "--ep", "2"]
-    _torchrun(split)
-    _torchrun(split[:split.index("--max-steps")] + ["--max-steps", "4", "--resume"]
-              + split[split.index("--max-steps") + 2:])
-    assert _losses(tmp_path / "b") == _losses(tmp_path / "a")
+    args = _train_args(corpus, tmp_path / "run", 4) + ["--batch-size", "1", "--balance", "sign", "--ep", "2"]
+    args[args.index("--ckpt-interval") + 1] = "2"
+    _torchrun(args)
+    straight = _losses(tmp_path / "run")
+    crash_after(tmp_path / "run", 2)
+    _torchrun(args + ["--resume"])
+    assert _losses(tmp_path / "run") == straight
 
 
 def test_ep_must_divide_world_size(corpus, tmp_path):
@@ -239,3 +252,43 @@ def test_trainer_and_state_leave_the_layout_to_parallelize():
     for word in ("expert_parallel", "expert_shares", "ep_param", "ep_group", "get_state_dict",
                  "set_state_dict", "gather_experts", "home_share"):
         assert word not in files, word
+
+
+def test_extending_a_finished_run_continues_its_learning_rate(corpus, tmp_path):
+    out = tmp_path / "run"
+    train(tiny(corpus, out, max_steps=6))
+    train(tiny(corpus, out, resume=True, max_steps=10))
+    lrs = {r["step"]: r["lr"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
+    base = tiny(corpus, out).lr
+    assert lrs[6] == pytest.approx(0.1 * base)  # the first run ended its decay
+    assert lrs[8] == lrs[10] == pytest.approx(0.1 * base)  # and stays there, no restart
+
+
+def test_export_is_read_by_transformers_autotokenizer(corpus, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from openk3.tokenizer import load_tokenizer
+
+    out = tmp_path / "run"
+    train(tiny(corpus, out, max_steps=2, warmup_steps=1))
+    hf = transformers.AutoTokenizer.from_pretrained(out / "export")
+    ours = load_tokenizer(out / "export")
+    assert hf.encode("the quick brown fox") == ours.encode("the quick brown fox")
+    assert hf.eos_token == "<|eos|>"
+
+
+def test_partial_saves_are_removed_and_files_are_readable(corpus, tmp_path):
+    out = tmp_path / "run"
+    train(tiny(corpus, out, max_steps=2, warmup_steps=1))
+    killed = [out / "checkpoints" / ".step_000009.tmp-x", out / ".export.tmp-y"]
+    for d in killed:
+        d.mkdir()
+        (d / "model.pt").write_bytes(b"partial")
+    old = os.umask(0o022)
+    try:
+        train(tiny(corpus, out, max_steps=4, warmup_steps=1, resume=True))
+    finally:
+        os.umask(old)
+    assert not any(d.exists() for d in killed)
+    for path in [out / "export", out / "checkpoints" / "step_000004"]:
+        assert path.stat().st_mode & 0o777 == 0o755
+        assert all(f.stat().st_mode & 0o777 == 0o644 for f in path.iterdir()), path
