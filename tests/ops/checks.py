@@ -1,5 +1,6 @@
 """What the op tests share: every output and every gradient compared with its own tolerance,
-NaN-poisoned allocations for kernels' outputs, and running a module's docstring examples."""
+packed-sequence offsets, NaN-poisoned allocations for kernels' outputs, and running a module's
+docstring examples."""
 
 from __future__ import annotations
 
@@ -38,6 +39,11 @@ def run_with_grads(fn, inputs: dict, out_names: tuple[str, ...] = ("o", "S"),
                for t in outs.values())
     grads = torch.autograd.grad(loss, list(leaves.values()))
     return outs | dict(zip(leaves, grads))
+
+
+def cu_seqlens_of(lengths, device="cpu") -> torch.Tensor:
+    """Offsets [N+1] of packed sequences of these lengths: 0, l0, l0 + l1, ..."""
+    return torch.tensor((0, *lengths), device=device).cumsum(0)
 
 
 @contextlib.contextmanager

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 
 import openk3.ops.conv as conv_ops
 from openk3.ops.conv import causal_conv1d, causal_conv1d_ref
-from tests.ops.checks import assert_all_close, nan_poisoned_empty, run_doctests, run_with_grads
+from tests.ops.checks import (assert_all_close, cu_seqlens_of, nan_poisoned_empty, run_doctests,
+                              run_with_grads)
 
 W = 4  # K3's kernel size
 # The reference and the loop sum the same four products in another order: rounding only.
@@ -55,10 +56,6 @@ def conv_inputs(B, T, C, num_states=None, device="cpu", with_state=True):
     if with_state:
         x["conv_state"] = torch.randn(num_states or B, C, W - 1, device=device)
     return x
-
-
-def cu_seqlens_of(lengths, device="cpu") -> torch.Tensor:
-    return torch.tensor((0, *lengths), device=device).cumsum(0)
 
 
 def tolerances(names, tol) -> dict:
@@ -204,7 +201,7 @@ def fla_vs_reference(x: dict, dtype: torch.dtype, weight_dtype: torch.dtype | No
     """fla on ``x`` cast to dtype (the weight to weight_dtype, by default dtype too), writing
     into NaN-poisoned buffers; the reference on the same values in fp32. Returns the outputs
     and gradients of both."""
-    low = {n: t.to(weight_dtype or dtype if n == "weight" else dtype) for n, t in x.items()}
+    low = {n: t.to((weight_dtype or dtype) if n == "weight" else dtype) for n, t in x.items()}
 
     def run(backend):
         return lambda **inputs: causal_conv1d(**inputs, **kwargs, backend=backend)
@@ -223,32 +220,29 @@ def fla_vs_reference(x: dict, dtype: torch.dtype, weight_dtype: torch.dtype | No
     (torch.float32, torch.float32),
     (torch.bfloat16, torch.bfloat16),  # a bf16 model (serving)
     (torch.bfloat16, torch.float32),   # autocast training: fp32 weights, bf16 activations
-])
-@pytest.mark.parametrize("T", [1, 2, 63, 1000])
-@pytest.mark.parametrize("with_state", [False, True])
-def test_fla_matches_reference(dtype, weight_dtype, T, with_state):
-    x = conv_inputs(3, T, 384, device="cuda", with_state=with_state)
-    actual, expected = fla_vs_reference(x, dtype, weight_dtype=weight_dtype)
+], ids=["fp32", "bf16", "bf16-fp32weight"])
+# one length: a [3, T, C] batch; several: one packed row with cu_seqlens, whose lengths are
+# odd, shorter than the state, and on both sides of the edges of fla's 64-token tiles
+@pytest.mark.parametrize("lengths", [(1,), (2,), (63,), (1000,), (*LENGTHS, 200, 64, 65)],
+                         ids=["T1", "T2", "T63", "T1000", "packed"])
+@pytest.mark.parametrize("with_state", [False, True], ids=["no_state", "state"])
+def test_fla_matches_reference(dtype, weight_dtype, lengths, with_state):
+    kwargs = {}
+    if len(lengths) == 1:
+        x = conv_inputs(3, lengths[0], 384, device="cuda", with_state=with_state)
+    else:
+        x = conv_inputs(1, sum(lengths), 384, num_states=len(lengths), device="cuda",
+                        with_state=with_state)
+        cu = cu_seqlens_of(lengths, device="cuda")
+        kwargs = dict(cu_seqlens=cu, cu_seqlens_cpu=cu.cpu())
+    actual, expected = fla_vs_reference(x, dtype, weight_dtype, **kwargs)
     assert_all_close(actual, expected, tolerances(expected, FLA_TOLS[dtype]))
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("with_state", [False, True])
-def test_fla_varlen_matches_reference(dtype, with_state):
-    lengths = (*LENGTHS, 200, 64, 65)  # chunk edges of fla's 64-token tiles
-    x = conv_inputs(1, sum(lengths), 384, num_states=len(lengths), device="cuda",
-                    with_state=with_state)
-    cu = cu_seqlens_of(lengths, device="cuda")
-    actual, expected = fla_vs_reference(x, dtype, cu_seqlens=cu, cu_seqlens_cpu=cu.cpu())
-    assert_all_close(actual, expected, tolerances(expected, FLA_TOLS[dtype]))
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("with_state", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("with_state", [False, True], ids=["no_state", "state"])
 def test_fla_decode_steps_match_reference(dtype, with_state):
     # without autograd a one-token step runs fla's update kernel, in place on a padded state
     x = conv_inputs(4, 9, 384, device="cuda")

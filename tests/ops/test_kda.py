@@ -13,7 +13,8 @@ import torch.nn.functional as F
 import openk3.ops.kda as kda_ops
 from openk3.ops.kda import kda, kda_chunk_ref, kda_decode_step, kda_gate, kda_recurrent_ref
 from tests.helpers import load_fla_file
-from tests.ops.checks import assert_all_close, nan_poisoned_empty, rel_err, run_doctests, run_with_grads
+from tests.ops.checks import (assert_all_close, cu_seqlens_of, nan_poisoned_empty, rel_err,
+                              run_doctests, run_with_grads)
 
 # Relative errors (||actual - expected|| / ||expected||) between two fp32 implementations of
 # the same recurrence are rounding only: at most ~1.6e-6 seen (the chunkwise g gradient).
@@ -231,10 +232,6 @@ def per_sequence(fn, lengths):
                 for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:]))]
         return torch.cat([o for o, _ in outs], dim=1), torch.cat([S for _, S in outs])
     return run
-
-
-def cu_seqlens_of(lengths, device="cpu") -> torch.Tensor:
-    return torch.tensor((0, *lengths), device=device).cumsum(0)
 
 
 @pytest.mark.parametrize("lower_bound", [-5.0, None])
