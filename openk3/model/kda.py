@@ -9,7 +9,8 @@ from torch import nn
 
 from openk3.config import ModelConfig
 from openk3.model.cache import KDAState
-from openk3.ops.kda import causal_conv1d, kda
+from openk3.ops.conv import causal_conv1d
+from openk3.ops.kda import kda
 from openk3.ops.norm import gated_rms_norm
 
 

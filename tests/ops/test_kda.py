@@ -6,34 +6,20 @@ CPU tests run in fp32 at tiny shapes. The ``gpu`` tests compare fla-core's Trito
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-from openk3.ops.kda import (causal_conv1d, kda, kda_chunk_ref, kda_decode_step, kda_gate,
-                            kda_recurrent_ref)
+import openk3.ops.kda as kda_ops
+from openk3.ops.kda import kda, kda_chunk_ref, kda_decode_step, kda_gate, kda_recurrent_ref
+from tests.helpers import load_fla_file
+from tests.ops.checks import (assert_all_close, cu_seqlens_of, nan_poisoned_empty, rel_err,
+                              run_doctests, run_with_grads)
 
 # Relative errors (||actual - expected|| / ||expected||) between two fp32 implementations of
 # the same recurrence are rounding only: at most ~1.6e-6 seen (the chunkwise g gradient).
 FP32_FWD_TOL = 1e-5
 FP32_GRAD_TOL = 2e-5
-
-
-def _load_fla_kda_file(filename: str):
-    """Load one file of fla-core's ``fla/ops/kda/`` by path: ``import fla`` pulls in every
-    layer and needs triton, but ``naive.py`` needs only torch and einops. ``find_spec`` of a
-    top-level package locates it without executing its ``__init__``."""
-    spec = importlib.util.find_spec("fla")
-    if spec is None:
-        raise RuntimeError("fla-core is the external reference: pip install 'openk3[test]'")
-    path = pathlib.Path(spec.submodule_search_locations[0]) / "ops" / "kda" / filename
-    module_spec = importlib.util.spec_from_file_location(f"_fla_kda_{path.stem}", path)
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(autouse=True)
@@ -43,7 +29,7 @@ def seed():
 
 @pytest.fixture(scope="module")
 def fla_naive():
-    return _load_fla_kda_file("naive.py")
+    return load_fla_file("ops/kda/naive.py")
 
 
 def l2norm(x: torch.Tensor) -> torch.Tensor:
@@ -58,20 +44,6 @@ def gate_formula(f_BTHK, A_log_H, dt_bias, lower_bound):
     a = A_log_H.exp().view(H, 1)
     x = f_BTHK + dt_bias.view(H, K)
     return -a * F.softplus(x) if lower_bound is None else lower_bound * torch.sigmoid(a * x)
-
-
-def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    expected = expected.double()
-    return ((actual.double() - expected).norm() / expected.norm().clamp_min(1e-30)).item()
-
-
-def assert_all_close(actual: dict, expected: dict, tols: dict) -> None:
-    """Compare every tensor named in ``expected`` with its own tolerance; report all misses."""
-    assert actual.keys() == expected.keys()
-    errors = {name: rel_err(actual[name], expected[name]) for name in expected}
-    misses = {name: f"{err:.1e} > {tols[name]:.0e}" for name, err in errors.items()
-              if not err <= tols[name]}  # `not <=` also catches NaN
-    assert not misses, f"relative errors: {misses}"
 
 
 def make_inputs(B, T, H, K, V, *, gate, seed, initial_state=True):
@@ -92,21 +64,6 @@ def make_inputs(B, T, H, K, V, *, gate, seed, initial_state=True):
     if initial_state:
         inputs["initial_state"] = 0.5 * randn(B, H, K, V)
     return inputs
-
-
-def run_with_grads(fn, inputs: dict, seed: int = 1) -> dict:
-    """fn(**inputs) -> (o, S or None). Returns o, S and the gradient of every input under a
-    random cotangent (fixed by ``seed``, so two implementations see the same one)."""
-    leaves = {name: t.detach().clone().requires_grad_() for name, t in inputs.items()}
-    o, S = fn(**leaves)
-    gen = torch.Generator().manual_seed(seed)
-    loss = (o.float() * torch.randn(o.shape, generator=gen).to(o.device)).sum()
-    out = {"o": o}
-    if S is not None:
-        loss = loss + (S * torch.randn(S.shape, generator=gen).to(S.device)).sum()
-        out["S"] = S
-    grads = torch.autograd.grad(loss, list(leaves.values()))
-    return out | dict(zip(leaves, grads))
 
 
 def tolerances(names, fwd=FP32_FWD_TOL, grad=FP32_GRAD_TOL) -> dict:
@@ -225,47 +182,9 @@ def test_split_sequence_carries_state(gate):
     assert rel_err(S2, S_ref) < FP32_FWD_TOL
 
 
-def conv_loop(x, weight, conv_state):
-    """y[b, t, c] = silu(sum_j w[c, j] * x_padded[b, t + j, c]), x_padded = [state, x]."""
-    W = weight.shape[-1]
-    x_padded = torch.cat([conv_state.transpose(1, 2), x], dim=1)  # [B, W-1+T, C]
-    y = torch.zeros_like(x)
-    for t in range(x.shape[1]):
-        for j in range(W):
-            y[:, t] += weight[:, 0, j] * x_padded[:, t + j]
-    return F.silu(y)
-
-
-def test_causal_conv1d_matches_loop():
-    B, T, C, W = 2, 7, 6, 4
-    x, weight, state = torch.randn(B, T, C), torch.randn(C, 1, W), torch.randn(B, C, W - 1)
-    y, new_state = causal_conv1d(x, weight, state)
-    torch.testing.assert_close(y, conv_loop(x, weight, state))
-    torch.testing.assert_close(new_state, x[:, -(W - 1):].transpose(1, 2))
-    y0, _ = causal_conv1d(x, weight)
-    torch.testing.assert_close(y0, conv_loop(x, weight, torch.zeros(B, C, W - 1)))
-
-
-def test_causal_conv1d_split_and_short_steps():
-    B, T, C, W = 2, 11, 5, 4
-    x, weight = torch.randn(B, T, C), torch.randn(C, 1, W)
-    y_ref, state_ref = causal_conv1d(x, weight)
-    # Prefill of 6, then a 2-token and three 1-token steps: both shorter than W - 1 = 3,
-    # so the new state must keep the older inputs from the previous state.
-    ys, state = [], None
-    for lo, hi in [(0, 6), (6, 8), (8, 9), (9, 10), (10, 11)]:
-        y, new_state = causal_conv1d(x[:, lo:hi], weight, state)
-        if state is not None and hi - lo < W - 1:
-            kept = W - 1 - (hi - lo)
-            torch.testing.assert_close(new_state[..., :kept], state[..., -kept:])
-        ys.append(y)
-        state = new_state
-    torch.testing.assert_close(torch.cat(ys, 1), y_ref)
-    torch.testing.assert_close(state, state_ref)
-
-
-def kda_inputs(B, T, H, K, V, seed, device="cpu"):
-    """Raw layer-level inputs for ``kda``: f is [B, T, H*K] and A_log is padded to 128."""
+def kda_inputs(B, T, H, K, V, seed, device="cpu", num_states=None):
+    """Raw layer-level inputs for ``kda``: f is [B, T, H*K] and A_log is padded to 128.
+    num_states: rows of initial_state (one per packed sequence), B by default."""
     gen = torch.Generator().manual_seed(seed)
 
     def randn(*shape):
@@ -274,8 +193,18 @@ def kda_inputs(B, T, H, K, V, seed, device="cpu"):
     A_log = torch.cat([torch.empty(H).uniform_(0, 2, generator=gen), torch.zeros(128 - H)])
     inputs = dict(q=randn(B, T, H, K), k=randn(B, T, H, K), v=randn(B, T, H, V),
                   f=randn(B, T, H * K), beta=torch.rand(B, T, H, generator=gen), A_log=A_log,
-                  dt_bias=randn(H * K), initial_state=randn(B, H, K, V))
+                  dt_bias=randn(H * K), initial_state=randn(num_states or B, H, K, V))
     return {name: t.to(device) for name, t in inputs.items()}
+
+
+def gated_recurrent_ref(lower_bound):
+    """``kda`` spelled with the independent gate formula and the per-token recurrence."""
+    def run(q, k, v, f, beta, A_log, dt_bias, initial_state=None):
+        H = q.shape[2]
+        g = gate_formula(f.unflatten(-1, (H, -1)), A_log[:H], dt_bias, lower_bound)
+        return kda_recurrent_ref(q, k, v, g, beta, initial_state=initial_state,
+                                 output_final_state=True)
+    return run
 
 
 @pytest.mark.parametrize("lower_bound", [-5.0, None])
@@ -283,19 +212,62 @@ def kda_inputs(B, T, H, K, V, seed, device="cpu"):
 def test_kda_torch_backend_matches_reference(lower_bound, T):
     x = kda_inputs(2, T, 3, 16, 12, seed=T)
 
-    def reference(q, k, v, f, beta, A_log, dt_bias, initial_state):
-        H = q.shape[2]
-        g = gate_formula(f.unflatten(-1, (H, -1)), A_log[:H], dt_bias, lower_bound)
-        return kda_recurrent_ref(q, k, v, g, beta, initial_state=initial_state,
-                                 output_final_state=True)
-
     def dispatched(**inputs):
         return kda(**inputs, lower_bound=lower_bound, output_final_state=True, backend="torch")
 
-    expected = run_with_grads(reference, x)
+    expected = run_with_grads(gated_recurrent_ref(lower_bound), x)
     actual = run_with_grads(dispatched, x)
     assert actual["S"].dtype == torch.float32
     assert_all_close(actual, expected, tolerances(expected))
+
+
+def per_sequence(fn, lengths):
+    """Run ``fn(**inputs) -> (o, S)`` on each sequence of a packed batch alone, with its own
+    initial state; outputs concatenate along T, final states along N."""
+    bounds = torch.tensor((0, *lengths)).cumsum(0).tolist()
+
+    def run(q, k, v, f, beta, A_log, dt_bias, initial_state=None):
+        outs = [fn(*(t[:, a:b] for t in (q, k, v, f, beta)), A_log, dt_bias,
+                   initial_state=None if initial_state is None else initial_state[i:i + 1])
+                for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:]))]
+        return torch.cat([o for o, _ in outs], dim=1), torch.cat([S for _, S in outs])
+    return run
+
+
+@pytest.mark.parametrize("lower_bound", [-5.0, None])
+@pytest.mark.parametrize("initial_state", [False, True])
+@pytest.mark.parametrize("host_offsets", [False, True])
+def test_kda_torch_varlen_matches_per_sequence(lower_bound, initial_state, host_offsets):
+    lengths = (1, 7, 63)
+    x = kda_inputs(1, sum(lengths), 2, 16, 12, seed=5, num_states=len(lengths))
+    if not initial_state:
+        del x["initial_state"]
+    cu = cu_seqlens_of(lengths)
+
+    def packed(**inputs):
+        return kda(**inputs, lower_bound=lower_bound, output_final_state=True, cu_seqlens=cu,
+                   cu_seqlens_cpu=cu if host_offsets else None, backend="torch")
+
+    expected = run_with_grads(per_sequence(gated_recurrent_ref(lower_bound), lengths), x)
+    actual = run_with_grads(packed, x)
+    assert actual["o"].shape == x["v"].shape and actual["S"].shape[0] == len(lengths)
+    assert_all_close(actual, expected, tolerances(expected))
+
+
+def test_kda_varlen_needs_packed_input():
+    x = kda_inputs(2, 5, 2, 16, 12, seed=0)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        kda(**x, cu_seqlens=torch.tensor([0, 2, 5]), backend="torch")
+
+
+def test_kda_fla_backend_needs_cuda():
+    with pytest.raises(ValueError, match="CUDA"):
+        kda(**kda_inputs(1, 3, 2, 16, 12, seed=0), backend="fla")
+
+
+@pytest.mark.parametrize("module", ["gate", "naive", "chunk", "decode", "dispatch"])
+def test_docstring_examples_run(module):
+    run_doctests(getattr(kda_ops, module))
 
 
 @pytest.mark.parametrize("name,bad", [
@@ -367,3 +339,28 @@ def test_fla_single_token_matches_torch(lower_bound, grad):
                            backend="torch")
     assert o.dtype == torch.bfloat16 and S.dtype == torch.float32
     assert_all_close({"o": o, "S": S}, {"o": o_ref, "S": S_ref}, FLA_BF16_TOLS)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("lower_bound", [-5.0, None])
+def test_fla_varlen_matches_per_sequence(lower_bound):
+    # one kernel over the packed batch, written into NaN-poisoned buffers, against the
+    # reference run on each sequence alone
+    lengths = (1, 63, 200, 17)
+    x = kda_inputs(1, sum(lengths), 4, 128, 128, seed=11, device="cuda", num_states=len(lengths))
+    low, full = bf16_pair(x)
+    cu = cu_seqlens_of(lengths, device="cuda")
+
+    def packed(**inputs):
+        return kda(**inputs, lower_bound=lower_bound, output_final_state=True, cu_seqlens=cu,
+                   cu_seqlens_cpu=cu.cpu(), backend="fla")
+
+    def torch_kda(*args, **kwargs):
+        return kda(*args, **kwargs, lower_bound=lower_bound, output_final_state=True,
+                   backend="torch")
+
+    with nan_poisoned_empty():
+        actual = run_with_grads(packed, low)
+    expected = run_with_grads(per_sequence(torch_kda, lengths), full)
+    assert_all_close(actual, expected, FLA_BF16_TOLS)

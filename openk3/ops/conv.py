@@ -1,0 +1,179 @@
+"""KDA's short convolution (K3_SPEC §1.2): a depthwise causal conv1d followed by SiLU.
+
+    y[t, c] = silu(sum_j weight[c, 0, j] * x[t - (W-1) + j, c]),   j = 0 .. W-1
+
+where positions before a sequence's start read its conv state: the W-1 inputs that came
+before it, oldest first (zeros when there is none). The convolution is depthwise, so one call
+over concatenated channels (q|k|v, with weights and states concatenated along C) gives the same
+result as one call per part.
+
+* ``causal_conv1d_ref``: plain PyTorch, the reference. Packed variable-length input is
+  gathered by index arithmetic: no Python work per sequence.
+* ``causal_conv1d``: the entry point layers call. On CUDA it runs fla-core's Triton kernels:
+  ``causal_conv1d`` (variable length, initial and final state, autograd) and, for one decode
+  token without autograd, ``causal_conv1d_update``.
+
+fla's state is ``[N, C, W]``, one column wider than ours: its column 0 holds the input W steps
+back, which no output reads (the forward kernel loads columns 1.. only and the update kernel
+shifts column 0 out), and its columns 1.. are ours. The fast path pads a zero column in front
+and drops it from the result.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from openk3.ops.fast import use_fast_path
+
+
+def _validate(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor | None,
+              cu_seqlens: torch.Tensor | None) -> None:
+    if x.dim() != 3:
+        raise ValueError(f"`x` must be [B, T, C], got {list(x.shape)}")
+    if cu_seqlens is not None and x.shape[0] != 1:
+        raise ValueError(f"cu_seqlens needs packed input [1, T, C], got {list(x.shape)}")
+    B, T, C = x.shape
+    if weight.dim() != 3 or weight.shape[:2] != (C, 1):
+        raise ValueError(f"`weight` must be [C, 1, W] with C = {C}, got {list(weight.shape)}")
+    W = weight.shape[-1]
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    if conv_state is not None and conv_state.shape != (N, C, W - 1):
+        layout = "[B, C, W-1]" if cu_seqlens is None else "[N, C, W-1] (N sequences)"
+        raise ValueError(f"`conv_state` must be {layout} = {[N, C, W - 1]}, "
+                         f"got {list(conv_state.shape)}")
+    for name, t in (("weight", weight), ("conv_state", conv_state), ("cu_seqlens", cu_seqlens)):
+        if t is not None and t.device != x.device:
+            raise ValueError(f"`{name}` is on {t.device}, x on {x.device}")
+
+
+def _conv_packed(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor | None,
+                 cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference on N sequences packed in x [1, T, C]; returns y [1, T, C], state [N, C, W-1]."""
+    T, C = x.shape[1:]
+    W = weight.shape[-1]
+    N = cu_seqlens.numel() - 1
+    cu = cu_seqlens.long()
+    lengths = cu.diff()                                              # [N]
+    state = x.new_zeros(N, C, W - 1) if conv_state is None else conv_state.to(x.dtype)
+    # Each sequence reads as its W-1 state inputs followed by its tokens; in these "extended"
+    # positions e, e < W-1 is a state row and e >= W-1 a token. src: all state rows, all tokens.
+    src = torch.cat([state.transpose(1, 2).reshape(N * (W - 1), C), x[0]])  # [N*(W-1) + T, C]
+
+    def rows(seq: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        """Rows of ``src`` holding extended positions e of sequences seq (broadcast)."""
+        return torch.where(e < W - 1, seq * (W - 1) + e, N * (W - 1) + cu[seq] + e - (W - 1))
+
+    taps = torch.arange(W, device=x.device)
+    seq = torch.repeat_interleave(torch.arange(N, device=x.device), lengths, output_size=T)  # [T]
+    pos = torch.arange(T, device=x.device) - cu[seq]                 # position in its sequence
+    windows_TWC = src[rows(seq[:, None], pos[:, None] + taps)]       # e = pos + j, j = 0 .. W-1
+    y = F.silu((windows_TWC.float() * weight[:, 0].T.float()).sum(1))  # [T, C]
+    # the new state is the last W-1 extended positions: e = length .. length + W-2
+    final_NWC = src[rows(torch.arange(N, device=x.device)[:, None], lengths[:, None] + taps[:-1])]
+    return y.to(x.dtype)[None], final_NWC.transpose(1, 2)
+
+
+def _conv_torch(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor | None,
+                cu_seqlens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    if cu_seqlens is not None:
+        return _conv_packed(x, weight, conv_state, cu_seqlens)
+    B, T, C = x.shape
+    # a batch of B rows is B packed sequences of T tokens each
+    y, final = _conv_packed(x.reshape(1, B * T, C), weight, conv_state,
+                            torch.arange(B + 1, device=x.device) * T)
+    return y.reshape(B, T, C), final
+
+
+def causal_conv1d_ref(x: torch.Tensor, weight: torch.Tensor,
+                      conv_state: torch.Tensor | None = None,
+                      cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal convolution then SiLU in plain PyTorch: math in fp32, y in x.dtype.
+
+    Arguments and results as ``causal_conv1d``'s.
+
+    Example::
+
+        >>> x, weight = torch.randn(1, 5, 6), torch.randn(6, 1, 4)
+        >>> y, state = causal_conv1d_ref(x, weight, cu_seqlens=torch.tensor([0, 2, 5]))
+        >>> y.shape, state.shape
+        (torch.Size([1, 5, 6]), torch.Size([2, 6, 3]))
+    """
+    _validate(x, weight, conv_state, cu_seqlens)
+    return _conv_torch(x, weight, conv_state, cu_seqlens)
+
+
+@functools.cache
+def _fla_conv():
+    """fla-core's (causal_conv1d, causal_conv1d_update), or None without fla-core and triton."""
+    try:
+        from fla.modules.causal_conv1d import causal_conv1d, causal_conv1d_update
+    except ImportError:
+        return None
+    return causal_conv1d, causal_conv1d_update
+
+
+def _conv_fla(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor | None,
+              cu_seqlens: torch.Tensor | None,
+              cu_seqlens_cpu: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    fla_conv, fla_conv_update = _fla_conv()
+    B, T, C = x.shape
+    W = weight.shape[-1]
+    weight_CW = weight[:, 0]                                         # fla's layout: [C, W]
+    state = None if conv_state is None else F.pad(conv_state.to(x.dtype), (1, 0))  # [N, C, W]
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (x, weight, conv_state))
+    # The update kernel has no backward, so a training step of one token takes the full kernel.
+    if T == 1 and cu_seqlens is None and not needs_grad:
+        if state is None:
+            state = x.new_zeros(B, C, W)
+        y, state = fla_conv_update(x, state, weight=weight_CW, activation="silu")  # in place
+    else:
+        y, state = fla_conv(x, weight_CW, initial_state=state, output_final_state=True,
+                            activation="silu", cu_seqlens=cu_seqlens,
+                            cu_seqlens_cpu=cu_seqlens_cpu)
+    return y, state[..., 1:]
+
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor | None = None,
+                  cu_seqlens: torch.Tensor | None = None,
+                  cu_seqlens_cpu: torch.Tensor | None = None, *,
+                  backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal convolution followed by SiLU, y in x.dtype (KDA's short conv on q, k, v).
+
+    Args:
+        x: ``[B, T, C]``; C may be several tensors' channels side by side (q|k|v).
+        weight: ``[C, 1, W]`` (checkpoint layout, e.g. ``q_conv1d.weight`` ``[H*128, 1, 4]``).
+        conv_state: ``[B, C, W-1]``, the W-1 inputs before ``x`` (zeros when None).
+        cu_seqlens: packed variable-length input: ``x`` is ``[1, sum T_i, C]`` holding N
+            sequences at ``[cu_seqlens[i], cu_seqlens[i+1])``; conv_state is then ``[N, C, W-1]``.
+        cu_seqlens_cpu: the same offsets on the host, if the caller has them: fla then reads
+            the sequence lengths without waiting for the GPU.
+        backend: ``"fla"`` runs fla-core's Triton kernels, ``"torch"`` the reference,
+            ``"auto"`` picks fla for CUDA inputs when it imports (unless ``OPENK3_REFERENCE=1``).
+
+    Returns:
+        y ``[B, T, C]`` and the new conv_state ``[B, C, W-1]`` (``[N, C, W-1]`` with
+        cu_seqlens) in x.dtype: the last W-1 inputs, reaching into the old state when T < W-1.
+
+    Example::
+
+        >>> x, weight, state = torch.randn(2, 7, 6), torch.randn(6, 1, 4), torch.zeros(2, 6, 3)
+        >>> y, state = causal_conv1d(x, weight, state)
+        >>> y.shape, state.shape, torch.equal(state, x[:, -3:].transpose(1, 2))
+        (torch.Size([2, 7, 6]), torch.Size([2, 6, 3]), True)
+    """
+    if backend not in ("auto", "torch", "fla"):
+        raise ValueError(f"`backend` must be 'auto', 'torch' or 'fla', got {backend!r}")
+    _validate(x, weight, conv_state, cu_seqlens)
+    if backend == "auto":
+        backend = "fla" if use_fast_path(x) and _fla_conv() is not None else "torch"
+    if backend == "fla":
+        if not x.is_cuda:
+            raise ValueError(f"backend='fla' needs CUDA tensors, got x on {x.device}")
+        if _fla_conv() is None:
+            raise ValueError("backend='fla' needs fla-core and triton: pip install 'openk3[gpu]'")
+        return _conv_fla(x, weight, conv_state, cu_seqlens, cu_seqlens_cpu)
+    return _conv_torch(x, weight, conv_state, cu_seqlens)

@@ -1,0 +1,23 @@
+"""Kimi Delta Attention (KDA) numerics (K3_SPEC §1.2), one file per path:
+
+* ``gate.py``   ``kda_gate``: raw decay logits -> per-channel log decay g (``SAFE_LOWER_BOUND``).
+* ``naive.py``  ``kda_recurrent_ref``: the per-token recurrence, the ground truth.
+* ``chunk.py``  ``kda_chunk_ref``: the chunkwise (WY / UT-transform) form for training and prefill.
+* ``decode.py`` ``kda_decode_step``: one decode token.
+* ``fla.py``    fla-core's Triton kernels, the fast path on GPU.
+* ``dispatch.py`` ``kda``: the entry point layers call; picks fla on CUDA, the references elsewhere.
+
+Shapes: q, k ``[B, T, H, K]``; v ``[B, T, H, V]``; g (log decay, fp32) ``[B, T, H, K]``;
+beta (already sigmoided) ``[B, T, H]``; state ``[B, H, K, V]`` fp32. All internal math is
+fp32; outputs are cast to ``v.dtype`` and final states stay fp32. The short convolution in
+front of q, k, v is ``openk3.ops.conv``.
+"""
+
+from openk3.ops.kda.chunk import kda_chunk_ref
+from openk3.ops.kda.decode import kda_decode_step
+from openk3.ops.kda.dispatch import kda
+from openk3.ops.kda.gate import SAFE_LOWER_BOUND, kda_gate
+from openk3.ops.kda.naive import kda_recurrent_ref
+
+__all__ = ["SAFE_LOWER_BOUND", "kda", "kda_chunk_ref", "kda_decode_step", "kda_gate",
+           "kda_recurrent_ref"]

@@ -1,0 +1,88 @@
+"""Block AttnRes aggregation against its spec, fla-core's naive reference and, on GPU, fla's
+fused kernel."""
+
+import pytest
+import torch
+
+from openk3.ops.attnres import attn_res_agg, attn_res_agg_ref
+from tests.helpers import load_fla_file
+
+
+def test_attn_res_zero_query_is_mean():
+    srcs = [torch.randn(2, 5, 32) * (i + 1) for i in range(4)]
+    out = attn_res_agg(srcs, torch.zeros(32), torch.ones(32), 1e-5)
+    torch.testing.assert_close(out, torch.stack(srcs).mean(0))
+
+
+def test_attn_res_single_source_is_identity():
+    x = torch.randn(3, 4, 16)
+    torch.testing.assert_close(attn_res_agg([x], torch.randn(16), torch.rand(16), 1e-5), x)
+
+
+def test_attn_res_mixed_dtypes_follow_autocast():
+    """Under autocast the bank mixes the fp32 embedding with bf16 outputs (the fused kernel
+    needs one dtype): all sources become the autocast dtype first."""
+    srcs = [torch.randn(2, 3, 16)] + [torch.randn(2, 3, 16).bfloat16() for _ in range(2)]
+    q, w = torch.randn(16), torch.rand(16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = attn_res_agg(srcs, q, w, 1e-5)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, attn_res_agg_ref([s.bfloat16() for s in srcs], q, w, 1e-5))
+    assert attn_res_agg(srcs, q, w, 1e-5).dtype == torch.float32  # no autocast: promoted
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attn_res_matches_fla_naive(dtype):
+    fla = load_fla_file("ops/attnres/naive.py")
+    torch.manual_seed(0)
+    srcs = [torch.randn(2, 9, 48, dtype=dtype) * s for s in (0.01, 1.0, 30.0)]
+    q, w = torch.randn(48), torch.rand(48) + 0.5
+    want = fla.naive_attnres(q, srcs, w, rms_eps=1e-5)
+    got = attn_res_agg_ref(srcs, q, w, 1e-5)
+    # fp32: only summation order differs (fla uses F.rms_norm and einsum); bf16: one final rounding
+    tol = dict(rtol=2e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(got, want, **tol)
+
+
+def test_attn_res_eps_matters_and_gradients_match_fla():
+    fla = load_fla_file("ops/attnres/naive.py")
+    srcs = [(torch.randn(2, 3, 8) * 1e-3).requires_grad_() for _ in range(3)]
+    q, w = torch.randn(8, requires_grad=True), torch.rand(8, requires_grad=True)
+    a = attn_res_agg_ref(srcs, q, w, 1e-5)
+    b = attn_res_agg_ref(srcs, q, w, 1e-6)
+    assert not torch.allclose(a, b, rtol=1e-3)  # sources ~1e-3: eps is visible, use exactly 1e-5
+    want = fla.naive_attnres(q, srcs, w, rms_eps=1e-5)
+    g = torch.randn_like(a)
+    ours = torch.autograd.grad(a, [*srcs, q, w], g)
+    theirs = torch.autograd.grad(want, [*srcs, q, w], g)
+    for x, y in zip(ours, theirs):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+
+
+def test_attn_res_bad_shapes():
+    with pytest.raises(ValueError, match="query"):
+        attn_res_agg([torch.randn(2, 3, 8)], torch.randn(7), torch.ones(8), 1e-5)
+    with pytest.raises(ValueError, match="at least one"):
+        attn_res_agg([], torch.randn(8), torch.ones(8), 1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fast_path_matches_reference_on_gpu():
+    torch.manual_seed(0)
+    dev = "cuda"
+    srcs = [torch.randn(2, 1000, 1024, device=dev, dtype=torch.bfloat16) * s for s in (1, 3, 0.1, 10)]
+    srcs = [s.requires_grad_() for s in srcs]
+    q = torch.randn(1024, device=dev, requires_grad=True)
+    w = (torch.rand(1024, device=dev) + 0.5).requires_grad_()
+    fast = attn_res_agg(srcs, q, w, 1e-5)
+    ref = attn_res_agg_ref(srcs, q, w, 1e-5)
+    torch.testing.assert_close(fast, ref, rtol=1e-2, atol=1e-2)
+    g = torch.randn_like(fast)
+    for a, b in zip(torch.autograd.grad(fast, [*srcs, q, w], g), torch.autograd.grad(ref, [*srcs, q, w], g)):
+        assert ((a.float() - b.float()).norm() / b.float().norm()) < 1e-2
+    with torch.autocast("cuda", dtype=torch.bfloat16):  # fp32 embedding beside bf16 outputs
+        mixed = attn_res_agg([srcs[0].detach().float(), *(s.detach() for s in srcs[1:])],
+                             q.detach(), w.detach(), 1e-5)
+    assert mixed.dtype == torch.bfloat16
+    torch.testing.assert_close(mixed, ref.detach(), rtol=1e-2, atol=1e-2)

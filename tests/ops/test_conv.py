@@ -1,0 +1,262 @@
+"""KDA's short convolution: the reference against a per-token loop written from the formula,
+packed variable-length input against per-sequence calls, decode steps against the whole
+sequence. The ``gpu`` tests compare fla-core's kernels with the fp32 reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import openk3.ops.conv as conv_ops
+from openk3.ops.conv import causal_conv1d, causal_conv1d_ref
+from tests.ops.checks import (assert_all_close, cu_seqlens_of, nan_poisoned_empty, run_doctests,
+                              run_with_grads)
+
+W = 4  # K3's kernel size
+# The reference and the loop sum the same four products in another order: rounding only.
+FP32_TOL = 1e-6
+# Odd lengths: single tokens, shorter than the state (W - 1 = 3), one past it, long.
+LENGTHS = (1, 2, 7, 63, 3)
+
+
+@pytest.fixture(autouse=True)
+def seed():
+    torch.manual_seed(0)
+
+
+def conv_loop(x, weight, conv_state):
+    """y[b, t, c] = silu(sum_j w[c, j] * x_padded[b, t + j, c]), x_padded = [state, x];
+    the new state is x_padded's last W-1 positions. x [B, T, C], conv_state [B, C, W-1]."""
+    W = weight.shape[-1]
+    x_padded = torch.cat([conv_state.transpose(1, 2), x], dim=1)  # [B, W-1+T, C]
+    y = torch.zeros_like(x)
+    for t in range(x.shape[1]):
+        for j in range(W):
+            y[:, t] += weight[:, 0, j] * x_padded[:, t + j]
+    return F.silu(y), x_padded[:, x_padded.shape[1] - (W - 1):].transpose(1, 2)
+
+
+def loop_per_sequence(lengths):
+    """conv_loop on each sequence of a packed x [1, T, C] alone, with its own state row."""
+    bounds = torch.tensor((0, *lengths)).cumsum(0).tolist()
+
+    def run(x, weight, conv_state=None):
+        if conv_state is None:
+            conv_state = x.new_zeros(len(lengths), x.shape[-1], weight.shape[-1] - 1)
+        outs = [conv_loop(x[:, a:b], weight, conv_state[i:i + 1])
+                for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:]))]
+        return torch.cat([y for y, _ in outs], dim=1), torch.cat([s for _, s in outs])
+    return run
+
+
+def conv_inputs(B, T, C, num_states=None, device="cpu", with_state=True):
+    """x [B, T, C], weight [C, 1, W] and, with_state, conv_state [num_states or B, C, W-1]."""
+    x = dict(x=torch.randn(B, T, C, device=device), weight=torch.randn(C, 1, W, device=device))
+    if with_state:
+        x["conv_state"] = torch.randn(num_states or B, C, W - 1, device=device)
+    return x
+
+
+def tolerances(names, tol) -> dict:
+    # the state is a copy of inputs: exact
+    return {name: 0.0 if name == "state" else tol for name in names}
+
+
+@pytest.mark.parametrize("T", [1, 2, 7])
+def test_matches_loop_with_and_without_state(T):
+    x = conv_inputs(2, T, 6)
+    y, new_state = causal_conv1d(**x)
+    y_ref, state_ref = conv_loop(**x)
+    torch.testing.assert_close(y, y_ref)
+    torch.testing.assert_close(new_state, state_ref, rtol=0, atol=0)
+    y0, _ = causal_conv1d(x["x"], x["weight"])
+    torch.testing.assert_close(y0, conv_loop(x["x"], x["weight"], torch.zeros(2, 6, W - 1))[0])
+
+
+def test_split_and_short_steps():
+    B, T, C = 2, 11, 5
+    x, weight = torch.randn(B, T, C), torch.randn(C, 1, W)
+    y_ref, state_ref = causal_conv1d(x, weight)
+    # Prefill of 6, then a 2-token and three 1-token steps: both shorter than W - 1 = 3,
+    # so the new state must keep the older inputs from the previous state.
+    ys, state = [], None
+    for lo, hi in [(0, 6), (6, 8), (8, 9), (9, 10), (10, 11)]:
+        y, new_state = causal_conv1d(x[:, lo:hi], weight, state)
+        if state is not None and hi - lo < W - 1:
+            kept = W - 1 - (hi - lo)
+            torch.testing.assert_close(new_state[..., :kept], state[..., -kept:])
+        ys.append(y)
+        state = new_state
+    torch.testing.assert_close(torch.cat(ys, 1), y_ref)
+    torch.testing.assert_close(state, state_ref)
+
+
+@pytest.mark.parametrize("with_state", [False, True])
+def test_varlen_matches_per_sequence_loop(with_state):
+    x = conv_inputs(1, sum(LENGTHS), 6, num_states=len(LENGTHS), with_state=with_state)
+    cu = cu_seqlens_of(LENGTHS)
+
+    def packed(**inputs):
+        return causal_conv1d(**inputs, cu_seqlens=cu)
+
+    expected = run_with_grads(loop_per_sequence(LENGTHS), x, out_names=("y", "state"))
+    actual = run_with_grads(packed, x, out_names=("y", "state"))
+    assert actual["state"].shape == (len(LENGTHS), 6, W - 1)
+    assert_all_close(actual, expected, tolerances(expected, FP32_TOL))
+
+
+@pytest.mark.parametrize("B", [1, 3])
+def test_batch_rows_are_sequences(B):
+    # A [B, T, C] batch equals the same rows packed with cu_seqlens: one path in the reference,
+    # two in fla, whose kernels index batch rows and packed sequences differently.
+    x = conv_inputs(B, 5, 6)
+    y, state = causal_conv1d(**x)
+    y_packed, state_packed = causal_conv1d(x["x"].reshape(1, B * 5, 6), x["weight"],
+                                           x["conv_state"], cu_seqlens_of([5] * B))
+    torch.testing.assert_close(y_packed.reshape(B, 5, 6), y, rtol=0, atol=0)
+    torch.testing.assert_close(state_packed, state, rtol=0, atol=0)
+
+
+def test_decode_steps_match_full_sequence():
+    x = conv_inputs(3, 9, 6)
+    y_ref, state_ref = causal_conv1d(**x)
+    ys, state = [], x["conv_state"]
+    with torch.no_grad():
+        for t in range(9):
+            y, state = causal_conv1d(x["x"][:, t:t + 1], x["weight"], state)
+            ys.append(y)
+    torch.testing.assert_close(torch.cat(ys, 1), y_ref)
+    torch.testing.assert_close(state, state_ref, rtol=0, atol=0)
+
+
+def test_concatenated_channels_match_separate_calls():
+    # depthwise: q|k|v side by side in one call give the three calls' results
+    parts = [conv_inputs(1, sum(LENGTHS), C, num_states=len(LENGTHS)) for C in (6, 6, 4)]
+    cu = cu_seqlens_of(LENGTHS)
+    y, state = causal_conv1d(*(torch.cat([p[n] for p in parts], dim=dim)
+                               for n, dim in (("x", -1), ("weight", 0), ("conv_state", 1))), cu)
+    separate = [causal_conv1d(**p, cu_seqlens=cu) for p in parts]
+    torch.testing.assert_close(y, torch.cat([y for y, _ in separate], -1))  # vectorised sums
+    torch.testing.assert_close(state, torch.cat([s for _, s in separate], 1), rtol=0, atol=0)
+
+
+def test_bf16_input_gives_bf16_output_and_state():
+    x = {n: t.bfloat16() for n, t in conv_inputs(2, 7, 6).items()}
+    y, state = causal_conv1d(**x)
+    y_ref, state_ref = conv_loop(**{n: t.double() for n, t in x.items()})
+    assert y.dtype == state.dtype == torch.bfloat16
+    torch.testing.assert_close(y.double(), y_ref, rtol=2 ** -8, atol=1e-6)  # one bf16 rounding
+    torch.testing.assert_close(state.double(), state_ref, rtol=0, atol=0)
+
+
+def test_reference_reads_no_unwritten_memory():
+    x = conv_inputs(1, sum(LENGTHS), 6, num_states=len(LENGTHS))
+    cu = cu_seqlens_of(LENGTHS)
+    y, state = causal_conv1d_ref(**x, cu_seqlens=cu)
+    with nan_poisoned_empty():
+        assert all(t.isnan().all() for t in (torch.empty(3), torch.empty_like(y), y.new_empty(2)))
+        y_poisoned, state_poisoned = causal_conv1d_ref(**x, cu_seqlens=cu)
+    torch.testing.assert_close(y_poisoned, y, rtol=0, atol=0)
+    torch.testing.assert_close(state_poisoned, state, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name,bad,message", [
+    ("x", torch.randn(10, 6), "`x`"),
+    ("weight", torch.randn(6, W), "`weight`"),
+    ("weight", torch.randn(5, 1, W), "`weight`"),
+    ("conv_state", torch.randn(2, 6, W), "`conv_state`"),
+    ("cu_seqlens", torch.tensor([0, 3, 5]), "cu_seqlens"),  # needs a packed [1, T, C] input
+    ("backend", "triton", "`backend`"),
+])
+def test_rejects_bad_arguments(name, bad, message):
+    kwargs = conv_inputs(2, 5, 6) | {name: bad}
+    with pytest.raises(ValueError, match=message):
+        causal_conv1d(**kwargs)
+
+
+def test_varlen_state_needs_one_row_per_sequence():
+    x = conv_inputs(1, 5, 6, num_states=3)
+    with pytest.raises(ValueError, match=r"`conv_state` must be \[N, C, W-1\]"):
+        causal_conv1d(**x, cu_seqlens=torch.tensor([0, 2, 5]))
+
+
+def test_fla_backend_needs_cuda():
+    with pytest.raises(ValueError, match="CUDA"):
+        causal_conv1d(**conv_inputs(1, 3, 6), backend="fla")
+
+
+def test_docstring_examples_run():
+    run_doctests(conv_ops)
+
+
+# Relative errors of fla's kernels against the fp32 reference on the same values. fp32: the
+# same products summed in another order. bf16: fla rounds each output once from fp32 (at most
+# 2^-9 relative), and its dy arrives rounded to bf16; the new state is a copy, exact in both.
+FLA_TOLS = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
+def fla_vs_reference(x: dict, dtype: torch.dtype, weight_dtype: torch.dtype | None = None,
+                     **kwargs) -> tuple[dict, dict]:
+    """fla on ``x`` cast to dtype (the weight to weight_dtype, by default dtype too), writing
+    into NaN-poisoned buffers; the reference on the same values in fp32. Returns the outputs
+    and gradients of both."""
+    low = {n: t.to((weight_dtype or dtype) if n == "weight" else dtype) for n, t in x.items()}
+
+    def run(backend):
+        return lambda **inputs: causal_conv1d(**inputs, **kwargs, backend=backend)
+
+    with nan_poisoned_empty():
+        actual = run_with_grads(run("fla"), low, out_names=("y", "state"))
+    expected = run_with_grads(run("torch"), {n: t.float() for n, t in low.items()},
+                              out_names=("y", "state"))
+    assert actual["y"].dtype == actual["state"].dtype == dtype
+    return actual, expected
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype,weight_dtype", [
+    (torch.float32, torch.float32),
+    (torch.bfloat16, torch.bfloat16),  # a bf16 model (serving)
+    (torch.bfloat16, torch.float32),   # autocast training: fp32 weights, bf16 activations
+], ids=["fp32", "bf16", "bf16-fp32weight"])
+# one length: a [3, T, C] batch; several: one packed row with cu_seqlens, whose lengths are
+# odd, shorter than the state, and on both sides of the edges of fla's 64-token tiles
+@pytest.mark.parametrize("lengths", [(1,), (2,), (63,), (1000,), (*LENGTHS, 200, 64, 65)],
+                         ids=["T1", "T2", "T63", "T1000", "packed"])
+@pytest.mark.parametrize("with_state", [False, True], ids=["no_state", "state"])
+def test_fla_matches_reference(dtype, weight_dtype, lengths, with_state):
+    kwargs = {}
+    if len(lengths) == 1:
+        x = conv_inputs(3, lengths[0], 384, device="cuda", with_state=with_state)
+    else:
+        x = conv_inputs(1, sum(lengths), 384, num_states=len(lengths), device="cuda",
+                        with_state=with_state)
+        cu = cu_seqlens_of(lengths, device="cuda")
+        kwargs = dict(cu_seqlens=cu, cu_seqlens_cpu=cu.cpu())
+    actual, expected = fla_vs_reference(x, dtype, weight_dtype, **kwargs)
+    assert_all_close(actual, expected, tolerances(expected, FLA_TOLS[dtype]))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("with_state", [False, True], ids=["no_state", "state"])
+def test_fla_decode_steps_match_reference(dtype, with_state):
+    # without autograd a one-token step runs fla's update kernel, in place on a padded state
+    x = conv_inputs(4, 9, 384, device="cuda")
+    low = {n: t.to(dtype) for n, t in x.items()}
+    state = low["conv_state"] if with_state else None
+    before = low["conv_state"].clone()
+    ys = []
+    with torch.no_grad(), nan_poisoned_empty():
+        for t in range(9):
+            y, state = causal_conv1d(low["x"][:, t:t + 1], low["weight"], state, backend="fla")
+            ys.append(y)
+    torch.testing.assert_close(low["conv_state"], before, rtol=0, atol=0)  # not modified
+    y_ref, state_ref = causal_conv1d(low["x"].float(), low["weight"].float(),
+                                     low["conv_state"].float() if with_state else None,
+                                     backend="torch")
+    assert_all_close({"y": torch.cat(ys, 1), "state": state},
+                     {"y": y_ref, "state": state_ref}, tolerances(("y", "state"), FLA_TOLS[dtype]))

@@ -1,0 +1,66 @@
+"""``openk3.ops.fast``: when a fast path is taken, and the ``compiled`` wrapper of the
+elementwise ops (eager fallback at dynamo's recompile limit, one graph across widths)."""
+
+import warnings
+
+import pytest
+import torch
+import torch._dynamo
+from torch._dynamo.testing import CompileCounter
+
+from openk3.ops import fast
+from openk3.ops.norm import rms_norm_ref
+
+
+@pytest.mark.parametrize("reference,expected", [("0", True), ("1", False)])
+def test_fast_path_on_cuda_unless_reference_forced(monkeypatch, reference, expected):
+    class CudaLike:  # use_fast_path reads only is_cuda; a CUDA tensor cannot exist on CI
+        is_cuda = True
+
+    monkeypatch.setenv("OPENK3_REFERENCE", reference)
+    assert fast.use_fast_path(CudaLike()) is expected
+    assert not fast.use_fast_path(torch.zeros(1))
+
+
+def test_compiled_falls_back_to_eager_when_dynamo_gives_up(monkeypatch):
+    """Serving calls the compiled norms with many ranks/dtypes/grad modes; when dynamo hits its
+    recompile limit for one kind of call, that kind runs eagerly (once warned), others stay
+    compiled."""
+    compiled_calls = []
+
+    def fake_compile(fn, **kw):
+        def run(*args):
+            if args[0].dim() == 3:
+                raise torch._dynamo.exc.FailOnRecompileLimitHit("recompile limit")
+            compiled_calls.append(args[0].dim())
+            return fn(*args)
+        return run
+
+    monkeypatch.setattr(fast.torch, "compile", fake_compile)
+    double = fast.compiled(lambda x: x * 2)
+    with pytest.warns(UserWarning, match="recompile limit"):
+        assert torch.equal(double(torch.ones(1, 2, 3)), torch.full((1, 2, 3), 2.0))
+    assert torch.equal(double(torch.ones(1, 2, 3)), torch.full((1, 2, 3), 2.0))  # eager, no warning
+    assert torch.equal(double(torch.ones(4)), torch.full((4,), 2.0))
+    assert compiled_calls == [1]
+
+
+def test_compiled_norm_keeps_one_graph_across_widths(monkeypatch, request):
+    """Norms of every width (1024 hidden, 384/512 LoRA ranks, 128 heads...) share one dynamic
+    graph per kind of call: weights are Parameters, whose shapes dynamo would treat as static."""
+    torch._dynamo.reset()
+    counter, real_compile = CompileCounter(), torch.compile
+    monkeypatch.setattr(fast.torch, "compile", lambda fn, **kw: real_compile(fn, backend=counter, **kw))
+    norm = fast.compiled(rms_norm_ref)
+    request.addfinalizer(torch._dynamo.reset)  # leave rms_norm_ref's recompile budget to later tests
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*recompile limit")  # no eager fallback
+        for width in (64, 96, 128, 384, 512, 1024, 200):
+            w = torch.nn.Parameter(torch.rand(width) + 0.5)
+            for shape in ((3, 5, width), (7, width)):
+                x = torch.randn(*shape, requires_grad=True)
+                y = norm(x, w, 1e-6)
+                torch.testing.assert_close(y, rms_norm_ref(x, w, 1e-6))
+                y.sum().backward()
+                assert w.grad is not None
+    assert counter.frame_count <= 4, counter.frame_count  # one graph per rank (+ respecialisation)
