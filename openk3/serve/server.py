@@ -95,18 +95,27 @@ class Draining:
             asyncio.get_running_loop().call_later(seconds, self.expired.set)
 
     async def race(self, task: asyncio.Future):
-        """``await task``, unless the grace period ends first: then cancel it and raise."""
+        """``await task``, unless the grace period ends first: then cancel it and raise. If the
+        caller is cancelled (the client left), ``task`` is cancelled and awaited first, so what
+        it was running (an async generator's step) is finished before anyone closes it."""
         expired = asyncio.ensure_future(self.expired.wait())
         try:
             await asyncio.wait((task, expired), return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            await _cancel_and_wait(task)
+            raise
         finally:
             expired.cancel()
         if task.done():
             return task.result()
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
-            await task
+        await _cancel_and_wait(task)
         raise _ShuttingDown
+
+
+async def _cancel_and_wait(task: asyncio.Future) -> None:
+    task.cancel()
+    with contextlib.suppress(BaseException):
+        await task
 
 
 async def _sse(chunks: AsyncIterator[dict], draining: Draining) -> AsyncIterator[str]:
