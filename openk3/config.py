@@ -249,6 +249,22 @@ def _small() -> ModelConfig:
     )
 
 
+def _medium() -> ModelConfig:
+    # ~9B total / ~1.6B active, K3's ratios at a width of 2048: 3:1 KDA:MLA, a latent MoE at half
+    # the width with 128 experts of which 8 are active (6%), two shared experts. The preset to
+    # train on one node (FSDP2 over 2-8 GPUs; docs/benchmarks.md has its measured memory and MFU).
+    return ModelConfig(
+        vocab_size=65536, hidden_size=2048, num_hidden_layers=28,
+        full_attn_layers=tuple(range(4, 29, 4)),
+        linear_num_heads=16, linear_head_dim=128,
+        num_attention_heads=16, q_lora_rank=768, kv_lora_rank=512, qk_nope_head_dim=128,
+        qk_rope_head_dim=64, v_head_dim=128,
+        intermediate_size=8192, num_experts=128, num_experts_per_token=8, moe_intermediate_size=768,
+        num_shared_experts=2, moe_latent_size=1024, attn_res_block_size=7,
+        max_position_embeddings=65536, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+
+
 def _kimi_linear_48b() -> ModelConfig:
     return ModelConfig(
         arch="kimi_linear", vocab_size=163840, hidden_size=2304, num_hidden_layers=27,
@@ -266,6 +282,7 @@ def _kimi_linear_48b() -> ModelConfig:
 PRESETS = {
     "debug": _debug,
     "small": _small,
+    "medium": _medium,
     "k3": _k3,
     "kimi-linear-48b": _kimi_linear_48b,
 }

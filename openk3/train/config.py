@@ -110,6 +110,10 @@ RUN_PRESETS = {
     "small": dict(preset="small", out="runs/small", seq_len=4096, batch_size=4, max_steps=2000,
                   lr=2e-3, warmup_steps=100, log_interval=20, eval_interval=250, ckpt_interval=500,
                   num_samples=2, sample_tokens=128),
+    # one node, FSDP2 over several GPUs (torchrun), bf16
+    "medium": dict(preset="medium", out="runs/medium", seq_len=4096, batch_size=2, max_steps=5000,
+                   lr=1.5e-3, warmup_steps=200, log_interval=20, eval_interval=500, ckpt_interval=1000,
+                   num_samples=2, sample_tokens=128),
 }
 
 
