@@ -1,9 +1,11 @@
 """Training throughput on one GPU: openk3 vs transformers' KimiLinearForCausalLM in the same run.
 
 Measures full training steps (forward, backward, optimiser) of the ``small`` preset in bf16
-autocast with fp32 master weights — tokens/s, MFU (formula in docs/training.md) and peak
-memory — and, as the peer, a transformers Kimi Linear model of similar activated size trained
-with AdamW the way a user would (bf16 weights, its default kernels).
+autocast with fp32 master weights, the loss taken from the forward as the trainer does
+(``model(inputs, labels=targets).loss``: fla's fused linear cross-entropy, no ``[B, T, vocab]``
+logits; the row names the loss backend) — tokens/s, MFU (formula in docs/training.md) and
+peak memory — and, as the peer, a transformers Kimi Linear model of similar activated size
+trained with AdamW the way a user would (bf16 weights, its default kernels).
 
 Floor: MFU = tokens/s x FLOPs/token / 989e12. Run on the device:
 ``python benchmarks/train_throughput.py --batch 4 --seq 4096 --steps 10``.
@@ -15,10 +17,10 @@ import argparse
 import time
 
 import torch
-import torch.nn.functional as F
 
 from benchmarks.common import environment, profile, write_results
 from openk3 import build_model, preset
+from openk3.ops.loss import auto_backend
 from openk3.train.balance import Balancer
 from openk3.train.metrics import flops_per_token, peak_flops
 from openk3.train.optim import build_optimizers
@@ -43,8 +45,8 @@ def openk3_row(args) -> dict:
 
     def step():
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            logits = model(ids[:, :-1]).logits
-        F.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten()).backward()
+            loss = model(ids[:, :-1], labels=ids[:, 1:]).loss
+        loss.backward()
         bal.update()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         for o in opts:
@@ -55,7 +57,8 @@ def openk3_row(args) -> dict:
     sec = time_steps(step, args.steps)
     tok_s = args.batch * args.seq / sec
     mfu = tok_s * flops_per_token(cfg, args.seq) / peak_flops(torch.device("cuda"), torch.bfloat16)
-    row = {"system": f"openk3 {args.preset}", "tokens_per_s": tok_s, "mfu": mfu,
+    row = {"system": f"openk3 {args.preset}", "loss_backend": auto_backend(ids),
+           "tokens_per_s": tok_s, "mfu": mfu,
            "peak_GiB": torch.cuda.max_memory_allocated() / 2**30}
     if args.profile:  # where the step's time goes (issue 3: the top costs when short of 35% MFU)
         row.update(profile(step, "openk3 training step"))

@@ -18,6 +18,7 @@ from openk3.model.kda import KDAttention
 from openk3.model.mla import MLAttention, RMSNorm
 from openk3.model.moe import MLP, MoE
 from openk3.ops.attnres import attn_res_agg
+from openk3.ops.loss import IGNORE_INDEX, linear_cross_entropy
 
 
 class AttnResQuery(nn.Module):
@@ -79,7 +80,8 @@ class DecoderLayer(nn.Module):
 
 @dataclass
 class CausalLMOutput:
-    logits: torch.Tensor  # [B, T, vocab] (only the kept positions)
+    logits: torch.Tensor | None = None  # [B, T, vocab] (only the kept positions); None with labels
+    loss: torch.Tensor | None = None    # fp32 scalar, with labels only
 
 
 class KimiModel(nn.Module):
@@ -107,10 +109,11 @@ class KimiModel(nn.Module):
 
 
 class KimiForCausalLM(nn.Module):
-    """``forward(input_ids, cache=None, logits_to_keep=0)``.
+    """``forward(input_ids, cache=None, logits_to_keep=0, labels=None)``.
 
     With a ``ModelCache``, the call continues the cached sequences and updates the cache, so
-    feeding a sequence token by token reproduces the full-sequence logits.
+    feeding a sequence token by token reproduces the full-sequence logits. With ``labels`` it
+    returns the training loss instead of logits.
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -125,11 +128,30 @@ class KimiForCausalLM(nn.Module):
         self.stored_dtypes: dict[str, torch.dtype] = {}
 
     def forward(self, input_ids: torch.Tensor, cache: ModelCache | None = None,
-                logits_to_keep: int = 0) -> CausalLMOutput:
-        """input_ids: [B, T]. ``logits_to_keep=n`` computes logits of the last n positions only."""
+                logits_to_keep: int = 0, labels: torch.Tensor | None = None) -> CausalLMOutput:
+        """input_ids: [B, T]. ``logits_to_keep=n`` computes logits of the last n positions only.
+
+        ``labels`` [B, T] int64: the token each position should predict, already shifted
+        (``labels[:, t]`` follows ``input_ids[:, :t+1]``; unlike transformers' labels, which
+        the model shifts), ``-100`` where nothing counts. Then the output holds the mean
+        cross-entropy over the counted positions (``loss``) and no logits: the loss comes from
+        the final hidden states and ``lm_head.weight`` through ``linear_cross_entropy``, which
+        on GPU never materialises the ``[B, T, vocab]`` logits. It runs inside this forward so
+        that wrappers of the root module (FSDP2 gathers ``lm_head`` here) see the head used.
+        """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, T], got {tuple(input_ids.shape)}")
+        if labels is not None:
+            if labels.shape != input_ids.shape:
+                raise ValueError(f"labels must be [B, T] = {tuple(input_ids.shape)} like "
+                                 f"input_ids, got {tuple(labels.shape)}")
+            if logits_to_keep:
+                raise ValueError(f"logits_to_keep={logits_to_keep} with labels: a forward "
+                                 "with labels returns the loss and no logits")
         hidden = self.model(input_ids, cache)
+        if labels is not None:
+            return CausalLMOutput(loss=linear_cross_entropy(
+                hidden.flatten(0, 1), self.lm_head.weight, labels.flatten(), IGNORE_INDEX))
         kept = hidden[:, -logits_to_keep:] if logits_to_keep else hidden
         return CausalLMOutput(self.lm_head(kept))
 

@@ -20,7 +20,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from openk3.train.config import RUN_CONFIG_FILE, RunConfig
 from openk3.model import build_model
@@ -120,8 +119,7 @@ def evaluate(model, data, cfg: RunConfig, env: Env) -> float:
     total, n = torch.zeros((), device=env.device), 0
     for inputs, targets in val_batches(data.val_path, data.dtype, cfg.seq_len, cfg.batch_size,
                                        cfg.eval_batches):
-        logits = model(inputs.to(env.device)).logits
-        total += F.cross_entropy(logits.flatten(0, 1).float(), targets.to(env.device).flatten())
+        total += model(inputs.to(env.device), labels=targets.to(env.device)).loss
         n += 1
     model.train()
     return (mean_over_ranks(total) / max(n, 1)).item()
@@ -217,9 +215,8 @@ def train(cfg: RunConfig) -> dict:
                 for _ in range(cfg.grad_accum):
                     inputs, targets = stream.next_batch()
                     inputs, targets = inputs.to(env.device), targets.to(env.device)
-                    with amp:
-                        logits = model(inputs).logits
-                    loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+                    with amp:  # the loss comes from the forward: no [B, T, vocab] logits
+                        loss = model(inputs, labels=targets).loss
                     loss = loss + cfg.aux_loss_coef * balancer.aux_loss()
                     (loss / cfg.grad_accum).backward()
                     loss_sum += loss.detach()
