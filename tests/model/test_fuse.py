@@ -131,7 +131,7 @@ def test_load_state_dict_writes_through_to_the_fused_tensors():
         torch.testing.assert_close(model(ids).logits, other(ids).logits, rtol=1e-5, atol=1e-5)
 
 
-def test_fusing_twice_is_a_no_op_and_moving_the_model_then_refusing_reshares():
+def test_fusing_twice_is_a_no_op_and_fusing_again_after_moving_the_model_reshares():
     model = fuse_projections(_model("kimi_k3"))
     fused = [m.fused_proj for m in _fused_layers(model)]
     fuse_projections(model)
@@ -218,9 +218,10 @@ def test_docstring_examples_run():
 def test_fused_bf16_model_matches_unfused_on_gpu(arch, monkeypatch):
     """bf16 on the fast path (fla kernels, compiled norms), fused vs unfused, each against the
     fp32 reference: fusion only changes GEMM shapes (cuBLAS may sum in another order), so the
-    fused error must stay within 1.5x the unfused one plus 2e-3, for a full forward and for
-    prefill + 40 decode steps; a single layer of each kind agrees with its unfused self within
-    1e-2 relative (bf16 rounding of a differently-shaped GEMM)."""
+    fused error must stay within twice the unfused one plus 2e-3 (the standard of
+    test_gpu.py), for a full forward and for prefill + 40 decode steps; a single layer of each
+    kind agrees with its unfused self within 1e-2 relative (bf16 rounding of a differently
+    shaped GEMM)."""
     cfg = _config(arch).replace(linear_head_dim=64, hidden_size=256)
     exact = _frozen(build_model(cfg, device="cuda"))
     unfused = build_model(cfg, device="cuda", dtype=torch.bfloat16).eval().requires_grad_(False)
@@ -249,7 +250,7 @@ def test_fused_bf16_model_matches_unfused_on_gpu(arch, monkeypatch):
         x = torch.randn(2, 77, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
         for a, b in zip(_fused_layers(unfused), _fused_layers(fused)):
             errors[type(a).__name__] = max(errors.get(type(a).__name__, 0), rel(b(x), a(x)))
-    assert 0 < errors["unfused"] < 0.1, errors
-    assert errors["fused"] <= 1.5 * errors["unfused"] + 2e-3, errors
-    assert errors["fused decode"] <= 1.5 * errors["unfused decode"] + 2e-3, errors
+    assert errors["unfused"] > 0, errors  # the bf16 path really ran in bf16
+    assert errors["fused"] <= 2 * errors["unfused"] + 2e-3, errors
+    assert errors["fused decode"] <= 2 * errors["unfused decode"] + 2e-3, errors
     assert max(errors[k] for k in ("KDAttention", "MLAttention", "MLP")) < 1e-2, errors
