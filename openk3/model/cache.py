@@ -38,8 +38,8 @@ class MLAState:
         past = self.length
         latent, k_rope = self.append(latent, k_rope)
         if q.shape[1] == 1 and past > 0:
-            return layer._attend_absorbed(q, latent, k_rope)
-        return layer._attend_expanded(q, latent, k_rope, past)
+            return layer.attend_absorbed(q, latent, k_rope)
+        return layer.attend_expanded(q, latent, k_rope, past)
 
     def append(self, latent: torch.Tensor, k_rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Append this step's latents; returns the whole cached sequence."""

@@ -5,10 +5,12 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from openk3.config import ModelConfig
 from openk3.model.cache import KDAState
+from openk3.model.fuse import fuse_weights, is_fused
 from openk3.ops.conv import causal_conv1d
 from openk3.ops.kda import kda
 from openk3.ops.norm import gated_rms_norm
@@ -39,6 +41,25 @@ class KDAttention(nn.Module):
         self.o_norm = nn.Module()
         self.o_norm.weight = nn.Parameter(torch.ones(K))
         self.o_proj = nn.Linear(H * K, d, bias=False)
+        # set by ``fuse()`` (inference): the weights of ``input_projections()`` and of
+        # ``short_convs()``, each group concatenated along dim 0 (the modules' weights view them)
+        self.fused_proj: torch.Tensor | None = None
+        self.fused_conv: torch.Tensor | None = None
+
+    def input_projections(self) -> list[nn.Linear]:
+        """The projections of x, in the row order of ``fused_proj``: q, k, v (side by side, as
+        the fused short convolution reads them), the gate's first projection, f_a, b."""
+        gate = self.g_proj if self.cfg.is_k3 else self.g_a_proj
+        return [self.q_proj, self.k_proj, self.v_proj, gate, self.f_a_proj, self.b_proj]
+
+    def short_convs(self) -> list[nn.Conv1d]:
+        return [self.q_conv1d, self.k_conv1d, self.v_conv1d]
+
+    def fuse(self) -> None:
+        """One GEMM for ``input_projections()`` and one short convolution for q|k|v from now on
+        (``openk3.model.fuse.fuse_projections``)."""
+        self.fused_proj = fuse_weights(self.input_projections(), self.fused_proj)
+        self.fused_conv = fuse_weights(self.short_convs(), self.fused_conv)
 
     def forward(self, x: torch.Tensor, state: KDAState | None = None) -> torch.Tensor:
         """x: [B, T, d]. With ``state``, continues from it and updates it in place.
@@ -49,23 +70,44 @@ class KDAttention(nn.Module):
         B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
         st = state or KDAState()
-        cu, cu_cpu = st.cu_seqlens, st.cu_seqlens_cpu  # packed varlen batch (serving prefill)
-        q, conv_q = causal_conv1d(self.q_proj(x), self.q_conv1d.weight, st.conv_q, cu, cu_cpu)
-        k, conv_k = causal_conv1d(self.k_proj(x), self.k_conv1d.weight, st.conv_k, cu, cu_cpu)
-        v, conv_v = causal_conv1d(self.v_proj(x), self.v_conv1d.weight, st.conv_v, cu, cu_cpu)
-        f = self.f_b_proj(self.f_a_proj(x)).view(B, T, H, K)
-        beta = torch.sigmoid(self.b_proj(x).float())  # [B, T, H]
+        (q, k, v), conv_states, (gate, f, b) = self._convolved_projections(x, st)
+        f = self.f_b_proj(f).view(B, T, H, K)
+        beta = torch.sigmoid(b.float())  # [B, T, H]
         o, final = kda(
             q.view(B, T, H, K), k.view(B, T, H, K), v.view(B, T, H, K), f, beta,
             self.A_log, self.dt_bias, lower_bound=self.cfg.kda_gate_lower_bound,
-            initial_state=st.recurrent, output_final_state=state is not None, cu_seqlens=cu,
-            cu_seqlens_cpu=cu_cpu,
+            initial_state=st.recurrent, output_final_state=state is not None,
+            cu_seqlens=st.cu_seqlens, cu_seqlens_cpu=st.cu_seqlens_cpu,
         )
         if state is not None:
-            state.recurrent, state.conv_q, state.conv_k, state.conv_v = final, conv_q, conv_k, conv_v
-        gate = self.g_proj(x) if self.cfg.is_k3 else self.g_b_proj(self.g_a_proj(x))
+            state.recurrent = final
+            state.conv_q, state.conv_k, state.conv_v = conv_states
+        if not self.cfg.is_k3:
+            gate = self.g_b_proj(gate)
         o = gated_rms_norm(o, self.o_norm.weight, gate.view(B, T, H, K), self.cfg.rms_norm_eps)
         return self.o_proj(o.reshape(B, T, H * K))
+
+    def _convolved_projections(self, x: torch.Tensor, st: KDAState) -> tuple[tuple, tuple, tuple]:
+        """The projections of x [B, T, d] and the short convolutions of q, k, v: returns
+        ``(q, k, v)`` [B, T, H*K] after the convolutions, their new conv states [B, H*K, W-1]
+        (``[N, H*K, W-1]`` packed) and the first projections of the gate, f and beta.
+
+        Fused: one GEMM, then one convolution over the q|k|v columns with the three conv states
+        side by side (the convolution is depthwise: the same result as one call per part)."""
+        cu, cu_cpu = st.cu_seqlens, st.cu_seqlens_cpu  # packed varlen batch (serving prefill)
+        states = (st.conv_q, st.conv_k, st.conv_v)  # read once: the serving view gathers per read
+        projections, convs = self.input_projections(), self.short_convs()
+        if is_fused(self.fused_proj, projections) and is_fused(self.fused_conv, convs):
+            HK = self.num_heads * self.head_dim
+            qkv, *rest = F.linear(x, self.fused_proj).split(
+                [3 * HK] + [m.out_features for m in projections[3:]], dim=-1)
+            state = None if states[0] is None else torch.cat(states, dim=1)  # [B, 3*H*K, W-1]
+            qkv, state = causal_conv1d(qkv, self.fused_conv, state, cu, cu_cpu)
+            return qkv.split(HK, dim=-1), state.split(HK, dim=1), tuple(rest)
+        q, k, v, *rest = (m(x) for m in projections)
+        outs = [causal_conv1d(t, conv.weight, state, cu, cu_cpu)
+                for t, conv, state in zip((q, k, v), convs, states)]
+        return tuple(y for y, _ in outs), tuple(state for _, state in outs), tuple(rest)
 
     @torch.no_grad()
     def init_weights(self) -> None:

@@ -2,9 +2,9 @@
 
 Two equivalent forms:
 
-* **expanded** (training, prefill): ``kv_b_proj`` expands the latent into per-head keys and
+* **expanded** (training, prefill; ``attend_expanded``): ``kv_b_proj`` expands the latent into per-head keys and
   values and ``scaled_dot_product_attention`` runs causal softmax attention;
-* **absorbed** (decode): ``kv_b_proj``'s key half is folded into the query and its value half
+* **absorbed** (decode; ``attend_absorbed``): ``kv_b_proj``'s key half is folded into the query and its value half
   into the output, so attention reads the 576-wide latent cache directly — a multi-query
   attention with head dim ``kv_lora_rank + qk_rope_head_dim``.
 
@@ -19,6 +19,7 @@ from torch import nn
 
 from openk3.config import ModelConfig
 from openk3.model.cache import MLAState
+from openk3.model.fuse import fuse_weights, project
 from openk3.ops.norm import rms_norm
 
 
@@ -53,18 +54,33 @@ class MLAttention(nn.Module):
         if cfg.is_k3:
             self.g_proj = nn.Linear(d, H * self.v_dim, bias=False)  # elementwise output gate
         self.o_proj = nn.Linear(H * self.v_dim, d, bias=False)
+        # set by ``fuse()`` (inference): the weights of ``input_projections()`` concatenated
+        # along dim 0 (the modules' weights view it)
+        self.fused_proj: torch.Tensor | None = None
 
-    def _query(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, _ = x.shape
-        if self.cfg.q_lora_rank is None:
-            q = self.q_proj(x)
-        else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        return q.view(B, T, self.num_heads, self.nope + self.rope)  # [B, T, H, 192]
+    def input_projections(self) -> list[nn.Linear]:
+        """The projections of x, in the row order of ``fused_proj``: the query's first
+        (``q_a_proj``, or ``q_proj`` without a query LoRA), ``kv_a_proj_with_mqa``, and K3's
+        output gate ``g_proj``."""
+        q = self.q_proj if self.cfg.q_lora_rank is None else self.q_a_proj
+        return [q, self.kv_a_proj_with_mqa] + ([self.g_proj] if self.cfg.is_k3 else [])
 
-    def _latent(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        c, k_r = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope], dim=-1)
-        return self.kv_a_layernorm(c), k_r  # [B, T, 512], [B, T, 64]
+    def fuse(self) -> None:
+        """One GEMM for ``input_projections()`` from now on (``openk3.model.fuse``)."""
+        self.fused_proj = fuse_weights(self.input_projections(), self.fused_proj)
+
+    def _query(self, q: torch.Tensor) -> torch.Tensor:
+        """The first query projection's output [B, T, q_lora_rank] (or [B, T, H*192] without a
+        query LoRA) -> the queries [B, T, H, 192]."""
+        B, T, _ = q.shape
+        if self.cfg.q_lora_rank is not None:
+            q = self.q_b_proj(self.q_a_layernorm(q))
+        return q.view(B, T, self.num_heads, self.nope + self.rope)
+
+    def _latent(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``kv_a_proj_with_mqa``'s output [B, T, 576] -> c [B, T, 512] (normalised), k_r [B, T, 64]."""
+        c, k_r = kv.split([self.rank, self.rope], dim=-1)
+        return self.kv_a_layernorm(c), k_r
 
     def forward(self, x: torch.Tensor, state: MLAState | None = None) -> torch.Tensor:
         """x: [B, T, d]. With ``state``, attends over the cached latents too and appends to them.
@@ -72,20 +88,32 @@ class MLAttention(nn.Module):
         ``state.attend(self, q, c, k_r)`` stores the new latents and picks the form: the
         generate path's ``MLAState`` or the serving engine's paged views."""
         B, T, _ = x.shape
-        q = self._query(x)
-        c, k_r = self._latent(x)
+        q, kv, *gate = project(x, self.input_projections(), self.fused_proj)  # gate: K3 only
+        q = self._query(q)
+        c, k_r = self._latent(kv)
         if state is None:
-            o = self._attend_expanded(q, c, k_r, 0)
+            o = self.attend_expanded(q, c, k_r, 0)
         else:
             o = state.attend(self, q, c, k_r)
         o = o.reshape(B, T, self.num_heads * self.v_dim)
-        if self.cfg.is_k3:
-            o = o * torch.sigmoid(self.g_proj(x))
+        if gate:
+            o = o * torch.sigmoid(gate[0])
         return self.o_proj(o)
 
-    def _attend_expanded(self, q: torch.Tensor, c: torch.Tensor, k_r: torch.Tensor,
-                         past: int) -> torch.Tensor:
-        """q: [B, Tq, H, 192]; c: [B, Tk, 512]; k_r: [B, Tk, 64]; Tk = past + Tq."""
+    def attend_expanded(self, q: torch.Tensor, c: torch.Tensor, k_r: torch.Tensor,
+                        past: int) -> torch.Tensor:
+        """Causal attention of ``Tq`` new queries over ``Tk = past + Tq`` latents, with keys and
+        values expanded per head by ``kv_b_proj`` (training, prefill).
+
+        Args:
+            q: queries ``[B, Tq, H, qk_nope_head_dim + qk_rope_head_dim]`` ([B, Tq, H, 192]).
+            c: normalised latents ``[B, Tk, kv_lora_rank]`` ([B, Tk, 512]), the cached ones first.
+            k_r: the shared key part ``[B, Tk, qk_rope_head_dim]`` ([B, Tk, 64]).
+            past: how many of the Tk positions precede the queries: query i sits at ``past + i``.
+
+        Returns:
+            ``[B, Tq, H, v_head_dim]`` ([B, Tq, H, 128]).
+        """
         B, Tq, H, _ = q.shape
         Tk = c.shape[1]
         kv = self.kv_b_proj(c).view(B, Tk, H, self.nope + self.v_dim)
@@ -99,10 +127,22 @@ class MLAttention(nn.Module):
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
         return o.transpose(1, 2)  # [B, Tq, H, v_dim]
 
-    def _attend_absorbed(self, q: torch.Tensor, c: torch.Tensor, k_r: torch.Tensor,
-                         mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Decode of one token over the latent cache. q: [B, 1, H, 192]; c: [B, Tk, 512];
-        ``mask`` [B, Tk] bool marks real cache entries (rows of different lengths, padded)."""
+    def attend_absorbed(self, q: torch.Tensor, c: torch.Tensor, k_r: torch.Tensor,
+                        mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention of one decode token per row over its latent cache, with ``kv_b_proj``
+        folded into the query and the output (a multi-query attention of head dim 576).
+
+        Args:
+            q: queries ``[B, 1, H, qk_nope_head_dim + qk_rope_head_dim]`` ([B, 1, H, 192]).
+            c: normalised latents ``[B, Tk, kv_lora_rank]`` ([B, Tk, 512]), the new token's included.
+            k_r: the shared key part ``[B, Tk, qk_rope_head_dim]`` ([B, Tk, 64]).
+            mask: ``[B, Tk]`` bool, True at real cache entries (rows of different lengths,
+                padded); None: every entry is real.
+
+        Returns:
+            ``[B, 1, H, v_head_dim]`` ([B, 1, H, 128]), equal to ``attend_expanded`` of the last
+            position.
+        """
         H = self.num_heads
         w = self.kv_b_proj.weight.view(H, self.nope + self.v_dim, self.rank)
         w_k, w_v = w[:, : self.nope], w[:, self.nope:]  # [H, 128, 512], [H, 128, 512]

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from openk3.config import ModelConfig
+from openk3.model.fuse import fuse_weights, project
 from openk3.model.mla import RMSNorm
 from openk3.ops.fast import use_fast_path
 from openk3.ops.situ import situ_glu, swiglu_ref
@@ -35,9 +36,19 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(dim, width, bias=False)
         self.up_proj = nn.Linear(dim, width, bias=False)
         self.down_proj = nn.Linear(width, dim, bias=False)
+        self.fused_proj: torch.Tensor | None = None  # gate|up, set by ``fuse()`` (inference)
+
+    def input_projections(self) -> list[nn.Linear]:
+        """The projections of x, in the row order of ``fused_proj``."""
+        return [self.gate_proj, self.up_proj]
+
+    def fuse(self) -> None:
+        """One GEMM for ``input_projections()`` from now on (``openk3.model.fuse``)."""
+        self.fused_proj = fuse_weights(self.input_projections(), self.fused_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(glu_act(self.cfg, self.gate_proj(x), self.up_proj(x)))
+        gate, up = project(x, self.input_projections(), self.fused_proj)
+        return self.down_proj(glu_act(self.cfg, gate, up))
 
 
 class Router(nn.Module):

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from openk3.model.fuse import fuse_projections
 from openk3.serve.block_manager import BlockManager
 from openk3.serve.config import EngineConfig
 from openk3.serve.scheduler import SchedulerOutput
@@ -130,11 +131,11 @@ class PagedMLAView:
         self.cache.index_copy_(0, b.slot_mapping, rows)
         if b.context_slots is not None:  # decode: one token per row, absorbed form
             ctx = self.cache[b.context_slots]  # [B, L, r + rope]
-            return layer._attend_absorbed(q, ctx[..., :r], ctx[..., r:], b.context_mask)
+            return layer.attend_absorbed(q, ctx[..., :r], ctx[..., r:], b.context_mask)
         outs = []
         for (start, end, past), slots in zip(b.segments, b.segment_slots):
             ctx = self.cache[slots][None]  # [1, past + chunk, r + rope]
-            outs.append(layer._attend_expanded(q[:, start:end], ctx[..., :r], ctx[..., r:], past))
+            outs.append(layer.attend_expanded(q[:, start:end], ctx[..., :r], ctx[..., r:], past))
         return torch.cat(outs, dim=1)
 
 
@@ -150,7 +151,7 @@ class ModelRunner:
     ``max_model_len`` they leave (both resolved here, at run time, when the config says None)."""
 
     def __init__(self, model, config: EngineConfig):
-        self.model, self.config = model.eval(), config
+        self.model, self.config = fuse_projections(model.eval().requires_grad_(False)), config
         cfg = self.cfg = model.cfg
         p = model.model.embed_tokens.weight
         self.device, self.dtype = p.device, p.dtype
