@@ -3,10 +3,10 @@ grouped-matmul path (``RoutedExperts.forward_sorted``: sort, counts, three ``gro
 memory floor, for one MoE layer of ``small`` and of K3 (bf16 weights, uniform random routing).
 
 Each path is captured in a CUDA graph, as serving's decode step is, and timed over replays with
-CUDA events (median). Floor: every expert the batch uses read once (3 F D x 2 bytes) at 4.3 TB/s;
-the GEMVs read an expert once per pair that chose it (L2 may serve the repeats). The last lines
-give, per layer, the largest measured batch at which the GEMVs still win: where
-``openk3.ops.moe.GEMV_MAX_PAIRS`` belongs.
+CUDA events (median). Floor: every expert the batch uses read once (3 F D x 2 bytes) at 4.3 TB/s.
+The GEMVs read an expert once per pair that chose it (``per_pair_floor_us``); below that, L2
+served the repeats. The last lines give, per layer, the largest measured batch at which the
+GEMVs still win: where ``openk3.ops.moe.GEMV_MAX_PAIRS`` belongs.
 
 Run on the device (K3's layer holds 59 GB of bf16 experts):
 ``python benchmarks/moe_decode_bench.py [--presets small k3] [--tokens 1 8 32 128]``.
@@ -64,10 +64,12 @@ def run(name: str, ex: RoutedExperts, N: int) -> dict:
     with torch.inference_mode():
         gemv = graph_time(lambda: moe_gemv(x, ex.w1, ex.w3, ex.w2, topk_idx, topk_weight, **act))
         grouped = graph_time(lambda: ex.forward_sorted(x, topk_idx, topk_weight))
-    floor = used * 3 * F * D * 2 / BANDWIDTH
+    expert_s = 3 * F * D * 2 / BANDWIDTH  # one expert's W1, W3, W2 in bf16
+    floor = used * expert_s
     return {"layer": name, "tokens": N, "pairs": N * k, "experts_used": used,
             "gemv_us": 1e6 * gemv, "grouped_us": 1e6 * grouped, "floor_us": 1e6 * floor,
-            "gemv_over_floor": gemv / floor, "grouped_over_gemv": grouped / gemv}
+            "per_pair_floor_us": 1e6 * N * k * expert_s, "gemv_over_floor": gemv / floor,
+            "grouped_over_gemv": grouped / gemv}
 
 
 def main() -> None:
