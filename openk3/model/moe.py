@@ -5,7 +5,8 @@ Kimi Linear: y = sum_j w_j E_j(x) + Shared(x)         (full width, SwiGLU, scali
 
 Routed experts are stored stacked (``w1``/``w3``: [E, F, D], ``w2``: [E, D, F]) and run as one
 grouped matmul over expert-sorted tokens on CUDA (``torch.nn.functional.grouped_mm``); the
-reference loops over the experts that received tokens.
+reference loops over the experts that received tokens. A few tokens without autograd (decode)
+skip the sort: each (token, expert) pair reads its expert by id (``openk3.ops.moe.moe_gemv``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from openk3.config import ModelConfig
 from openk3.model.fuse import fuse_weights, project
 from openk3.model.mla import RMSNorm
 from openk3.ops.fast import use_fast_path
+from openk3.ops.moe import moe_gemv, needs_grad, use_moe_gemv
 from openk3.ops.situ import situ_glu, swiglu_ref
 
 
@@ -82,7 +84,9 @@ class Router(nn.Module):
         weight = scores.gather(1, topk_idx)
         if cfg.moe_renormalize:
             weight = weight / (weight.sum(-1, keepdim=True) + 1e-20)
-        return scores, topk_idx, weight * cfg.routed_scaling_factor
+        if cfg.routed_scaling_factor != 1.0:  # K3's is 1: one kernel less per layer and step
+            weight = weight * cfg.routed_scaling_factor
+        return scores, topk_idx, weight
 
 
 def run_experts(cfg: ModelConfig, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
@@ -122,7 +126,21 @@ class RoutedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(E, dim, Fw))  # down
 
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor) -> torch.Tensor:
-        """x: [N, D]; topk_idx, topk_weight: [N, k]. Returns sum_j w_j E_j(x) in fp32, [N, D]."""
+        """x: [N, D]; topk_idx, topk_weight: [N, k]. Returns sum_j w_j E_j(x) in fp32, [N, D].
+
+        A few pairs without autograd (decode) run as GEMVs by expert id (``use_moe_gemv``);
+        everything else through ``forward_sorted``."""
+        if use_moe_gemv(x, topk_idx.numel()) and not needs_grad(x, topk_weight, *self.parameters()):
+            cfg = self.cfg
+            return moe_gemv(x, self.w1, self.w3, self.w2, topk_idx, topk_weight,
+                            hidden_act=cfg.hidden_act, situ_beta1=cfg.situ_beta1,
+                            situ_beta2=cfg.situ_beta2)
+        return self.forward_sorted(x, topk_idx, topk_weight)
+
+    def forward_sorted(self, x: torch.Tensor, topk_idx: torch.Tensor,
+                       topk_weight: torch.Tensor) -> torch.Tensor:
+        """``forward`` with the pairs sorted by expert and one grouped matmul per projection
+        (``run_experts``): training, and batches too large for the GEMVs."""
         N, k = topk_idx.shape
         flat_idx = topk_idx.reshape(-1)
         order = flat_idx.argsort(stable=True)  # pairs sorted by expert

@@ -1,0 +1,96 @@
+"""Routed experts of a few tokens (decode): the Triton GEMVs (``openk3.ops.moe.moe_gemv``) vs the
+grouped-matmul path (``RoutedExperts.forward_sorted``: sort, counts, three ``grouped_mm``) vs the
+memory floor, for one MoE layer of ``small`` and of K3 (bf16 weights, uniform random routing).
+
+Each path is captured in a CUDA graph, as serving's decode step is, and timed over replays with
+CUDA events (median). Floor: every expert the batch uses read once (3 F D x 2 bytes) at 4.3 TB/s.
+The GEMVs read an expert once per pair that chose it (``per_pair_floor_us``); below that, L2
+served the repeats. The last lines give, per layer, the largest measured batch at which the
+GEMVs still win: where ``openk3.ops.moe.GEMV_MAX_PAIRS`` belongs.
+
+Run on the device (K3's layer holds 59 GB of bf16 experts):
+``python benchmarks/moe_decode_bench.py [--presets small k3] [--tokens 1 8 32 128]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from benchmarks.common import cuda_time, environment, write_results
+from openk3 import preset
+from openk3.model.moe import RoutedExperts
+from openk3.ops.moe import GEMV_MAX_PAIRS, moe_gemv
+
+BANDWIDTH = 4.3e12  # bytes/s: the H200's device-to-device copy (shared/NOTES.md)
+
+
+def experts_layer(name: str) -> RoutedExperts:
+    """One MoE layer's routed experts, bf16 on the GPU, allocated there directly (K3's would
+    not fit in host memory as fp32)."""
+    cfg = preset(name)
+    with torch.device("meta"):
+        ex = RoutedExperts(cfg, cfg.moe_latent_size or cfg.hidden_size)
+    ex = ex.to(torch.bfloat16).to_empty(device="cuda").requires_grad_(False)
+    for w in (ex.w1, ex.w3, ex.w2):
+        w.normal_(0, w.shape[-1] ** -0.5)
+    return ex
+
+
+def graph_time(fn) -> float:
+    """Median seconds per replay of ``fn`` captured in a CUDA graph."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compilation and allocator warm-up stay out of the graph
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return cuda_time(graph.replay, warmup=3, iters=20)
+
+
+def run(name: str, ex: RoutedExperts, N: int) -> dict:
+    cfg = ex.cfg
+    E, F, D = ex.w1.shape
+    k = cfg.num_experts_per_token
+    x = torch.randn(N, D, device="cuda", dtype=torch.bfloat16)
+    topk_idx = torch.rand(N, E, device="cuda").topk(k).indices
+    topk_weight = torch.rand(N, k, device="cuda")
+    act = dict(hidden_act=cfg.hidden_act, situ_beta1=cfg.situ_beta1, situ_beta2=cfg.situ_beta2)
+    used = topk_idx.unique().numel()
+    with torch.inference_mode():
+        gemv = graph_time(lambda: moe_gemv(x, ex.w1, ex.w3, ex.w2, topk_idx, topk_weight, **act))
+        grouped = graph_time(lambda: ex.forward_sorted(x, topk_idx, topk_weight))
+    expert_s = 3 * F * D * 2 / BANDWIDTH  # one expert's W1, W3, W2 in bf16
+    floor = used * expert_s
+    return {"layer": name, "tokens": N, "pairs": N * k, "experts_used": used,
+            "gemv_us": 1e6 * gemv, "grouped_us": 1e6 * grouped, "floor_us": 1e6 * floor,
+            "per_pair_floor_us": 1e6 * N * k * expert_s, "gemv_over_floor": gemv / floor,
+            "grouped_over_gemv": grouped / gemv}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--presets", nargs="+", default=["small", "k3"])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 32, 128])
+    args = ap.parse_args()
+    print(environment())
+    rows = []
+    for name in args.presets:
+        ex = experts_layer(name)
+        for N in args.tokens:  # results are written after every row: a timeout keeps them
+            rows.append(run(name, ex, N))
+            write_results("moe_decode_bench", rows)
+        del ex
+        torch.cuda.empty_cache()
+    print(f"GEMV_MAX_PAIRS is {GEMV_MAX_PAIRS}; pairs at the largest batch where the GEMVs won:")
+    for name in args.presets:
+        won = [r["pairs"] for r in rows if r["layer"] == name and r["grouped_over_gemv"] > 1]
+        print(f"  {name}: {max(won) if won else 'none'}")
+
+
+if __name__ == "__main__":
+    main()
