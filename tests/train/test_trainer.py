@@ -229,8 +229,9 @@ def test_four_process_moonep_run_resumes_on_four_and_on_two(corpus, tmp_path):
     """4 ranks, --ep 2: two expert-parallel groups, each holding every expert once, whose expert
     gradients are averaged across the groups: the losses of one process with the global batch.
     Its checkpoint at step 2 resumes on 4 processes bit for bit, and on 2 processes of batch 2
-    (the same global batch; FSDP's shards and the expert replicas re-sliced) to fp32 summation
-    order: fewer ranks sum the gradients in another order, so the losses differ in the last bits."""
+    (the same global batch; FSDP's shards and the expert replicas re-sliced) to within 1e-5:
+    fewer ranks sum the gradients in another fp32 order, so the losses may differ in the last
+    bits (on this CPU they come out identical, which the test does not require)."""
     run = tmp_path / "run"
     cfg = _resumable_cfg(corpus, run, ep=2)
     _torchrun_train(cfg, nproc=4)
