@@ -3,14 +3,15 @@
 ``apply_moonep`` (``expert_parallel.py``) leaves each rank of an expert-parallel group of R ranks
 with G = E/R of every layer's experts (``MoonEPExperts.w1/w2/w3``, [G, ...]). FSDP is told to
 ignore these parameters, so ``ExpertShares`` does for them what FSDP does for its own: reduce
-their gradients over the data-parallel replicas, add them to the global gradient norm, assemble
-full ``[E, ...]`` state for checkpoints and export, and take each rank's rows back on load.
+their gradients over the data-parallel replicas, add them to the global gradient norm, present
+them to checkpoints as shards of the full ``[E, ...]`` tensors, and gather them for export.
 Used through ``openk3.parallel.parallelize``; all methods are collectives (every rank calls them,
 in the same order).
 
-Group layout for EP size ``ep`` over W ranks (``ep`` divides W): EP groups are consecutive
-ranks ``[g*ep, (g+1)*ep)``, each holding every expert once; replica groups join the ranks that
-hold the same experts (``r, r + ep, r + 2ep, ...``).
+Layout for EP size ``ep`` over W ranks (``ep`` divides W), the device mesh ``[replica, ep]`` of
+shape ``(W/ep, ep)``: EP groups (mesh rows) are consecutive ranks ``[g*ep, (g+1)*ep)``, each
+holding every expert once; replica groups (mesh columns) join the ranks that hold the same
+experts (``r, r + ep, r + 2ep, ...``).
 """
 
 from __future__ import annotations
@@ -18,51 +19,38 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from openk3.parallel.expert_parallel import MoonEPExperts, apply_moonep
 
 
-def expert_parallel_groups(ep: int):
-    """(ep_group, replica_group) of this rank; both None when ``ep`` is the world size (the
-    default group is the one EP group and there are no replicas). Collective: every rank creates
-    every group, in the same order."""
-    world, rank = dist.get_world_size(), dist.get_rank()
+def expert_mesh(ep: int, device_type: str) -> DeviceMesh:
+    """The ``[replica, ep]`` mesh of this layout (see the module docstring). Collective."""
+    world = dist.get_world_size()
     if ep < 1 or world % ep:
         raise ValueError(f"expert-parallel size {ep} must divide the number of processes {world}")
-    if ep == world:
-        return None, None
-    ep_group = replica_group = None
-    for g in range(world // ep):  # every rank creates every group, in the same order
-        grp = dist.new_group(list(range(g * ep, (g + 1) * ep)))
-        if rank // ep == g:
-            ep_group = grp
-    for r in range(ep):
-        grp = dist.new_group(list(range(r, world, ep)))
-        if rank % ep == r:
-            replica_group = grp
-    return ep_group, replica_group
+    return init_device_mesh(device_type, (world // ep, ep), mesh_dim_names=("replica", "ep"))
 
 
 class ExpertShares:
     """Splits ``model``'s experts over groups of ``ep`` ranks (MoonEP, in place) and keeps the
-    rank-local expert parameters (``params``: state-dict name -> [G, ...] parameter)."""
+    rank-local expert parameters (``params``: state-dict name -> [G, ...] parameter) and the
+    ``[replica, ep]`` device ``mesh`` they are laid out on."""
 
     def __init__(self, model: nn.Module, ep: int):
-        self.ep_group, self.replica_group = expert_parallel_groups(ep)
+        self.mesh = expert_mesh(ep, next(model.parameters()).device.type)
+        self.ep_group = self.mesh.get_group("ep")
+        # without replicas there is nothing to reduce over (and no zero gradients to make)
+        self.replica_group = self.mesh.get_group("replica") if self.mesh.size(0) > 1 else None
         apply_moonep(model, self.ep_group)
         self.params: dict[str, nn.Parameter] = {
             f"{name}.{w}": getattr(m, w) for name, m in model.named_modules()
             if isinstance(m, MoonEPExperts) for w in ("w1", "w2", "w3")}
 
-    def _gather(self, local: torch.Tensor) -> torch.Tensor:
-        """[G, ...] on each rank of the EP group -> [E, ...] (rank r's experts at rows r*G...)."""
-        parts = [torch.empty_like(local) for _ in range(dist.get_world_size(self.ep_group))]
-        dist.all_gather(parts, local.contiguous(), group=self.ep_group)
-        return torch.cat(parts)
-
-    def _home_share(self, full: torch.Tensor) -> torch.Tensor:
-        """[E, ...] -> this rank's [G, ...] rows."""
-        return full.chunk(dist.get_world_size(self.ep_group))[dist.get_rank(self.ep_group)]
+    def _dtensor(self, local: torch.Tensor) -> DTensor:
+        """This rank's [G, ...] rows as its shard of the full [E, ...] tensor (no copy)."""
+        return DTensor.from_local(local.detach(), self.mesh, [Replicate(), Shard(0)], run_check=False)
 
     def reduce_gradients(self) -> None:
         """Average the expert gradients over every rank's tokens, as FSDP does for the others.
@@ -102,28 +90,30 @@ class ExpertShares:
                 g.mul_(coef)
         return total
 
-    def gather_state(self, model_sd: dict, optim_sd: dict | None = None, optimizers=()) -> None:
-        """Replace the expert shares in rank 0's full state dicts by ``[E, ...]`` CPU tensors, in
-        place: the weights in ``model_sd`` and, given ``optim_sd``, the optimiser moments of the
-        same shape (Muon's momentum, AdamW's) under the same names."""
-        main = dist.get_rank() == 0
-        for fqn, p in self.params.items():  # same order on every rank: these are collectives
-            full = self._gather(p.detach())
-            moments = {}
-            if optim_sd is not None:
-                state = next((opt.state[p] for opt in optimizers if p in opt.state), {})
-                moments = {k: self._gather(v) for k, v in sorted(state.items())
-                           if torch.is_tensor(v) and v.shape == p.shape}
-            if main:
-                model_sd[fqn] = full.cpu()
-                if optim_sd is not None:
-                    optim_sd["state"].setdefault(fqn, {}).update({k: v.cpu() for k, v in moments.items()})
+    def full_weights(self) -> dict[str, torch.Tensor]:
+        """Every expert weight as a full ``[E, ...]`` CPU tensor, keyed by state-dict name (on
+        every rank: each all-gathers within its EP group)."""
+        return {fqn: self._dtensor(p).full_tensor().cpu() for fqn, p in self.params.items()}
 
-    def slice_state(self, model_sd: dict, optim_sd: dict) -> None:
-        """The inverse of ``gather_state`` on every rank: full ``[E, ...]`` entries -> this rank's rows."""
+    def to_dtensors(self, model_sd: dict, optim_sd: dict) -> None:
+        """Present the expert shares in sharded (DCP) state dicts as what they are, shards of
+        full ``[E, ...]`` tensors: DTensors on the ``[replica, ep]`` mesh, ``[Replicate(),
+        Shard(0)]``; the weights and the optimiser moments of their shape (Muon's momentum,
+        AdamW's averages; not AdamW's step count). The entries of ``model_sd`` and
+        ``optim_sd["state"]`` are replaced, never the optimiser's own per-parameter dicts. The
+        DTensors share storage with the parameters and optimiser state, so ``dcp.save`` writes
+        each expert once and ``dcp.load`` fills them, re-slicing a checkpoint saved with another
+        ``ep`` or number of processes."""
+        for fqn, p in self.params.items():
+            model_sd[fqn] = self._dtensor(model_sd[fqn])
+            if fqn in optim_sd["state"]:
+                optim_sd["state"][fqn] = {k: self._dtensor(v) if torch.is_tensor(v) and v.shape == p.shape
+                                          else v for k, v in optim_sd["state"][fqn].items()}
+
+    def to_local(self, model_sd: dict, optim_sd: dict) -> None:
+        """The inverse of ``to_dtensors``: each DTensor back to this rank's ``[G, ...]`` rows."""
         for fqn in self.params:
-            E = model_sd[fqn].shape[0]
-            model_sd[fqn] = self._home_share(model_sd[fqn])
-            for k, v in optim_sd["state"].get(fqn, {}).items():
-                if torch.is_tensor(v) and v.dim() and v.shape[0] == E:
-                    optim_sd["state"][fqn][k] = self._home_share(v)
+            model_sd[fqn] = model_sd[fqn].to_local()
+            if fqn in optim_sd["state"]:
+                optim_sd["state"][fqn] = {k: v.to_local() if isinstance(v, DTensor) else v
+                                          for k, v in optim_sd["state"][fqn].items()}

@@ -52,8 +52,8 @@ class Parallel:
     """A model after ``parallelize``, and the operations that depend on its layout.
 
     Methods that move data between ranks are collectives: every rank calls them in the same
-    order. State dicts are *full* (unsharded, all E experts, on CPU) and keyed by parameter name,
-    so a checkpoint does not depend on the number of processes or on ``ep``.
+    order. State dicts are sharded as the layout is, in the form ``torch.distributed.checkpoint``
+    reshards, so a checkpoint loads on another number of processes or ``ep``.
     """
 
     def __init__(self, model: nn.Module, rank: int, world_size: int,
@@ -74,22 +74,28 @@ class Parallel:
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
-    def state_dict(self, optimizers) -> tuple[dict, dict]:
-        """(model, optimiser) full state dicts, on rank 0 (other ranks get partial or empty dicts,
-        which they should not write). Collective."""
-        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        model_sd, optim_sd = get_state_dict(self.model, optimizers, options=opts)
+    def state_dict(self, optimizers) -> dict:
+        """The training state as ``torch.distributed.checkpoint`` saves and loads it:
+        ``{"model": ..., "optim": ...}`` keyed by parameter name, each rank holding only its own
+        shards (FSDP's DTensors; MoonEP's experts as DTensors of the full ``[E, ...]`` tensors,
+        ``ExpertShares.to_dtensors``), which share storage with the model and optimisers.
+        ``dcp.save`` of it writes each shard once from the rank that holds it; ``dcp.load``
+        into it (taken from a fresh model: it names the shards this layout wants) reads them
+        from a checkpoint of any layout, then ``load_state_dict``. A fresh optimiser's state is
+        first made by a step of zero gradients at learning rate 0 (``get_state_dict``).
+        Collective."""
+        model_sd, optim_sd = get_state_dict(self.model, optimizers)
         if self.experts is not None:
-            self.experts.gather_state(model_sd, optim_sd, optimizers)
-        return model_sd, optim_sd
+            self.experts.to_dtensors(model_sd, optim_sd)
+        return {"model": model_sd, "optim": optim_sd}
 
-    def load_state_dict(self, model_sd: dict, optim_sd: dict, optimizers) -> None:
-        """Load full state dicts (as ``state_dict`` returns them, read on every rank) into the
-        model and ``optimizers``; each rank keeps its own shards. Collective."""
+    def load_state_dict(self, state: dict, optimizers) -> None:
+        """Load ``state`` (as ``state_dict`` returns it, filled by ``dcp.load``) into the model
+        and ``optimizers``. Collective."""
+        model_sd, optim_sd = state["model"], state["optim"]
         if self.experts is not None:
-            self.experts.slice_state(model_sd, optim_sd)
-        set_state_dict(self.model, optimizers, model_state_dict=model_sd, optim_state_dict=optim_sd,
-                       options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=False))
+            self.experts.to_local(model_sd, optim_sd)
+        set_state_dict(self.model, optimizers, model_state_dict=model_sd, optim_state_dict=optim_sd)
 
     def gathered_model(self) -> nn.Module | None:
         """The model as one single-device module, for ``save_pretrained`` and sampling: the
@@ -100,7 +106,7 @@ class Parallel:
         full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True,
                                                                          cpu_offload=True))
         if self.experts is not None:
-            self.experts.gather_state(full)
+            full.update(self.experts.full_weights())
         if self.rank != 0:
             return None
         plain = build_model(self.model.cfg, device="meta")

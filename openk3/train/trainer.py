@@ -169,8 +169,9 @@ def train(cfg: RunConfig) -> dict:
     start = 0
     schedule = LRSchedule(cfg.max_steps, cfg.warmup_steps, cfg.schedule, cfg.min_lr_ratio)
     if prev is not None:
-        model_sd, optim_sd, trainer_state = ckpt.load_checkpoint(prev)
-        parallel.load_state_dict(model_sd, optim_sd, optimizers)
+        state = parallel.state_dict(optimizers)  # the shards this layout wants, filled in place
+        trainer_state = ckpt.load_checkpoint(prev, state)
+        parallel.load_state_dict(state, optimizers)
         stream.load_state_dict(trainer_state["data"])
         start = trainer_state["step"]
         if "lr_schedule" in trainer_state:  # a changed --max-steps continues, never jumps up
@@ -198,7 +199,7 @@ def train(cfg: RunConfig) -> dict:
 
     def save(step: int) -> None:
         nonlocal last_saved
-        ckpt.save_checkpoint(run_dir, step, *parallel.state_dict(optimizers),
+        ckpt.save_checkpoint(run_dir, step, parallel.state_dict(optimizers),
                              {"data": stream.state_dict(), "lr_schedule": schedule.to_dict()}, cfg.keep_last)
         last_saved = step
 

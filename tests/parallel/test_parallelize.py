@@ -1,6 +1,6 @@
 """``parallelize``: one process is the plain single-device path; 2 gloo processes (FSDP2, and
-FSDP2 + MoonEP) give the gradient norm, weights, optimiser state and exported model of one
-process that trains on the same global batch."""
+FSDP2 + MoonEP) give the gradient norm, weights, optimiser state (gathered from the sharded
+state dict) and exported model of one process that trains on the same global batch."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+from torch.distributed.tensor import DTensor
 
 from openk3.config import preset
 from openk3.model import build_model
@@ -55,21 +56,32 @@ def _env(rank=0, world=1) -> Env:
     return Env(rank, world, torch.device("cpu"), torch.float32)
 
 
-def _assert_state_close(got, want, where: str = "") -> None:
-    """Nested state dicts equal: tensors to fp32 summation-order tolerance, the rest exactly
-    (a loaded optimiser holds its tuples as lists)."""
+def _assert_state_close(got, want, where: str = "", exact: bool = False) -> None:
+    """Nested state dicts equal: tensors to fp32 summation-order tolerance (bit for bit if
+    ``exact``), the rest exactly (a loaded optimiser holds its tuples as lists)."""
     if isinstance(want, dict):
         assert got.keys() == want.keys(), where
         for key in want:
-            _assert_state_close(got[key], want[key], f"{where}.{key}")
+            _assert_state_close(got[key], want[key], f"{where}.{key}", exact)
     elif isinstance(want, (list, tuple)):
         assert isinstance(got, (list, tuple)) and len(got) == len(want), where
         for i, (g, w) in enumerate(zip(got, want)):
-            _assert_state_close(g, w, f"{where}[{i}]")
+            _assert_state_close(g, w, f"{where}[{i}]", exact)
     elif torch.is_tensor(want):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=where)
+        rtol, atol = (0.0, 0.0) if exact else (1e-5, 1e-6)
+        torch.testing.assert_close(got, want, rtol=rtol, atol=atol, msg=where)
     else:
         assert got == want, where
+
+
+def full_state(state):
+    """A sharded state dict (``Parallel.state_dict``) with every DTensor gathered in full (on
+    every rank; collective)."""
+    if isinstance(state, dict):
+        return {k: full_state(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [full_state(v) for v in state]
+    return state.full_tensor() if isinstance(state, DTensor) else state
 
 
 def test_one_process_is_the_single_device_path():
@@ -87,18 +99,15 @@ def test_one_process_is_the_single_device_path():
     assert _grads(model) == _grads(ref)
     _step(opts)
     _step(ref_opts)
-    model_sd, optim_sd = parallel.state_dict(opts)
+    state = parallel.state_dict(opts)
     want = get_state_dict(ref, ref_opts, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    _assert_state_close(model_sd, want[0])
-    _assert_state_close(optim_sd, want[1])
+    _assert_state_close(state, {"model": want[0], "optim": want[1]})
 
     fresh = _model()
     fresh_parallel = parallelize(fresh, _env())
     fresh_opts = build_optimizers(fresh, 1e-2, 0.1)
-    fresh_parallel.load_state_dict(copy.deepcopy(model_sd), copy.deepcopy(optim_sd), fresh_opts)
-    again = fresh_parallel.state_dict(fresh_opts)
-    _assert_state_close(again[0], model_sd)
-    _assert_state_close(again[1], optim_sd)
+    fresh_parallel.load_state_dict(copy.deepcopy(state), fresh_opts)
+    _assert_state_close(fresh_parallel.state_dict(fresh_opts), state)
 
 
 def test_ep_must_divide_the_world_and_the_experts():
@@ -131,20 +140,13 @@ def _worker(rank: int, world: int, port: int, ep: int, results) -> None:
         parallel.reduce_gradients()
         norm = parallel.clip_grad_norm_(MAX_NORM)
         _step(opts)
-        model_sd, optim_sd = parallel.state_dict(opts)
+        state = full_state(parallel.state_dict(opts))  # checkpoints: tests/train/test_checkpoint_dcp.py
         plain = parallel.gathered_model()
-        saved = [model_sd, optim_sd]  # on rank 0; every rank reads the checkpoint files
-        dist.broadcast_object_list(saved, src=0)
-        parallel.load_state_dict(*copy.deepcopy(saved), opts)
-        again = parallel.state_dict(opts)
         if rank == 0:
             want = get_state_dict(ref, ref_opts, options=StateDictOptions(full_state_dict=True))
             torch.testing.assert_close(norm, ref_norm, rtol=1e-5, atol=0)
-            _assert_state_close(model_sd, want[0])
-            _assert_state_close(optim_sd, want[1])
+            _assert_state_close(state, {"model": want[0], "optim": want[1]})
             _assert_state_close(plain.state_dict(), want[0])
-            _assert_state_close(again[0], model_sd)
-            _assert_state_close(again[1], optim_sd)
         else:
             assert plain is None
         results[rank] = "ok"
