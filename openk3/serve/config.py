@@ -38,7 +38,8 @@ class EngineConfig:
             ends, rounded down to a hash boundary); a multiple of ``hash_block_size``.
         enable_prefix_caching: off means no hashes, no checkpoints, no hits.
     Runner:
-        cuda_graphs: capture decode steps as CUDA graphs (GPU only).
+        cuda_graphs: capture decode steps as CUDA graphs, one per batch bucket (GPU fast paths
+            only: not with ``OPENK3_REFERENCE=1``).
     """
 
     max_num_seqs: int = 32

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from openk3.ops.fast import use_fast_path
 from openk3.serve.config import EngineConfig
 from openk3.serve.paged_views import DecodeBatch, KDAPool, PagedKDAView, PagedMLAView, PrefillBatch
 from openk3.serve.scheduler import SchedulerOutput
@@ -118,7 +119,8 @@ class ModelRunner:
         self.kda_state = KDAPool(cfg, len(self.kda_layers), config.max_num_seqs + 1, self.device, self.dtype)
         self.kda_checkpoints = KDAPool(cfg, len(self.kda_layers), config.num_kda_checkpoints,
                                        self.device, self.dtype)
-        self.use_graphs = config.cuda_graphs and self.device.type == "cuda"
+        # graphs serve the fast paths: the references sync and gather whole block tables
+        self.use_graphs = config.cuda_graphs and use_fast_path(p)
         self._graphs: dict[int, _DecodeGraph] = {}  # by batch bucket
         self._graph_pool = None  # one memory pool for every bucket's graph: they replay in turn
         self._pin = self.device.type == "cuda"  # pinned host tensors copy asynchronously
