@@ -76,9 +76,9 @@ def test_cuda_graph_decode_equals_eager_decode():
     prompts = [torch.randint(3, 4000, (n,)).tolist() for n in (7, 33, 150, 300, 600, 1)]
     eng.generate(prompts, SamplingParams(temperature=0, max_tokens=40))
     assert set(runner._graphs) <= {1, 2, 4, 8} and len(runner._graphs) >= 2, set(runner._graphs)
-    # a wrong block or a stale row moves logits by O(1); bf16 kernels in another batch shape
-    # and split count differ by ~1e-3
-    assert max(errs) < 3e-2, max(errs)
+    # a wrong block or a stale row moves logits by O(1) (relative > 0.3); bf16 kernels in another
+    # batch shape and split count round differently, amplified through 8 random layers
+    assert max(errs) < 5e-2, max(errs)
 
 
 class HostToDevice(TorchDispatchMode):
