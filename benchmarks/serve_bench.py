@@ -1,17 +1,20 @@
 """Serving on one GPU: prefix-cache TTFT, decode throughput vs transformers, bandwidth floor.
 
-(a) ttft: time to first token of a 32K-token prompt with a cold cache, and with a cached prefix
-    (a request of the prefix alone ran before): 31744 tokens (a hit inside physical block 5 of
-    6144: copy-on-write of 1024 rows) and 30720 (the edge of block 5: no copy). Target: warm
-    under 10% of cold.
+(a) ttft: time to first token of a 32K-token prompt with a cold cache (prefill chunks of the
+    default ``max_num_batched_tokens``, and of 32768: the whole prompt in one pass), and with a
+    cached prefix (a request of the prefix alone ran before): 31744 tokens (a hit inside
+    physical block 5 of 6144: copy-on-write of 1024 rows) and 30720 (the edge of block 5: no
+    copy). Target: warm under 10% of cold.
 (b) decode: generation throughput of ``small`` (random weights) at batch 1, 32, 128 with
     128-token prompts and 128 new tokens, CUDA graphs on and off; and, in the same run, a
     Kimi-Linear-format model of similar size (transformers' ``KimiLinearForCausalLM``, random
     weights, saved and loaded by openk3) served by openk3 and by transformers' ``generate``.
 (c) floor: batch-1 decode time vs (bytes of weights read per token + KDA state read and
     written + MLA latents read) / 4.3 TB/s (the measured copy bandwidth of the H200).
+(d) long: batch-1 decode step (CUDA graphs) at 4K, 32K and 128K tokens of context: the paged
+    MLA attention reads only the blocks in use, one graph serves every length.
 
-Run on the device: ``python benchmarks/serve_bench.py [--parts ttft decode peer]``.
+Run on the device: ``python benchmarks/serve_bench.py [--parts ttft decode peer long]``.
 """
 
 from __future__ import annotations
@@ -61,13 +64,17 @@ def ttft(eng: LLMEngine, prompt: list[int]) -> float:
 
 def part_ttft(model) -> None:
     vocab = model.cfg.vocab_size
-    kw = dict(max_num_seqs=4, max_num_batched_tokens=8192, max_model_len=40000, cuda_graphs=False)
+    kw = dict(max_num_seqs=4, max_model_len=40000, cuda_graphs=False)
     prompt_len = 32768
     warm_eng = engine(model, **kw)
     ttft(warm_eng, random_ids(2048, vocab, 0))  # warm-up: kernels, autotuning
-    cold = [ttft(engine(model, enable_prefix_caching=False, **kw), random_ids(prompt_len, vocab, s))
-            for s in (1, 2)]
-    record({"part": "ttft", "case": "cold", "prompt": prompt_len, "ttft_ms": 1e3 * min(cold)})
+    default_budget = EngineConfig().max_num_batched_tokens
+    cold = {}
+    for budget in (default_budget, prompt_len):
+        cold[budget] = min(ttft(engine(model, enable_prefix_caching=False, **kw, max_num_batched_tokens=budget),
+                                random_ids(prompt_len, vocab, s)) for s in (1, 2))
+        record({"part": "ttft", "case": f"cold, chunks of {budget}", "prompt": prompt_len,
+                "ttft_ms": 1e3 * cold[budget]})
     for prefix, where in ((31744, "inside block"), (30720, "block edge")):
         times, hit = [], 0
         for rep in range(2):  # the first run meets new chunk shapes (autotuning): keep the best
@@ -79,7 +86,7 @@ def part_ttft(model) -> None:
         t = min(times)
         record({"part": "ttft", "case": f"warm, {prefix}-token prefix ({where})", "prompt": prompt_len,
                 "ttft_ms": 1e3 * t, "first_run_ms": 1e3 * times[0], "cached_tokens": hit,
-                "warm_over_cold": t / min(cold)})
+                "warm_over_cold": t / cold[default_budget]})
     # where a warm request's time goes: the same cached prefix, a new 1024-token tail each call
     eng, shared, tails = engine(model, **kw), random_ids(31744, vocab, 5), iter(range(10, 20))
     ttft(eng, shared)
@@ -125,6 +132,15 @@ def part_decode(model, name: str, batches=(1, 32, 128), modes=(True, False)) -> 
             record(row)
             results[graphs, B] = row
     return results
+
+
+def part_long(model, contexts=(4096, 32768, 131072), new: int = 64) -> None:
+    for context in contexts:
+        eng = engine(model, max_num_seqs=1, max_model_len=context + 2 * new)
+        decode_throughput(eng, 1, prompt_len=16, new=8)  # warm-up: captures the batch-1 graph
+        row = decode_throughput(eng, 1, prompt_len=context, new=new)
+        row.update(part="long", model="small", context=context, graphs=len(eng.runner._graphs))
+        record(row)
 
 
 def bandwidth_floor(model, ms_per_token: float, context: int = 192) -> dict:
@@ -201,7 +217,7 @@ def part_peer() -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--parts", nargs="+", default=["decode", "ttft", "peer", "eager"],
+    ap.add_argument("--parts", nargs="+", default=["decode", "ttft", "long", "peer", "eager"],
                     help="run in this order; 'eager' is decode without CUDA graphs")
     args = ap.parse_args()
     print(environment())
@@ -215,6 +231,8 @@ def main() -> None:
             part_ttft(model)
         elif part == "peer":
             part_peer()
+        elif part == "long":
+            part_long(model)
         else:
             raise SystemExit(f"unknown part {part!r}")
 

@@ -5,7 +5,9 @@ from openk3.serve.block_manager import (
     Allocation,
     BlockCopy,
     BlockManager,
+    BlockTableUpdate,
     KDARestore,
+    KDASave,
     PrefixCacheStats,
 )
 from openk3.serve.config import EngineConfig
@@ -14,6 +16,7 @@ from openk3.serve.scheduler import Scheduler, SchedulerOutput
 from openk3.serve.sequence import Sequence, SequenceStatus
 
 __all__ = [
-    "Allocation", "BlockCopy", "BlockManager", "EngineConfig", "KDARestore", "PrefixCacheStats",
+    "Allocation", "BlockCopy", "BlockManager", "BlockTableUpdate", "EngineConfig", "KDARestore",
+    "KDASave", "PrefixCacheStats",
     "SamplingParams", "Scheduler", "SchedulerOutput", "Sequence", "SequenceStatus", "sample",
 ]

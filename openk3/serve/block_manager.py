@@ -1,8 +1,8 @@
 """Bookkeeping for the hybrid cache: paged MLA latents, KDA state slots, KDA-aware prefix cache.
 
 Pure policy: everything here is an integer id. The model runner owns the tensors and executes
-the instructions handed out (``BlockCopy``, ``KDARestore``) before the forward pass of the step
-that returned them.
+the instructions the scheduler hands on: ``BlockTableUpdate``, ``BlockCopy`` and ``KDARestore``
+before the forward pass of the step that returned them, ``KDASave`` after it.
 
 Prefix cache, in brief (K3_SPEC §5):
 - Token ids are hashed in chained fine blocks of ``hash_block_size`` tokens; MLA latents live
@@ -17,6 +17,9 @@ Prefix cache, in brief (K3_SPEC §5):
   pool needs it again (least recently freed first); only then are its hashes dropped.
 - KDA checkpoints live in a separate pool of ``num_kda_checkpoints`` storage ids with LRU
   eviction. A checkpoint pins no MLA block: without its latents it simply cannot hit.
+- A checkpoint id is handed out when the step that reaches the boundary is scheduled
+  (``plan_kda_save``) and becomes visible to lookups only once that step has run
+  (``commit_kda_save``); freeing the sequence first (abort, failure) returns the id.
 """
 
 from __future__ import annotations
@@ -52,6 +55,25 @@ class KDARestore:
 
     checkpoint_id: int
     dst_state_slot: int
+
+
+@dataclass(frozen=True)
+class KDASave:
+    """After the forward pass, copy the KDA states of ``state_slot`` (every KDA layer) into
+    checkpoint ``checkpoint_id``."""
+
+    state_slot: int
+    checkpoint_id: int
+
+
+@dataclass(frozen=True)
+class BlockTableUpdate:
+    """Row ``state_slot`` of the runner's block table holds ``block_ids`` from column ``start`` on
+    (the whole table at admission, the new blocks as a sequence grows)."""
+
+    state_slot: int
+    start: int
+    block_ids: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -131,6 +153,8 @@ class BlockManager:
         self.free_state_slots: deque[int] = deque(range(num_state_slots))
         self.checkpoints: OrderedDict[int, _Checkpoint] = OrderedDict()  # LRU first
         self.free_checkpoint_ids: deque[int] = deque(range(config.num_kda_checkpoints))
+        # Saves planned for the step being run, by request id: (hash key, checkpoint).
+        self.pending_checkpoints: dict[str, tuple[int, _Checkpoint]] = {}
         self.stats = PrefixCacheStats()
         self._serials = itertools.count()
 
@@ -229,7 +253,8 @@ class BlockManager:
             seq.block_table.append(self._allocate_block())
 
     def free(self, seq: Sequence) -> None:
-        """Release the blocks and the state slot of ``seq``; registered prefixes stay cached."""
+        """Release the blocks, the state slot and any uncommitted KDA save of ``seq``; registered
+        prefixes and committed checkpoints stay cached."""
         # Tail blocks first, so the pool reuses them before the shared heads of prefixes.
         for block_id in reversed(seq.block_table):
             self._release_block(block_id)
@@ -238,6 +263,9 @@ class BlockManager:
             self.free_state_slots.append(seq.state_slot)
             seq.state_slot = None
         seq.num_registered_hash_blocks = 0
+        pending = self.pending_checkpoints.pop(seq.request_id, None)
+        if pending is not None:
+            self.free_checkpoint_ids.append(pending[1].checkpoint_id)
 
     def slot_mapping(self, seq: Sequence, start: int, end: int) -> list[int]:
         """Flat cache slot (``block_id * physical_block_size + offset``) of tokens [start, end)."""
@@ -343,12 +371,14 @@ class BlockManager:
         prompt_end = seq.num_prompt_tokens // self.hash_block_size * self.hash_block_size
         return prompt_end if after < prompt_end < boundary else boundary
 
-    def register_kda_checkpoint(self, seq: Sequence, num_tokens: int) -> int | None:
-        """Give the runner a checkpoint storage id for the KDA state of ``seq`` after ``num_tokens``.
+    def plan_kda_save(self, seq: Sequence, num_tokens: int) -> KDASave | None:
+        """Hand out a checkpoint id for the KDA state of ``seq`` after ``num_tokens`` (computed by
+        the step being scheduled); the runner saves into it after that step's forward pass.
 
-        Returns the id the runner must write the recurrent + conv states of every KDA layer into,
-        or None when that prefix is already stored (or checkpoints are disabled). Evicts the least
-        recently used checkpoint when the pool is full.
+        Returns None when that prefix is already stored (its LRU entry is refreshed), when
+        checkpoints are disabled, or when every id is being written this step. Evicts the least
+        recently used checkpoint when the pool is full. The save stays invisible to lookups until
+        ``commit_kda_save``.
         """
         if num_tokens <= 0 or num_tokens % self.hash_block_size or num_tokens > seq.num_computed_tokens:
             raise ValueError(
@@ -357,18 +387,37 @@ class BlockManager:
             )
         if not self.config.enable_prefix_caching or self.config.num_kda_checkpoints == 0:
             return None
+        if seq.request_id in self.pending_checkpoints:
+            raise RuntimeError(f"request {seq.request_id!r} already has a KDA save in this step")
         key = self._hash_chain(seq, num_tokens // self.hash_block_size)[-1]
         token_ids = tuple(seq.token_ids[:num_tokens])
-        existing = self.checkpoints.pop(key, None)
+        existing = self.checkpoints.get(key)
         if existing is not None and existing.token_ids == token_ids:
-            self.checkpoints[key] = existing
+            self.checkpoints.move_to_end(key)
             return None
-        if existing is not None:  # hash collision: the newer prefix takes the storage
-            checkpoint_id = existing.checkpoint_id
-        elif self.free_checkpoint_ids:
+        if self.free_checkpoint_ids:
             checkpoint_id = self.free_checkpoint_ids.popleft()
-        else:
+        elif self.checkpoints:
+            # A restore planned earlier in this step reads the evicted entry before the forward
+            # pass; the save overwrites it only after.
             _, evicted = self.checkpoints.popitem(last=False)
             checkpoint_id = evicted.checkpoint_id
-        self.checkpoints[key] = _Checkpoint(checkpoint_id, token_ids)
-        return checkpoint_id
+        else:
+            return None
+        self.pending_checkpoints[seq.request_id] = (key, _Checkpoint(checkpoint_id, token_ids))
+        return KDASave(seq.state_slot, checkpoint_id)
+
+    def commit_kda_save(self, seq: Sequence) -> None:
+        """The step that saved ``seq``'s planned checkpoint has run: make it available to hits."""
+        pending = self.pending_checkpoints.pop(seq.request_id, None)
+        if pending is None:
+            return
+        key, checkpoint = pending
+        existing = self.checkpoints.pop(key, None)
+        if existing is not None and existing.token_ids == checkpoint.token_ids:
+            # another sequence of the same step saved this prefix first: keep one copy
+            self.free_checkpoint_ids.append(checkpoint.checkpoint_id)
+            checkpoint = existing
+        elif existing is not None:  # hash collision: the newer prefix takes the key
+            self.free_checkpoint_ids.append(existing.checkpoint_id)
+        self.checkpoints[key] = checkpoint

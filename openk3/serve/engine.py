@@ -30,7 +30,7 @@ import torch
 from openk3.serve.block_manager import BlockManager
 from openk3.serve.config import EngineConfig
 from openk3.serve.model_runner import ModelRunner, PromptLogprobs
-from openk3.serve.sampler import InvalidRequest, SamplingParams, make_generator, sample
+from openk3.serve.sampler import InvalidRequest, SamplingParams, make_generator, sample, token_logprobs
 from openk3.serve.scheduler import Scheduler
 from openk3.serve.sequence import Sequence
 
@@ -177,27 +177,24 @@ class LLMEngine:
         self.stats.num_steps += 1
         self.stats.num_preemptions += len(out.preempted_ids)
         self.stats.prompt_tokens += sum(n for s, n in out.scheduled if s.num_computed_tokens <= s.num_prompt_tokens)
-        sampled = out.sampled
-        result = self.runner.execute(out, self.block_manager)
+        result = self.runner.execute(out)
         for rid, piece in result.prompt_logprobs.items():
             self._record_prompt_logprobs(self.requests[rid], piece)
-        if not sampled:
+        if not result.sampled:
             return []
-        logits = result.logits  # [len(sampled), V]
-        reqs = [self.requests[s.request_id] for s in sampled]
-        tokens, _ = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
-        tokens = tokens.tolist()
-        want_lp = [i for i, r in enumerate(reqs) if r.logprobs is not None]
-        if want_lp:
-            logp = torch.log_softmax(logits[want_lp].float(), dim=-1)
-            for row, i in enumerate(want_lp):
-                n = reqs[i].params.logprobs
-                top = logp[row].topk(n) if n else None
-                reqs[i].logprobs.append(Logprob(
-                    tokens[i], logp[row, tokens[i]].item(),
-                    dict(zip(top.indices.tolist(), top.values.tolist())) if n else {}))
-        self.scheduler.postprocess([s.request_id for s in sampled], tokens)
-        self.stats.generation_tokens += len(tokens)
+        reqs = [self.requests[s.request_id] for s in result.sampled]
+        tokens, _ = sample(result.logits, [r.params for r in reqs], [r.generator for r in reqs])
+        token_ids = tokens.tolist()  # the step's one device -> host copy of tokens
+        k = max((r.params.logprobs for r in reqs if r.logprobs is not None), default=None)
+        if k is not None:
+            rows = token_logprobs(result.logits, tokens, k).tolist()  # and of log-probs
+            for r, token_id, row in zip(reqs, token_ids, rows):
+                if r.logprobs is not None:
+                    n = r.params.logprobs
+                    top = dict(zip(map(int, row[1 + k:1 + k + n]), row[1:1 + n]))
+                    r.logprobs.append(Logprob(token_id, row[0], top))
+        self.scheduler.postprocess([s.request_id for s in result.sampled], token_ids)
+        self.stats.generation_tokens += len(token_ids)
         return [self._output(r) for r in reqs]
 
     @staticmethod

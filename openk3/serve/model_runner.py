@@ -2,36 +2,46 @@
 
 Tensors it owns (``L_mla`` MLA layers, ``L_kda`` KDA layers):
 
-* MLA latent cache, one tensor per MLA layer: ``[num_blocks * block_size, kv_lora_rank +
+* MLA latent cache, one tensor per MLA layer: ``[(num_blocks + 1) * block_size, kv_lora_rank +
   qk_rope_head_dim]`` (576 wide for K3), token row = ``block_id * block_size + offset``.
-* KDA state pool, per KDA layer: recurrent ``[slots, H, K, V]`` fp32 and the three conv states
-  ``[slots, H*K, W-1]``; the checkpoint pool has the same layout with ``num_kda_checkpoints``
-  entries. Slots and checkpoint ids come from the ``BlockManager``.
+* Block table ``[max_num_seqs + 1, max_blocks_per_seq]`` int32, one row per KDA state slot,
+  resident on the device and written only where the scheduler's ``BlockTableUpdate``s say a
+  row changed (admission, a new block).
+* KDA state pool ``[L_kda, max_num_seqs + 1, ...]`` and checkpoint pool ``[L_kda,
+  num_kda_checkpoints, ...]`` (``paged_views.KDAPool``). Slots and checkpoint ids come from the
+  ``BlockManager`` through the scheduler's instructions.
+
+The last block and the last slot are scratch: the padding rows of a CUDA-graph decode batch
+read and write only there.
 
 One step (``execute``) runs up to two forward passes over the scheduled sequences:
 
-* **decode group** (sequences computing one token): a ``[B, 1]`` batch; KDA through the
-  single-token step (fla's ``fused_recurrent_kda`` on GPU), MLA through the absorbed form over
-  each row's latents gathered from the paged cache (padded to a common length, masked). On GPU
-  this pass is captured once per (batch bucket, context bucket) as a CUDA graph and replayed.
+* **decode group** (sequences computing one token): a ``[B, 1]`` batch whose inputs are one
+  ``[3, B]`` host tensor (token ids, context lengths, state slots); slots of the new latents and
+  the rows' block tables are read from the device table. KDA runs the single-token step, MLA the
+  absorbed form with ``paged_mla_decode`` (reads only each row's blocks). On GPU the pass is a
+  CUDA graph per batch bucket (the next power of two), whatever the context lengths.
 * **prefill group** (prompt chunks): all chunks packed into one ``[1, sum T_i]`` row with
-  ``cu_seqlens``; KDA and its short convolutions run varlen (fla's ``chunk_kda`` kernel on GPU),
-  MLA runs the expanded form per chunk over that sequence's cached prefix plus the chunk.
+  ``cu_seqlens``; KDA and its short convolutions run varlen, MLA the expanded form over every
+  chunk's cached prefix with one varlen attention. Its inputs are one packed host tensor too.
 
-Layers see this through view objects (``PagedKDAView``, ``PagedMLAView``) that look like the
-generate path's ``KDAState`` / ``MLAState``: the model code is the same for both paths.
+Host -> device copies per step: one for the decode inputs, one for the prefill inputs, and one
+for the instructions of each side of the forward pass when there are any; never one per
+sequence, block or layer.
 """
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from dataclasses import dataclass, field
 
 import torch
 
 from openk3.model.fuse import fuse_projections
-from openk3.serve.block_manager import BlockManager
+from openk3.ops.fast import use_fast_path
 from openk3.serve.config import EngineConfig
+from openk3.serve.paged_views import DecodeBatch, KDAPool, PagedKDAView, PagedMLAView, PrefillBatch
 from openk3.serve.scheduler import SchedulerOutput
 from openk3.serve.sequence import Sequence
 
@@ -58,85 +68,13 @@ class PromptLogprobs:
 
 @dataclass
 class StepResult:
-    """``logits [len(out.sampled), vocab]`` in ``out.sampled`` order; ``prompt_logprobs`` by
-    request id (one piece per step and request; a long prompt chunk is split and the pieces
-    concatenated here)."""
+    """``logits [len(sampled), vocab]``, row i for ``sampled[i]``: the sequences of
+    ``out.sampled``, decode rows first. ``prompt_logprobs`` by request id (one piece per step and
+    request; a long prompt chunk is split and the pieces concatenated here)."""
 
     logits: torch.Tensor
+    sampled: list[Sequence] = field(default_factory=list)
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
-
-
-class KDAPool:
-    """Per-KDA-layer state tensors for ``n`` entries (state slots or checkpoints)."""
-
-    FIELDS = ("recurrent", "conv_q", "conv_k", "conv_v")
-
-    def __init__(self, cfg, n: int, device, dtype):
-        H, K, W = cfg.linear_num_heads, cfg.linear_head_dim, cfg.linear_conv_kernel_size
-        self.recurrent = torch.zeros(n, H, K, K, device=device, dtype=torch.float32)
-        self.conv_q, self.conv_k, self.conv_v = (
-            torch.zeros(n, H * K, W - 1, device=device, dtype=dtype) for _ in range(3))
-
-    def tensors(self) -> list[torch.Tensor]:
-        return [getattr(self, f) for f in self.FIELDS]
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors())
-
-
-class PagedKDAView:
-    """A KDA layer's view of the state slots of this batch's sequences. Reading an attribute
-    gathers the rows, assigning scatters them back into the pool."""
-
-    def __init__(self, pool: KDAPool, slots: torch.Tensor, cu_seqlens: torch.Tensor | None,
-                 cu_seqlens_cpu: torch.Tensor | None):
-        self._pool, self._slots = pool, slots
-        self.cu_seqlens, self.cu_seqlens_cpu = cu_seqlens, cu_seqlens_cpu
-
-    def __getattr__(self, name):
-        if name in KDAPool.FIELDS:
-            return getattr(self._pool, name).index_select(0, self._slots)
-        raise AttributeError(name)
-
-    def __setattr__(self, name, value):
-        if name in KDAPool.FIELDS:
-            t = getattr(self._pool, name)
-            t.index_copy_(0, self._slots, value.to(t.dtype))
-        else:
-            super().__setattr__(name, value)
-
-
-@dataclass
-class MLABatch:
-    """Where this batch's latents go and which cached rows each sequence attends over.
-
-    slot_mapping [T_total]: cache row of every new token. Decode: ``context_slots`` [B, L] and
-    ``context_mask`` [B, L]. Prefill: per chunk, ``segments`` (start, end, past) in the packed
-    row and ``segment_slots`` (cache rows of the whole prefix, past + chunk)."""
-
-    slot_mapping: torch.Tensor
-    context_slots: torch.Tensor | None = None
-    context_mask: torch.Tensor | None = None
-    segments: list[tuple[int, int, int]] | None = None
-    segment_slots: list[torch.Tensor] | None = None
-
-
-class PagedMLAView:
-    def __init__(self, cache: torch.Tensor, rank: int, batch: MLABatch):
-        self.cache, self.rank, self.batch = cache, rank, batch
-
-    def attend(self, layer, q: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor) -> torch.Tensor:
-        b, r = self.batch, self.rank
-        rows = torch.cat([latent, k_rope], dim=-1).flatten(0, 1).to(self.cache.dtype)
-        self.cache.index_copy_(0, b.slot_mapping, rows)
-        if b.context_slots is not None:  # decode: one token per row, absorbed form
-            ctx = self.cache[b.context_slots]  # [B, L, r + rope]
-            return layer.attend_absorbed(q, ctx[..., :r], ctx[..., r:], b.context_mask)
-        outs = []
-        for (start, end, past), slots in zip(b.segments, b.segment_slots):
-            ctx = self.cache[slots][None]  # [1, past + chunk, r + rope]
-            outs.append(layer.attend_expanded(q[:, start:end], ctx[..., :r], ctx[..., r:], past))
-        return torch.cat(outs, dim=1)
 
 
 class _Views:
@@ -170,78 +108,93 @@ class ModelRunner:
         self.max_model_len = min(max_len, num_blocks * bs - 1)
         if self.max_model_len < 2:
             raise ValueError(f"the MLA cache ({num_blocks} blocks of {bs}) holds no request")
-        # One scratch block and one scratch state slot past the real ones: the padding rows of a
-        # CUDA-graph decode batch write there, never into a live sequence's cache.
         self.scratch_block, self.scratch_slot = num_blocks, config.max_num_seqs
+        self.max_blocks_per_seq = _cdiv(self.max_model_len + 1, bs)
         self.mla_cache = {i: torch.zeros((num_blocks + 1) * bs, width, device=self.device,
                                          dtype=self.dtype) for i in self.mla_layers}
-        self.kda_state = {i: KDAPool(cfg, config.max_num_seqs + 1, self.device, self.dtype)
-                          for i in self.kda_layers}
-        self.kda_checkpoints = {i: KDAPool(cfg, config.num_kda_checkpoints, self.device, self.dtype)
-                                for i in self.kda_layers}
-        self.use_graphs = config.cuda_graphs and self.device.type == "cuda"
-        self._graphs: dict[tuple[int, int], _DecodeGraph] = {}
+        # Entries no update has written point at the scratch block: the scratch slot's row
+        # (padding rows) then reads and writes only there.
+        self.block_tables = torch.full((config.max_num_seqs + 1, self.max_blocks_per_seq),
+                                       self.scratch_block, device=self.device, dtype=torch.int32)
+        self.kda_index = {layer: k for k, layer in enumerate(self.kda_layers)}
+        self.kda_state = KDAPool(cfg, len(self.kda_layers), config.max_num_seqs + 1, self.device, self.dtype)
+        self.kda_checkpoints = KDAPool(cfg, len(self.kda_layers), config.num_kda_checkpoints,
+                                       self.device, self.dtype)
+        # graphs serve the fast paths: the references sync and gather whole block tables
+        self.use_graphs = config.cuda_graphs and use_fast_path(p)
+        self._graphs: dict[int, _DecodeGraph] = {}  # by batch bucket
+        self._graph_pool = None  # one memory pool for every bucket's graph: they replay in turn
+        self._pin = self.device.type == "cuda"  # pinned host tensors copy asynchronously
 
     def cache_bytes(self) -> dict[str, int]:
         return {"mla": sum(t.numel() * t.element_size() for t in self.mla_cache.values()),
-                "kda_state": sum(p.nbytes() for p in self.kda_state.values()),
-                "kda_checkpoints": sum(p.nbytes() for p in self.kda_checkpoints.values())}
+                "kda_state": self.kda_state.nbytes(), "kda_checkpoints": self.kda_checkpoints.nbytes()}
 
-    # Cache instructions from the block manager.
+    def _upload(self, *parts: list[int]) -> list[torch.Tensor]:
+        """One host -> device copy for several lists of ints: int64 device tensors, one per list."""
+        host = torch.tensor(list(itertools.chain.from_iterable(parts)), dtype=torch.long, pin_memory=self._pin)
+        return list(host.to(self.device, non_blocking=True).split([len(p) for p in parts]))
 
-    def _apply_cache_ops(self, out: SchedulerOutput) -> None:
+    # Cache instructions from the scheduler.
+
+    def _before_forward(self, out: SchedulerOutput) -> None:
+        """Block table updates, block copies (copy-on-write), KDA restores and resets."""
         bs = self.block_size
         for c in out.block_copies:
             for t in self.mla_cache.values():
                 t[c.dst * bs: c.dst * bs + c.num_tokens] = t[c.src * bs: c.src * bs + c.num_tokens]
-        for r in out.kda_restores:
-            for i in self.kda_layers:
-                for dst, src in zip(self.kda_state[i].tensors(), self.kda_checkpoints[i].tensors()):
-                    dst[r.dst_state_slot] = src[r.checkpoint_id]
-        for slot in out.kda_resets:
-            for i in self.kda_layers:
-                for t in self.kda_state[i].tensors():
-                    t[slot] = 0
+        if not (out.block_table_updates or out.kda_restores or out.kda_resets):
+            return
+        rows, cols, block_ids = [], [], []
+        for u in out.block_table_updates:
+            rows += [u.state_slot] * len(u.block_ids)
+            cols += range(u.start, u.start + len(u.block_ids))
+            block_ids += u.block_ids
+        rows, cols, block_ids, restore_src, restore_dst, resets = self._upload(
+            rows, cols, block_ids, [r.checkpoint_id for r in out.kda_restores],
+            [r.dst_state_slot for r in out.kda_restores], out.kda_resets)
+        if out.block_table_updates:
+            self.block_tables[rows, cols] = block_ids.to(torch.int32)
+        if out.kda_restores:
+            self.kda_state.copy_(restore_dst, self.kda_checkpoints, restore_src)
+        if out.kda_resets:
+            self.kda_state.zero_(resets)
 
-    def _save_checkpoints(self, out: SchedulerOutput, bm: BlockManager) -> None:
-        for seq, num_tokens in out.kda_checkpoints:
-            cid = bm.register_kda_checkpoint(seq, num_tokens)
-            if cid is None:
-                continue
-            for i in self.kda_layers:
-                for dst, src in zip(self.kda_checkpoints[i].tensors(), self.kda_state[i].tensors()):
-                    dst[cid] = src[seq.state_slot]
-
-    # Index helpers: cache rows from block tables, on the device.
-
-    def _rows(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
-        table = torch.tensor(block_table, device=self.device, dtype=torch.long)
-        pos = torch.arange(start, end, device=self.device)
-        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+    def _after_forward(self, out: SchedulerOutput) -> None:
+        """KDA saves: the state slots now hold the states at the checkpoint boundaries."""
+        if out.kda_saves:
+            slots, checkpoint_ids = self._upload([s.state_slot for s in out.kda_saves],
+                                                 [s.checkpoint_id for s in out.kda_saves])
+            self.kda_checkpoints.copy_(checkpoint_ids, self.kda_state, slots)
 
     # Forward passes.
 
-    def execute(self, out: SchedulerOutput, bm: BlockManager) -> StepResult:
+    def execute(self, out: SchedulerOutput) -> StepResult:
         """Run the step: logits of ``out.sampled`` and the prompt log-probabilities of this step's
         tokens of every sequence that wants them (``Sequence.wants_prompt_logprobs``)."""
-        self._apply_cache_ops(out)
-        decode = [(s, n) for s, n in out.scheduled if n == 1]
+        self._before_forward(out)
+        # sampled decode rows first: their logits are then a prefix of the decode pass's
+        decode = sorted((s for s, n in out.scheduled if n == 1), key=lambda s: s.num_computed_tokens < s.num_tokens)
         prefill = [(s, n) for s, n in out.scheduled if n > 1]
-        logits: dict[str, torch.Tensor] = {}
         result = StepResult(torch.empty(0, self.cfg.vocab_size, device=self.device))
+        logits = []
         if decode:
-            seqs = [s for s, _ in decode]
-            rows = self._decode(seqs)
-            logits.update((s.request_id, rows[j]) for j, s in enumerate(seqs)
-                          if s.num_computed_tokens == s.num_tokens)
-            for j, s in enumerate(seqs):
+            rows = self._decode(decode)
+            n = sum(s.num_computed_tokens == s.num_tokens for s in decode)
+            logits.append(rows[:n])
+            result.sampled += decode[:n]
+            for j, s in enumerate(decode):
                 if s.wants_prompt_logprobs:
                     self._add_prompt_logprobs(result, s, s.num_computed_tokens - 1, rows[j:j + 1])
         if prefill:
-            logits.update(self._prefill(prefill, result))
-        self._save_checkpoints(out, bm)
-        if out.sampled:
-            result.logits = torch.stack([logits[s.request_id] for s in out.sampled])
+            sampled, rows = self._prefill(prefill, result)
+            logits.append(rows)
+            result.sampled += sampled
+        self._after_forward(out)
+        if len(logits) == 1:
+            result.logits = logits[0]
+        elif logits:
+            result.logits = torch.cat(logits)
         return result
 
     @staticmethod
@@ -261,110 +214,119 @@ class ModelRunner:
                 (before.token, before.top_ids, before.top_values), (piece.token, piece.top_ids, piece.top_values))))
         result.prompt_logprobs[seq.request_id] = piece
 
-    def _prefill(self, chunks: list[tuple[Sequence, int]], result: StepResult) -> dict[str, torch.Tensor]:
-        ids, slots, segments, segment_slots, cu, last = [], [], [], [], [0], {}
+    def _prefill(self, chunks: list[tuple[Sequence, int]], result: StepResult) -> tuple[list[Sequence], torch.Tensor]:
+        """Returns the sequences whose prompt this step completes and their logits [n, V]."""
+        ids, cu_q, cu_k, starts, slots, last_rows, sampled = [], [0], [0], [], [], [], []
         for seq, n in chunks:
             end = seq.num_computed_tokens  # already advanced by the scheduler
-            start = end - n
-            ids.extend(seq.token_ids[start:end])
-            prefix = self._rows(seq.block_table, 0, end)
-            slots.append(prefix[start:])
-            segments.append((cu[-1], cu[-1] + n, start))
-            segment_slots.append(prefix)
-            cu.append(cu[-1] + n)
+            ids += seq.token_ids[end - n:end]
+            cu_q.append(cu_q[-1] + n)
+            cu_k.append(cu_k[-1] + end)  # the chunk attends over its whole prefix
+            starts.append(end - n)
+            slots.append(seq.state_slot)
             if end == seq.num_tokens:
-                last[seq.request_id] = cu[-1] - 1
-        dev = self.device
-        cu_cpu = torch.tensor(cu, dtype=torch.long)
-        cu_seqlens = cu_cpu.to(dev)
-        state_slots = torch.tensor([s.state_slot for s, _ in chunks], device=dev, dtype=torch.long)
-        batch = MLABatch(torch.cat(slots), segments=segments, segment_slots=segment_slots)
-        hidden = self._forward(torch.tensor([ids], device=dev), batch, state_slots, (cu_seqlens, cu_cpu))
-        for (seq, n), (a, b, start) in zip(chunks, segments):
+                last_rows.append(cu_q[-1] - 1)
+                sampled.append(seq)
+        ids, cu_q_dev, cu_k_dev, starts, slots, last_rows = self._upload(ids, cu_q, cu_k, starts, slots, last_rows)
+        batch = self._prefill_batch(cu_q_dev, cu_k_dev, starts, slots, torch.tensor(cu_q), torch.tensor(cu_k))
+        hidden = self._forward(ids[None], batch, slots, batch.cu_seqlens_q, batch.cu_seqlens_q_cpu)[0]
+        for (seq, n), a, b in zip(chunks, cu_q[:-1], cu_q[1:]):
             if seq.wants_prompt_logprobs:  # in pieces: [rows, vocab] fp32 logits are large
+                start = seq.num_computed_tokens - n
                 for lo in range(a, b, PROMPT_LOGITS_ROWS):
                     hi = min(b, lo + PROMPT_LOGITS_ROWS)
-                    self._add_prompt_logprobs(result, seq, start + lo - a, self.model.lm_head(hidden[0, lo:hi]))
-        if not last:
-            return {}
-        rows = hidden[0, list(last.values())]
-        return dict(zip(last, self.model.lm_head(rows).float()))
+                    self._add_prompt_logprobs(result, seq, start + lo - a, self.model.lm_head(hidden[lo:hi]))
+        if not sampled:
+            return [], hidden.new_empty(0, self.cfg.vocab_size)
+        return sampled, self.model.lm_head(hidden[last_rows]).float()
 
-    def _decode_inputs(self, seqs: list[Sequence], B: int, L: int):
-        """Host -> device inputs of a decode batch padded to B rows and contexts of L tokens."""
+    def _prefill_batch(self, cu_q: torch.Tensor, cu_k: torch.Tensor, starts: torch.Tensor,
+                       slots: torch.Tensor, cu_q_cpu: torch.Tensor, cu_k_cpu: torch.Tensor) -> PrefillBatch:
+        """Cache rows of the new tokens and of every chunk's keys, from the device block table.
+
+        cu_q, cu_k [N+1]: offsets of the chunks' tokens and of their prefixes (past + chunk);
+        starts [N]: position of each chunk's first token; slots [N]: state slots (table rows)."""
         bs, dev = self.block_size, self.device
-        width = _cdiv(L, bs)
-        ids = [s.token_ids[s.num_computed_tokens - 1] for s in seqs]
-        ctx = [s.num_computed_tokens for s in seqs]
-        scratch = self.scratch_block
-        tables = [s.block_table[:width] + [scratch] * (width - len(s.block_table[:width])) for s in seqs]
-        pad = B - len(seqs)
-        ids, ctx = ids + [0] * pad, ctx + [1] * pad  # padding rows: one token in the scratch block
-        tables += [[scratch] * width] * pad
-        slots = [s.state_slot for s in seqs] + [self.scratch_slot] * pad
-        return (torch.tensor(ids, device=dev), torch.tensor(ctx, device=dev),
-                torch.tensor(tables, device=dev, dtype=torch.long),
-                torch.tensor(slots, device=dev, dtype=torch.long))
+        chunk = torch.arange(len(cu_q_cpu) - 1, device=dev)
+        table = self.block_tables.index_select(0, slots).long()  # [N, max_blocks]
+        T, K = int(cu_q_cpu[-1]), int(cu_k_cpu[-1])
+        q_chunk = torch.repeat_interleave(chunk, cu_q.diff(), output_size=T)  # chunk of each token
+        q_pos = starts[q_chunk] + torch.arange(T, device=dev) - cu_q[q_chunk]  # its position
+        k_chunk = torch.repeat_interleave(chunk, cu_k.diff(), output_size=K)
+        k_pos = torch.arange(K, device=dev) - cu_k[k_chunk]
+        return PrefillBatch(table[q_chunk, q_pos // bs] * bs + q_pos % bs,
+                            table[k_chunk, k_pos // bs] * bs + k_pos % bs,
+                            cu_q, cu_k, cu_q_cpu, cu_k_cpu)
 
     def _decode(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Logits [len(seqs), V] of a decode batch (padded to its bucket under CUDA graphs)."""
         n = len(seqs)
-        L = max(s.num_computed_tokens for s in seqs)
-        if self.use_graphs:
-            B = 1 << (n - 1).bit_length()  # batch bucket: next power of two
-            Lb = max(256, 1 << (L - 1).bit_length())
-            key = (B, Lb)
-            if key not in self._graphs:
-                try:
-                    self._graphs[key] = _DecodeGraph(self, B, Lb)
-                except RuntimeError as e:  # an op in the decode pass cannot be captured
-                    warnings.warn(f"CUDA graph capture failed ({e}); decoding eagerly from now on")
-                    self.use_graphs = False
-                    return self._decode(seqs)
-            return self._graphs[key].run(self._decode_inputs(seqs, B, Lb))[:n]
-        return self._decode_eager(*self._decode_inputs(seqs, n, L), L)
+        B = 1 << (n - 1).bit_length() if self.use_graphs else n
+        pad = B - n
+        ids = [s.token_ids[s.num_computed_tokens - 1] for s in seqs] + [0] * pad
+        ctx = [s.num_computed_tokens for s in seqs] + [1] * pad  # padding: one token in the scratch block
+        slots = [s.state_slot for s in seqs] + [self.scratch_slot] * pad
+        inputs = torch.tensor([ids, ctx, slots], dtype=torch.long, pin_memory=self._pin)  # [3, B]
+        graph = self._graph(B) if self.use_graphs else None
+        if graph is not None:
+            return graph.run(inputs)[:n]
+        width = _cdiv(max(ctx), self.block_size)  # the reference attention reads every column
+        return self._decode_forward(inputs.to(self.device, non_blocking=True), width)[:n]
 
-    def _decode_eager(self, ids, ctx, tables, state_slots, L: int) -> torch.Tensor:
-        """ids, ctx, state_slots: [B]; tables: [B, cdiv(L, block_size)]. Returns logits [B, V]."""
+    def _graph(self, B: int) -> _DecodeGraph | None:
+        if B not in self._graphs:
+            try:
+                if self._graph_pool is None:
+                    self._graph_pool = torch.cuda.graph_pool_handle()
+                self._graphs[B] = _DecodeGraph(self, B)
+            except RuntimeError as e:  # an op in the decode pass cannot be captured
+                warnings.warn(f"CUDA graph capture failed ({e}); decoding eagerly from now on")
+                self.use_graphs = False
+                return None
+        return self._graphs[B]
+
+    def _decode_forward(self, inputs: torch.Tensor, width: int) -> torch.Tensor:
+        """inputs [3, B] on the device: token ids, context lengths (the new token included), state
+        slots; ``width`` block-table columns are handed to the attention. Returns logits [B, V]."""
+        ids, context_lens, slots = inputs
         bs = self.block_size
-        pos = torch.arange(L, device=self.device)
-        context_slots = tables[:, pos // bs] * bs + pos % bs  # [B, L]
-        mask = pos[None, :] < ctx[:, None]
-        new_slot = context_slots.gather(1, (ctx - 1)[:, None])[:, 0]
-        batch = MLABatch(new_slot, context_slots=context_slots, context_mask=mask)
-        hidden = self._forward(ids[:, None], batch, state_slots, (None, None))
+        table = self.block_tables[slots, :width]  # [B, width] int32
+        pos = context_lens - 1
+        new_rows = table.gather(1, (pos // bs)[:, None])[:, 0].long() * bs + pos % bs
+        batch = DecodeBatch(new_rows, table, context_lens, bs)
+        hidden = self._forward(ids[:, None], batch, slots, None, None)
         return self.model.lm_head(hidden[:, 0]).float()
 
-    def _forward(self, ids, batch: MLABatch, state_slots, cu_seqlens: tuple) -> torch.Tensor:
-        """cu_seqlens: (on the device, on the host) for a packed prefill, else (None, None)."""
-        layers = []
-        for i in range(self.cfg.num_hidden_layers):
-            if i in self.mla_cache:
-                layers.append(PagedMLAView(self.mla_cache[i], self.cfg.kv_lora_rank, batch))
-            else:
-                layers.append(PagedKDAView(self.kda_state[i], state_slots, *cu_seqlens))
+    def _forward(self, ids, batch: DecodeBatch | PrefillBatch, state_slots: torch.Tensor,
+                 cu_seqlens: torch.Tensor | None, cu_seqlens_cpu: torch.Tensor | None) -> torch.Tensor:
+        """cu_seqlens: the chunks' offsets (on the device and the host) for a packed prefill."""
+        layers = [PagedMLAView(self.mla_cache[i], batch) if i in self.mla_cache else
+                  PagedKDAView(self.kda_state, self.kda_index[i], state_slots, cu_seqlens, cu_seqlens_cpu)
+                  for i in range(self.cfg.num_hidden_layers)]
         return self.model.model(ids, _Views(layers))
 
 
 class _DecodeGraph:
-    """One CUDA graph of the decode pass for B rows and contexts padded to L tokens.
+    """One CUDA graph of the decode pass for B rows, over the whole block-table width (the
+    attention kernel reads only each row's blocks), so it serves every context length.
 
-    Inputs are copied into static buffers before each replay; padding rows point at the
-    runner's scratch block and scratch state slot, and their logits are dropped."""
+    Inputs are copied into a static [3, B] buffer before each replay; padding rows point at the
+    runner's scratch slot (whose table row is all scratch block), and their logits are dropped."""
 
-    def __init__(self, runner: ModelRunner, B: int, L: int):
-        self.inputs = runner._decode_inputs([], B, L)
+    def __init__(self, runner: ModelRunner, B: int):
+        self.inputs = torch.tensor([[0] * B, [1] * B, [runner.scratch_slot] * B], device=runner.device)
+        width = runner.max_blocks_per_seq
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):  # warm-up: compilation, autotuning, allocator
-                runner._decode_eager(*self.inputs, L)
+                runner._decode_forward(self.inputs, width)
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.logits = runner._decode_eager(*self.inputs, L)
+        with torch.cuda.graph(self.graph, pool=runner._graph_pool):
+            self.logits = runner._decode_forward(self.inputs, width)
 
-    def run(self, inputs) -> torch.Tensor:
-        for static, new in zip(self.inputs, inputs):
-            static.copy_(new)
+    def run(self, inputs: torch.Tensor) -> torch.Tensor:
+        self.inputs.copy_(inputs, non_blocking=True)
         self.graph.replay()
         return self.logits

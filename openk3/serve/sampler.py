@@ -90,23 +90,29 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     if all(p.temperature == 0 for p in params):  # greedy batch: no filtering, no noise
         tokens = logits.argmax(-1)
         return tokens, torch.zeros(tokens.shape, device=dev)  # the filtered distribution is one-hot
-    temperature = torch.tensor([p.temperature for p in params], device=dev)
-    top_k = torch.tensor([p.top_k for p in params], device=dev)
-    top_p = torch.tensor([p.top_p for p in params], device=dev)
-    logp = filtered_logprobs(logits, temperature, top_k, top_p)
-    # Exp(1) noise, one draw per generator: a seeded request's own generator fills only its row
-    # (so its tokens do not depend on the batch); unseeded rows share one draw from the global RNG
-    noise = torch.empty_like(logp)
-    by_generator: dict[int, tuple[torch.Generator | None, list[int]]] = {}
-    for row, g in enumerate(generators):
-        by_generator.setdefault(id(g), (g, []))[1].append(row)
-    for g, rows in by_generator.values():
-        draw = torch.empty(len(rows), logp.shape[-1], device=dev).exponential_(generator=g)
-        noise[rows] = draw
+    settings = torch.tensor([[p.temperature, p.top_p, p.top_k] for p in params], device=dev)  # one copy
+    temperature, top_p, top_k = settings.unbind(1)
+    logp = filtered_logprobs(logits, temperature, top_k.long(), top_p)
+    # Exp(1) noise: unseeded rows (or a generator all rows share) take one draw; a seeded
+    # request's own generator then fills only its row, so its tokens do not depend on the batch
+    shared = generators[0] if all(g is generators[0] for g in generators) else None
+    noise = torch.empty_like(logp).exponential_(generator=shared)
+    if shared is None:
+        for row, g in enumerate(generators):
+            if g is not None:
+                noise[row].exponential_(generator=g)
     tokens = (logp.exp() / noise).argmax(-1)  # exponential race: exact sampling from exp(logp)
-    greedy = temperature == 0
-    tokens = torch.where(greedy, logp.argmax(-1), tokens)
+    tokens = torch.where(temperature == 0, logp.argmax(-1), tokens)
     return tokens, logp.gather(-1, tokens[:, None])[:, 0]
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> torch.Tensor:
+    """logits [B, V], tokens [B] -> [B, 1 + 2k] float64: per row the model's log-probability of
+    its token, then the ``k`` best log-probabilities and their token ids (exact in float64), so
+    one host copy brings back every row's log-probs."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    top = logp.topk(k, dim=-1)
+    return torch.cat([t.double() for t in (logp.gather(-1, tokens[:, None]), top.values, top.indices)], dim=1)
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:

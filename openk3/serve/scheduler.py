@@ -9,11 +9,14 @@ cache often gives most of it back on re-admission).
 
 Engine loop contract, per step:
     out = scheduler.step()
-    runner executes out.block_copies and out.kda_restores, zeroes out.kda_resets, then runs
-    the forward pass for out.scheduled; for each (seq, b) in out.kda_checkpoints it calls
-    block_manager.register_kda_checkpoint(seq, b) and saves the KDA states into the id returned;
-    it samples one token for each sequence in out.sampled (all of its tokens computed);
-    scheduler.postprocess([s.request_id for s in out.sampled], token_ids)
+    runner.execute(out): writes out.block_table_updates into its block table, executes
+    out.block_copies and out.kda_restores, zeroes out.kda_resets, runs the forward pass for
+    out.scheduled, then executes out.kda_saves; it returns the logits of the sequences in
+    out.sampled (all of their tokens computed), one token is sampled for each, and
+    scheduler.postprocess(request_ids, token_ids)
+The step's hash blocks and KDA checkpoints become visible to prefix lookups at the next
+``postprocess`` or ``step`` (the runner has run it by then); a sequence freed before that
+(abort) gives its planned checkpoint id back.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from openk3.serve.block_manager import BlockCopy, BlockManager, KDARestore
+from openk3.serve.block_manager import BlockCopy, BlockManager, BlockTableUpdate, KDARestore, KDASave
 from openk3.serve.config import EngineConfig
 from openk3.serve.sequence import Sequence, SequenceStatus
 
@@ -32,10 +35,11 @@ class SchedulerOutput:
     ``seq.token_ids[seq.num_computed_tokens - n : seq.num_computed_tokens]`` (already advanced)."""
 
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)
+    block_table_updates: list[BlockTableUpdate] = field(default_factory=list)
     block_copies: list[BlockCopy] = field(default_factory=list)
     kda_restores: list[KDARestore] = field(default_factory=list)
     kda_resets: list[int] = field(default_factory=list)  # state slots to zero before the forward
-    kda_checkpoints: list[tuple[Sequence, int]] = field(default_factory=list)
+    kda_saves: list[KDASave] = field(default_factory=list)  # after the forward
     preempted_ids: list[str] = field(default_factory=list)
 
     @property
@@ -125,10 +129,19 @@ class Scheduler:
         out.preempted_ids.append(seq.request_id)
 
     def _register_computed(self) -> None:
+        """The last step has run: its hash blocks and KDA checkpoints may serve hits."""
         for seq in self._last_scheduled:
             if seq.status is SequenceStatus.RUNNING:
                 self.block_manager.register_computed_blocks(seq)
+                self.block_manager.commit_kda_save(seq)
         self._last_scheduled = []
+
+    @staticmethod
+    def _update_table(out: SchedulerOutput, seq: Sequence, start: int) -> None:
+        """Tell the runner about ``seq``'s block ids from column ``start`` on, if any."""
+        if len(seq.block_table) > start:
+            out.block_table_updates.append(
+                BlockTableUpdate(seq.state_slot, start, tuple(seq.block_table[start:])))
 
     def step(self) -> SchedulerOutput:
         self._register_computed()  # in case the engine skipped postprocess (nothing sampled)
@@ -148,7 +161,9 @@ class Scheduler:
                     break
             if seq.status is not SequenceStatus.RUNNING:
                 break
+            num_blocks = len(seq.block_table)
             bm.append_slot(seq)
+            self._update_table(out, seq, num_blocks)
             n = self._num_new_tokens(seq, budget)
             out.scheduled.append((seq, n))
             budget -= n
@@ -163,6 +178,7 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            self._update_table(out, seq, 0)
             if allocation.block_copy is not None:
                 out.block_copies.append(allocation.block_copy)
             if allocation.kda_restore is not None:
@@ -176,7 +192,9 @@ class Scheduler:
         for seq, n in out.scheduled:
             seq.num_computed_tokens += n
             if bm.is_kda_checkpoint_boundary(seq, seq.num_computed_tokens):
-                out.kda_checkpoints.append((seq, seq.num_computed_tokens))
+                save = bm.plan_kda_save(seq, seq.num_computed_tokens)
+                if save is not None:
+                    out.kda_saves.append(save)
         self._last_scheduled = [seq for seq, _ in out.scheduled]
         return out
 

@@ -33,6 +33,8 @@ class Sequence:
             raise ValueError(f"request {request_id!r}: max_tokens must be >= 1, got {max_tokens}")
         self.request_id = request_id
         self.token_ids = list(prompt_token_ids)
+        # copied once: every output of the request shares it (do not mutate)
+        self.prompt_token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.max_tokens = max_tokens
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -61,10 +63,6 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
-
-    @property
-    def prompt_token_ids(self) -> list[int]:
-        return self.token_ids[: self.num_prompt_tokens]
 
     @property
     def output_token_ids(self) -> list[int]:

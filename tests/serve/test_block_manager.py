@@ -5,7 +5,7 @@ import random
 import pytest
 
 from openk3.serve import block_manager as bm_module
-from openk3.serve.block_manager import BlockCopy, BlockManager, KDARestore
+from openk3.serve.block_manager import BlockCopy, BlockManager, KDARestore, KDASave
 from openk3.serve.config import EngineConfig
 from openk3.serve.sequence import Sequence
 
@@ -22,12 +22,19 @@ def tokens(n: int, seed: int) -> list[int]:
     return [rng.randrange(50_000) for _ in range(n)]
 
 
+def save(bm: BlockManager, seq: Sequence, num_tokens: int) -> int | None:
+    """Plan a KDA save at ``num_tokens``, pretend the step ran, commit; the id handed out."""
+    planned = bm.plan_kda_save(seq, num_tokens)
+    bm.commit_kda_save(seq)
+    return None if planned is None else planned.checkpoint_id
+
+
 def run_prefill(bm: BlockManager, seq: Sequence, checkpoints=()) -> list[int]:
     """Pretend the runner computed the whole prompt and saved KDA states at ``checkpoints``."""
     bm.allocate(seq)
     seq.num_computed_tokens = seq.num_tokens
     bm.register_computed_blocks(seq)
-    return [bm.register_kda_checkpoint(seq, b) for b in checkpoints]
+    return [save(bm, seq, b) for b in checkpoints]
 
 
 def test_hit_inside_physical_block_copies_on_write():
@@ -122,12 +129,68 @@ def test_registering_existing_checkpoint_returns_none_and_refreshes_lru():
     s0, s1, s2 = (Sequence(f"s{i}", tokens(600, i), max_tokens=8) for i in range(3))
     run_prefill(bm, s0, checkpoints=[512])
     run_prefill(bm, s1, checkpoints=[512])
-    assert bm.register_kda_checkpoint(s0, 512) is None  # refresh s0: s1 is now the oldest
+    assert save(bm, s0, 512) is None  # refresh s0: s1 is now the oldest
     run_prefill(bm, s2, checkpoints=[512])
     for s in (s0, s1, s2):
         bm.free(s)
     assert bm.allocate(Sequence("q0", s0.token_ids[:512] + [1], max_tokens=8)).num_cached_tokens == 512
     assert bm.allocate(Sequence("q1", s1.token_ids[:512] + [1], max_tokens=8)).num_cached_tokens == 0
+
+
+def test_planned_save_is_invisible_until_committed():
+    """The id is handed out when the step is scheduled; a hit needs the state written, so only
+    the commit (after the step ran) makes the checkpoint available."""
+    bm = make_manager()
+    a = Sequence("a", tokens(600, 0), max_tokens=8)
+    bm.allocate(a)
+    a.num_computed_tokens = a.num_tokens
+    bm.register_computed_blocks(a)
+    planned = bm.plan_kda_save(a, 512)
+    assert planned == KDASave(a.state_slot, planned.checkpoint_id)
+    probe = Sequence("probe", a.token_ids[:512] + [1], max_tokens=8)
+    assert bm.allocate(probe).num_cached_tokens == 0
+    bm.free(probe)
+    bm.commit_kda_save(a)
+    assert bm.allocate(Sequence("hit", a.token_ids[:512] + [1], max_tokens=8)).num_cached_tokens == 512
+
+
+def test_freeing_before_the_commit_returns_the_planned_id():
+    bm = make_manager(num_kda_checkpoints=2)
+    a = Sequence("a", tokens(600, 0), max_tokens=8)
+    bm.allocate(a)
+    a.num_computed_tokens = a.num_tokens
+    bm.register_computed_blocks(a)
+    planned = bm.plan_kda_save(a, 512)
+    bm.free(a)  # aborted before its step was confirmed
+    bm.commit_kda_save(a)  # a late commit finds nothing
+    assert sorted(bm.free_checkpoint_ids) == [0, 1] and not bm.checkpoints and not bm.pending_checkpoints
+    assert planned.checkpoint_id in bm.free_checkpoint_ids
+
+
+def test_two_saves_of_one_prefix_in_a_step_keep_one_checkpoint():
+    bm = make_manager(num_kda_checkpoints=3)
+    prompt = tokens(600, 0)
+    seqs = [Sequence(f"s{i}", list(prompt), max_tokens=8) for i in range(2)]
+    planned = []
+    for s in seqs:
+        bm.allocate(s)
+        s.num_computed_tokens = 512
+        planned.append(bm.plan_kda_save(s, 512))
+    assert planned[0].checkpoint_id != planned[1].checkpoint_id
+    for s in seqs:
+        bm.commit_kda_save(s)
+    assert len(bm.checkpoints) == 1 and len(bm.free_checkpoint_ids) == 2
+    assert next(iter(bm.checkpoints.values())).checkpoint_id == planned[0].checkpoint_id
+
+
+def test_no_save_when_every_id_is_being_written():
+    bm = make_manager(num_kda_checkpoints=1)
+    a, b = (Sequence(f"s{i}", tokens(600, i), max_tokens=8) for i in range(2))
+    for s in (a, b):
+        bm.allocate(s)
+        s.num_computed_tokens = 512
+    assert bm.plan_kda_save(a, 512) is not None
+    assert bm.plan_kda_save(b, 512) is None  # the only id is pending, nothing to evict
 
 
 def test_freed_prefix_stays_cached_until_the_pool_needs_it():

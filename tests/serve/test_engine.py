@@ -50,6 +50,8 @@ def assert_free(eng: LLMEngine) -> None:
     assert bm.num_free_state_slots == bm.num_state_slots
     assert all(c == 0 for c in bm.ref_counts)
     assert not eng.requests and not eng.scheduler.has_unfinished()
+    assert not bm.pending_checkpoints
+    assert len(bm.free_checkpoint_ids) + len(bm.checkpoints) == bm.config.num_kda_checkpoints
 
 
 def test_matches_generate_with_chunked_prefill(model):
@@ -198,7 +200,8 @@ _REFERENCE: dict[tuple, list[int]] = {}
 def test_no_leaks_under_random_workloads(model, requests, num_blocks):
     """Random prompts (some sharing prefixes), lengths, cancellations, and a pool small enough to
     preempt: every request that ran to the end gives exactly the plain generate path's tokens,
-    and afterwards every block, state slot and reference is free again."""
+    the runner's device block table always holds each running sequence's blocks, and afterwards
+    every block, state slot, reference and KDA checkpoint id is free or stored again."""
     eng = make_engine(model, num_blocks=num_blocks, max_num_batched_tokens=24)
     base = tokens(99, 70)
     prompts, cancel_at = {}, {}
@@ -216,6 +219,9 @@ def test_no_leaks_under_random_workloads(model, requests, num_blocks):
                 eng.abort(rid)
                 del cancel_at[rid]
         done.update((o.request_id, o.token_ids) for o in eng.step() if o.finished)
+        for seq in eng.scheduler.running:
+            table = eng.runner.block_tables[seq.state_slot, :len(seq.block_table)]
+            assert table.tolist() == seq.block_table
         step += 1
         assert step < 2000
     assert_free(eng)

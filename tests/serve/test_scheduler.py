@@ -3,7 +3,8 @@
 ``FakeRunner`` stands in for the model: the MLA cache holds the token id written at each slot and
 a KDA state slot holds the token ids folded into it, so every step can check that the prefix the
 scheduler claims is computed really sits in the cache and the state (copies, restores and
-checkpoints included).
+checkpoints included). It keeps its block tables only from the step's ``BlockTableUpdate``s, as
+the model runner does, and checks them against the block manager's.
 """
 
 import random
@@ -33,12 +34,21 @@ class FakeRunner:
         self.kv: dict[int, int] = {}  # flat slot -> token id
         self.state: dict[int, list[int]] = {}
         self.checkpoints: dict[int, list[int]] = {}
+        self.tables: dict[int, list[int]] = {}  # state slot -> block ids, from the updates alone
 
     def next_token(self, seq: Sequence) -> int:
         return (sum(seq.token_ids[-3:]) * 31 + seq.num_tokens) % 23
 
+    def slots(self, seq: Sequence, start: int, end: int) -> list[int]:
+        table, size = self.tables[seq.state_slot], self.bm.block_size
+        return [table[p // size] * size + p % size for p in range(start, end)]
+
     def run(self, out) -> list[Sequence]:
         size = self.bm.block_size
+        for u in out.block_table_updates:
+            table = self.tables.setdefault(u.state_slot, [])
+            assert u.start <= len(table)
+            table[u.start:] = u.block_ids
         for c in out.block_copies:
             for i in range(c.num_tokens):
                 self.kv[c.dst * size + i] = self.kv[c.src * size + i]
@@ -50,19 +60,15 @@ class FakeRunner:
             if seq.is_finished:  # aborted after the step was planned
                 continue
             start = seq.num_computed_tokens - n
+            assert self.tables[seq.state_slot][:len(seq.block_table)] == seq.block_table
+            assert self.slots(seq, start, start + n) == self.bm.slot_mapping(seq, start, start + n)
             assert self.state[seq.state_slot] == seq.token_ids[:start]
-            prefix_slots = self.bm.slot_mapping(seq, 0, start)
-            assert [self.kv[s] for s in prefix_slots] == seq.token_ids[:start]
-            for slot, token in zip(self.bm.slot_mapping(seq, start, start + n), seq.token_ids[start : start + n]):
+            assert [self.kv[s] for s in self.slots(seq, 0, start)] == seq.token_ids[:start]
+            for slot, token in zip(self.slots(seq, start, start + n), seq.token_ids[start : start + n]):
                 self.kv[slot] = token
             self.state[seq.state_slot] = seq.token_ids[: start + n]
-        for seq, b in out.kda_checkpoints:
-            if seq.is_finished:
-                continue
-            assert self.state[seq.state_slot] == seq.token_ids[:b]
-            checkpoint_id = self.bm.register_kda_checkpoint(seq, b)
-            if checkpoint_id is not None:
-                self.checkpoints[checkpoint_id] = list(seq.token_ids[:b])
+        for save in out.kda_saves:
+            self.checkpoints[save.checkpoint_id] = list(self.state[save.state_slot])
         sampled = [s for s in out.sampled if not s.is_finished]
         return self.sched.postprocess([s.request_id for s in sampled], [self.next_token(s) for s in sampled])
 
@@ -79,6 +85,8 @@ def check_invariants(sched: Scheduler, out) -> None:
     assert len(free) + len(refs) == bm.num_blocks
     slots = [seq.state_slot for seq in sched.running] + list(bm.free_state_slots)
     assert sorted(slots) == list(range(bm.num_state_slots))
+    assert_checkpoint_ids_conserved(bm)
+    assert all(s.state_slot is not None for s, _ in out.scheduled if not s.is_finished)
     assert all(seq.status is SequenceStatus.WAITING and not seq.block_table for seq in sched.waiting)
     # Preempted sequences wait at the front, the earliest admitted first.
     k = len(out.preempted_ids)
@@ -90,6 +98,14 @@ def assert_drained(sched: Scheduler) -> None:
     assert not sched.requests and not sched.running and not sched.waiting
     assert all(r == 0 for r in bm.ref_counts) and bm.num_free_blocks == bm.num_blocks
     assert bm.num_free_state_slots == bm.num_state_slots
+    assert_checkpoint_ids_conserved(bm)
+
+
+def assert_checkpoint_ids_conserved(bm: BlockManager) -> None:
+    """Every checkpoint id is free, stored or planned for the step in flight, exactly once."""
+    ids = (list(bm.free_checkpoint_ids) + [c.checkpoint_id for c in bm.checkpoints.values()]
+           + [c.checkpoint_id for _, c in bm.pending_checkpoints.values()])
+    assert sorted(ids) == list(range(bm.config.num_kda_checkpoints))
 
 
 def test_max_length_check_names_the_request():
@@ -185,6 +201,52 @@ def test_abort_frees_everything():
     sched.abort("r0")
     sched.abort("r2")
     assert_drained(sched)
+
+
+def test_save_planned_for_an_aborted_request_is_returned_and_never_hits():
+    sched = make(budget=64)
+    runner = FakeRunner(sched)
+    prompt = list(range(1, 11))  # the prompt end, 8, is a checkpoint boundary
+    sched.add_request(Sequence("a", prompt, max_tokens=4, eos_token_ids=[99]))
+    out = sched.step()
+    (save,) = out.kda_saves
+    assert save.state_slot == sched.requests["a"].state_slot
+    sched.abort("a")  # the client left between planning and running the step
+    runner.run(out)
+    bm = sched.block_manager
+    assert save.checkpoint_id in bm.free_checkpoint_ids and not bm.checkpoints
+    sched.add_request(Sequence("b", prompt[:8] + [30], max_tokens=1, eos_token_ids=[99]))
+    while sched.has_unfinished():
+        runner.run(sched.step())
+    assert sched.block_manager.stats.hits == 0
+    assert_drained(sched)
+
+
+def test_checkpoint_of_a_sequence_preempted_after_saving_serves_its_readmission():
+    """young's save at 16 tokens (an interval boundary) is planned in the step right before the
+    one that preempts it for want of a second block; that step's planning commits it first, so
+    the recomputation resumes from it."""
+    sched = make(num_blocks=3, budget=64, max_model_len=48)
+    runner = FakeRunner(sched)
+    sched.add_request(Sequence("old", [1] * 12, max_tokens=10, eos_token_ids=[99]))
+    sched.add_request(Sequence("young", [2] * 12, max_tokens=10, eos_token_ids=[99]))
+    out = sched.step()
+    assert len(out.kda_saves) == 2
+    while not out.preempted_ids:
+        runner.run(out)
+        out = sched.step()
+        check_invariants(sched, out)
+    young = sched.requests["young"]
+    assert out.preempted_ids == ["young"] and young.num_tokens == 17
+    assert tuple(young.token_ids[:16]) in [c.token_ids for c in sched.block_manager.checkpoints.values()]
+    while sched.has_unfinished():
+        runner.run(out)
+        out = sched.step()
+        if any(s.request_id == "young" for s, _ in out.scheduled):
+            assert sched.requests["young"].num_cached_tokens == 16
+            break
+    else:
+        raise AssertionError("young was never readmitted")
 
 
 @settings(max_examples=25, deadline=None)

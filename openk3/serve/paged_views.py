@@ -1,0 +1,139 @@
+"""What the model's layers see of the serving engine's cache: view objects with the interface of
+the generate path's ``KDAState`` / ``MLAState`` (``openk3/model/cache.py``), so the model code is
+the same for both paths.
+
+* ``KDAPool``: recurrent and conv states of every KDA layer for ``n`` entries (state slots or
+  checkpoints); ``PagedKDAView``: one layer's view of this batch's state slots (reading an
+  attribute gathers the rows, assigning scatters them back).
+* ``PagedMLAView``: stores the batch's new latents in the paged cache, then attends with the
+  forms that read the cache in place, MLA's math as in ``MLAttention``:
+
+  - ``DecodeBatch`` (one token per row): the absorbed form; ``paged_mla_decode`` reads each
+    row's blocks through the block table;
+  - ``PrefillBatch`` (packed chunks): the expanded form over every chunk's cached prefix plus
+    the chunk, gathered in one go, and one ``varlen_causal_attention`` for all chunks.
+
+  ``MLAttention``'s absorbed and expanded methods are the references (``tests/serve``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from openk3.ops.paged_mla import paged_mla_decode
+from openk3.ops.varlen_attention import varlen_causal_attention
+
+
+class KDAPool:
+    """Per-field state tensors of ``num_layers`` KDA layers x ``n`` entries: recurrent
+    ``[num_layers, n, H, K, K]`` fp32 and the three conv states ``[num_layers, n, H*K, W-1]``.
+
+    One tensor per field for all layers, so an instruction (restore, reset, save) is one
+    indexed copy per field however many layers there are."""
+
+    FIELDS = ("recurrent", "conv_q", "conv_k", "conv_v")
+
+    def __init__(self, cfg, num_layers: int, n: int, device, dtype):
+        H, K, W = cfg.linear_num_heads, cfg.linear_head_dim, cfg.linear_conv_kernel_size
+        self.recurrent = torch.zeros(num_layers, n, H, K, K, device=device, dtype=torch.float32)
+        self.conv_q, self.conv_k, self.conv_v = (
+            torch.zeros(num_layers, n, H * K, W - 1, device=device, dtype=dtype) for _ in range(3))
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [getattr(self, f) for f in self.FIELDS]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def copy_(self, dst: torch.Tensor, src_pool: KDAPool, src: torch.Tensor) -> None:
+        """Entries ``dst`` [n] of every layer := ``src_pool``'s entries ``src`` [n]."""
+        for t, s in zip(self.tensors(), src_pool.tensors()):
+            t.index_copy_(1, dst, s.index_select(1, src))
+
+    def zero_(self, entries: torch.Tensor) -> None:
+        for t in self.tensors():
+            t.index_fill_(1, entries, 0)
+
+
+class PagedKDAView:
+    """KDA layer ``layer`` (its index among the KDA layers) of ``pool``, rows ``slots`` [B]."""
+
+    def __init__(self, pool: KDAPool, layer: int, slots: torch.Tensor, cu_seqlens: torch.Tensor | None,
+                 cu_seqlens_cpu: torch.Tensor | None):
+        self._pool, self._layer, self._slots = pool, layer, slots
+        self.cu_seqlens, self.cu_seqlens_cpu = cu_seqlens, cu_seqlens_cpu
+
+    def __getattr__(self, name):
+        if name in KDAPool.FIELDS:
+            return getattr(self._pool, name)[self._layer].index_select(0, self._slots)
+        raise AttributeError(name)
+
+    def __setattr__(self, name, value):
+        if name in KDAPool.FIELDS:
+            t = getattr(self._pool, name)[self._layer]
+            t.index_copy_(0, self._slots, value.to(t.dtype))
+        else:
+            super().__setattr__(name, value)
+
+
+@dataclass
+class DecodeBatch:
+    """One new token per row. ``slot_mapping`` [B] its cache row; ``block_table`` [B, W] int32 and
+    ``context_lens`` [B] (the new token included) what ``paged_mla_decode`` reads."""
+
+    slot_mapping: torch.Tensor
+    block_table: torch.Tensor
+    context_lens: torch.Tensor
+    block_size: int
+
+
+@dataclass
+class PrefillBatch:
+    """Chunks packed into one row. ``slot_mapping`` [T] the cache row of every new token;
+    ``key_rows`` [K] the cache rows of every chunk's whole prefix (past + chunk), chunk after
+    chunk; ``cu_seqlens_q`` / ``cu_seqlens_k`` [N+1] their offsets, on the device and the host."""
+
+    slot_mapping: torch.Tensor
+    key_rows: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    cu_seqlens_q_cpu: torch.Tensor
+    cu_seqlens_k_cpu: torch.Tensor
+
+
+class PagedMLAView:
+    def __init__(self, cache: torch.Tensor, batch: DecodeBatch | PrefillBatch):
+        self.cache, self.batch = cache, batch
+
+    def attend(self, layer, q: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor) -> torch.Tensor:
+        """q [B, T, H, qk_head_dim], latent [B, T, R], k_rope [B, T, P] -> [B, T, H, v_head_dim]."""
+        rows = torch.cat([latent, k_rope], dim=-1).flatten(0, 1).to(self.cache.dtype)
+        self.cache.index_copy_(0, self.batch.slot_mapping, rows)
+        if isinstance(self.batch, DecodeBatch):
+            return self._absorbed_decode(layer, q)
+        return self._expanded_prefill(layer, q)
+
+    def _absorbed_decode(self, layer, q: torch.Tensor) -> torch.Tensor:
+        """``kv_b_proj``'s key half folded into the query, its value half into the output."""
+        b, H, nope = self.batch, layer.num_heads, layer.nope
+        w = layer.kv_b_proj.weight.view(H, nope + layer.v_dim, layer.rank)
+        q_nope, q_rope = q[:, 0].split([nope, layer.rope], dim=-1)  # [B, H, 128], [B, H, 64]
+        q_lat = torch.einsum("bhd,hdc->bhc", q_nope, w[:, :nope])  # [B, H, 512]
+        o_lat = paged_mla_decode(q_lat, q_rope, self.cache, b.block_table, b.context_lens,
+                                 b.block_size, layer.scale)  # [B, H, 512]
+        return torch.einsum("bhc,hdc->bhd", o_lat, w[:, nope:]).unsqueeze(1)  # [B, 1, H, 128]
+
+    def _expanded_prefill(self, layer, q: torch.Tensor) -> torch.Tensor:
+        """Keys and values expanded from every chunk's prefix latents by one ``kv_b_proj``."""
+        b, H = self.batch, layer.num_heads
+        ctx = self.cache[b.key_rows]  # [K, R + P]
+        K = ctx.shape[0]
+        c, k_r = ctx.split([layer.rank, layer.rope], dim=-1)
+        k_nope, v = layer.kv_b_proj(c).view(K, H, layer.nope + layer.v_dim).split(
+            [layer.nope, layer.v_dim], dim=-1)
+        k = torch.cat([k_nope, k_r[:, None].expand(K, H, layer.rope)], dim=-1)  # [K, H, 192]
+        o = varlen_causal_attention(q[0], k, v, b.cu_seqlens_q, b.cu_seqlens_k,
+                                    b.cu_seqlens_q_cpu, b.cu_seqlens_k_cpu, layer.scale)
+        return o[None]  # [1, T, H, 128]

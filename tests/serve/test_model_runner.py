@@ -1,0 +1,116 @@
+"""The runner's host side (CPU, ``debug`` model): ``execute`` takes only the scheduler's output;
+a decode step turns a constant number of host lists into tensors (each one host -> device copy
+on GPU), whatever the context length; the engine brings sampled ids and log-probs back with one
+host copy each per step."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from openk3 import build_model, preset
+from openk3.serve.config import EngineConfig
+from openk3.serve.engine import LLMEngine
+from openk3.serve.model_runner import ModelRunner
+from openk3.serve.sampler import SamplingParams
+from openk3.serve.scheduler import SchedulerOutput
+from openk3.tokenizer import ByteTokenizer
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return build_model(preset("debug")).eval()
+
+
+def make_engine(model) -> LLMEngine:
+    return LLMEngine(model, ByteTokenizer(), EngineConfig(
+        max_num_seqs=4, max_num_batched_tokens=256, physical_block_size=16, hash_block_size=8,
+        kda_checkpoint_interval=16, max_model_len=256, cuda_graphs=False), eos_token_ids=())
+
+
+class HostTensors(TorchDispatchMode):
+    """Counts tensors built from host data (``torch.tensor(list)``, list indices): on GPU each
+    is a host -> device copy."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func is torch.ops.aten.lift_fresh.default
+        return func(*args, **(kwargs or {}))
+
+
+def test_execute_takes_only_the_scheduler_output():
+    params = list(inspect.signature(ModelRunner.execute).parameters.values())
+    assert [p.name for p in params] == ["self", "out"]
+    assert params[1].annotation in (SchedulerOutput, "SchedulerOutput")
+
+
+def decode_step_counts(model, prompt_len: int) -> list[tuple[int, int]]:
+    """(host tensors built, those expected) per all-decode step: the decode inputs, plus the ids
+    of the instructions before the forward (block-table updates) and after it (KDA saves)."""
+    eng = make_engine(model)
+    for i in range(3):
+        eng.add_request(list(range(3 + i, 3 + i + prompt_len)), SamplingParams(temperature=0, max_tokens=12))
+    counts, execute = [], eng.runner.execute
+
+    def counting(out):
+        with HostTensors() as mode:
+            result = execute(out)
+        if all(n == 1 for _, n in out.scheduled):
+            expected = 1 + bool(out.block_table_updates or out.kda_restores or out.kda_resets) + bool(out.kda_saves)
+            counts.append((mode.count, expected))
+        return result
+
+    eng.runner.execute = counting
+    while eng.has_unfinished():
+        eng.step()
+    return counts
+
+
+def test_decode_step_host_copies_are_few_and_do_not_grow_with_context(model):
+    counts = decode_step_counts(model, 5) + decode_step_counts(model, 150)
+    assert all(count == expected for count, expected in counts), counts
+    assert {expected for _, expected in counts} >= {1, 2}
+
+
+def test_one_host_copy_for_tokens_and_one_for_logprobs_per_step(model, monkeypatch):
+    """Outside the forward pass (whose host-side offsets are host tensors by design), a step
+    reads the device twice: the sampled ids, and the log-probs of the rows that want them."""
+    eng = make_engine(model)
+    eng.add_request(list(range(3, 20)), SamplingParams(temperature=0, max_tokens=6, logprobs=2))
+    eng.add_request(list(range(5, 9)), SamplingParams(temperature=0.8, seed=1, max_tokens=6, logprobs=1))
+    eng.add_request(list(range(7, 30)), SamplingParams(temperature=1.0, max_tokens=6, logprobs=0))
+    reads, in_forward, execute = [], [False], eng.runner.execute
+
+    def forward(out):
+        in_forward[0] = True
+        try:
+            return execute(out)
+        finally:
+            in_forward[0] = False
+
+    def counted(name):
+        original = getattr(torch.Tensor, name)
+
+        def read(t, *args, **kwargs):
+            if not in_forward[0]:
+                reads.append(name)
+            return original(t, *args, **kwargs)
+        return read
+
+    eng.runner.execute = forward
+    for name in ("tolist", "item", "cpu"):
+        monkeypatch.setattr(torch.Tensor, name, counted(name))
+    steps = 0
+    while eng.has_unfinished():
+        reads.clear()
+        if eng.step():
+            steps += 1
+            assert reads == ["tolist", "tolist"], reads  # sampled ids, then log-probs
+    assert steps >= 6
