@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import openk3.ops.loss as loss_ops
 from openk3 import build_model, preset
-from openk3.ops.loss import IGNORE_INDEX, linear_cross_entropy, linear_cross_entropy_ref
+from openk3.ops.loss import IGNORE_INDEX, linear_cross_entropy
 from tests.ops.checks import assert_all_close, nan_poisoned_empty, run_doctests, run_with_grads
 
 # fp32 against float64: rounding of d-term dot products and of V-term sums only
