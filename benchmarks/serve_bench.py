@@ -13,6 +13,10 @@
     written + MLA latents read) / 4.3 TB/s (the measured copy bandwidth of the H200).
 (d) long: batch-1 decode step (CUDA graphs) at 4K, 32K and 128K tokens of context: the paged
     MLA attention reads only the blocks in use, one graph serves every length.
+(e) peer also times a 32K-token cold prefill through the engine against transformers' single
+    forward over the same prompt and weights.
+(f) server: 64 concurrent streams through the OpenAI server (official client) vs the same
+    requests through the engine directly. Target: the server adds at most 10%.
 
 Run on the device: ``python benchmarks/serve_bench.py [--parts ttft decode peer long]``.
 """
@@ -195,12 +199,42 @@ def hf_generate_throughput(hf, batch: int, prompt_len: int = 128, new: int = 128
     return {"batch": batch, "end_to_end_tok_s": batch * new / total}
 
 
+@torch.inference_mode()
+def hf_prefill_seconds(hf, ids: list[int]) -> float:
+    """One forward of transformers over the whole prompt, keeping the last position's logits
+    (what its ``generate`` does before the first token)."""
+    x = torch.tensor([ids], device="cuda")
+    hf(x[:, :2048], logits_to_keep=1)  # warm-up
+    times = []
+    for _ in range(2):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        hf(x, logits_to_keep=1)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
 def part_peer() -> None:
     hf = hf_kimi_linear(preset("small"))
     with tempfile.TemporaryDirectory() as d:
         hf.save_pretrained(d)
         ours = load_pretrained(d, dtype=torch.bfloat16, device="cuda").eval()
     print(f"Kimi-Linear-format peer model: {sum(p.numel() for p in ours.parameters()) / 1e9:.3f}B")
+    prompt = random_ids(32768, ours.cfg.vocab_size, 7)
+    kw = dict(max_num_seqs=2, max_model_len=40000, cuda_graphs=False, enable_prefix_caching=False)
+    ttft(engine(ours, **kw), random_ids(2048, ours.cfg.vocab_size, 8))  # warm-up
+    for budget in (EngineConfig().max_num_batched_tokens, 32768):
+        cold = min(ttft(engine(ours, max_num_batched_tokens=budget, **kw), prompt) for _ in range(2))
+        try:
+            peer = hf_prefill_seconds(hf, prompt)
+        except Exception as e:  # noqa: BLE001 - record the failure, keep measuring
+            traceback.print_exc()
+            peer = float("nan")
+            print(f"transformers prefill failed: {e}")
+        record({"part": "peer_prefill", "prompt": len(prompt), "openk3_chunks": budget,
+                "openk3_ttft_ms": 1e3 * cold, "transformers_forward_ms": 1e3 * peer,
+                "openk3_over_transformers": cold / peer})
     rows = part_decode(ours, "kimi_linear (HF format)", batches=(1, 32), modes=(True,))
     for B in (1, 32):
         try:
@@ -213,6 +247,55 @@ def part_peer() -> None:
         if "end_to_end_tok_s" in peer:
             peer["openk3_over_transformers_end_to_end"] = best / peer["end_to_end_tok_s"]
         record(peer)
+
+
+def part_server(model, streams: int = 64, new: int = 128, prompt_len: int = 128) -> None:
+    """What the OpenAI server adds over the engine: the same 64 requests (128-token prompts, 128
+    greedy tokens each) through ``LLMEngine.generate``, then as 64 concurrent streams through the
+    official ``openai`` client against ``openk3 serve``'s app in this process."""
+    import concurrent.futures
+    import socket
+    import threading
+
+    import openai
+    import uvicorn
+
+    from openk3.serve.engine import AsyncEngine
+    from openk3.serve.server import build_app
+
+    vocab = model.cfg.vocab_size
+    prompts = [random_ids(prompt_len, vocab, 300 + i) for i in range(streams)]
+    kw = dict(max_num_seqs=streams, max_model_len=1024)
+    eng = engine(model, **kw)
+    eng.generate(prompts[:streams], SamplingParams(temperature=0, max_tokens=8))  # warm-up: graphs
+    t = time.perf_counter()
+    eng.generate(prompts, SamplingParams(temperature=0, max_tokens=new))
+    engine_s = time.perf_counter() - t
+    async_engine = AsyncEngine(engine(model, **kw))
+    server = uvicorn.Server(uvicorn.Config(build_app(async_engine, "bench"), log_level="warning"))
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True).start()
+    while not server.started:
+        time.sleep(0.05)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}/v1", api_key="none",
+                           max_retries=0, timeout=600)
+
+    def one(ids: list[int], max_tokens: int) -> int:
+        stream = client.completions.create(model="bench", prompt=ids, max_tokens=max_tokens,
+                                           temperature=0, stream=True)
+        return sum(1 for chunk in stream if chunk.choices and chunk.choices[0].text is not None)
+
+    with concurrent.futures.ThreadPoolExecutor(streams) as pool:
+        list(pool.map(lambda ids: one(ids, 8), prompts))  # warm-up
+        t = time.perf_counter()
+        chunks = sum(pool.map(lambda ids: one(ids, new), prompts))
+        server_s = time.perf_counter() - t
+    server.should_exit = True
+    async_engine.shutdown()
+    record({"part": "server", "streams": streams, "new_tokens": new, "engine_s": engine_s,
+            "server_s": server_s, "server_over_engine": server_s / engine_s, "chunks": chunks,
+            "engine_tok_s": streams * new / engine_s, "server_tok_s": streams * new / server_s})
 
 
 def main() -> None:
@@ -233,6 +316,8 @@ def main() -> None:
             part_peer()
         elif part == "long":
             part_long(model)
+        elif part == "server":
+            part_server(model)
         else:
             raise SystemExit(f"unknown part {part!r}")
 
