@@ -52,6 +52,9 @@ class RunConfig(_DictIO):
     seed: int = 0
     device: str = "auto"  # "auto", "cpu", "cuda"
     dtype: str = "auto"  # "auto" (bf16 on CUDA, fp32 on CPU), "float32", "bfloat16"
+    # torch.compile each decoder layer's attention and MLPs (docs/training.md); None: on CUDA only
+    compile: bool | None = None
+    activation_checkpointing: bool = False  # recompute each decoder layer in backward: less memory
     # samples printed at the end
     num_samples: int = 3
     sample_tokens: int = 80
@@ -124,11 +127,11 @@ def run_preset(name: str, **overrides: Any) -> RunConfig:
 RUN_CONFIG_FILE = "run_config.json"  # in the run directory: {"run": RunConfig, "model": ...}
 
 # Fields that may differ from the saved run when resuming: how long it runs, how often it logs,
-# evaluates and saves, what it prints at the end, and where it runs. Every other field defines
+# evaluates and saves, what it prints at the end, and where and how it runs. Every other field defines
 # the run itself (model, data, batch, optimiser, schedule shape, seed) and must match.
 RESUMABLE_FIELDS = ("resume", "out", "max_steps", "log_interval", "eval_interval", "eval_batches",
                     "ckpt_interval", "keep_last", "num_samples", "sample_tokens",
-                    "sample_temperature", "device")
+                    "sample_temperature", "device", "compile", "activation_checkpointing")
 
 
 def _same(a: Any, b: Any) -> bool:
