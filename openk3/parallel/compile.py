@@ -51,13 +51,17 @@ REGIONS = (KDAttention, MLAttention, RoutedExperts, MLP)
 def compile_layers(model: nn.Module, backend: str | Callable = "inductor") -> None:
     """``torch.compile`` every ``REGIONS`` module of ``model.model.layers``, in place.
 
-    ``dynamic=None``: the first graph of a region is specialised to the training shape (the
-    best kernels); a region that meets a second shape (an evaluation batch of another size,
-    sampling) compiles one graph with symbolic sizes that serves every later shape.
-    ``fullgraph=False``: the KDA region breaks around fla's kernels by design, and the CPU
-    references read values on the host (the expert loop's row counts, the bounded gate's check).
-    Calls that carry a decoding cache (``generate``: a Python object the layer updates in place)
-    run eagerly; training and evaluation pass tensors and None only.
+    Only training forwards (and their recomputation in backward) run the compiled graphs.
+    Evaluation and generation run without autograd, rarely, and eagerly: compiled, they would
+    add graphs of their own (grad mode is part of every graph's guards); generation's fp32
+    experts take the reference loop, whose host reads would recompile at every token; and its
+    decoding cache is a Python object the layer updates in place.
+
+    ``dynamic=None``: a region's first graph is specialised to the training shape (the best
+    kernels); a region that meets a second shape compiles one graph with symbolic sizes that
+    serves every later one. ``fullgraph=False``: the KDA region breaks around fla's kernels by
+    design, and the CPU references read values on the host (the expert loop's row counts, the
+    bounded gate's check).
     """
     for layer in model.model.layers:
         for module in layer.modules():
@@ -84,22 +88,23 @@ def _compiled(forward: Callable, backend: str | Callable) -> Callable:
     graph = torch.compile(forward, backend=backend, dynamic=None, fullgraph=False)
 
     @functools.wraps(forward)
-    def run(*args):
-        if all(a is None or isinstance(a, torch.Tensor) for a in args):
-            return graph(*args)
-        return forward(*args)
+    def run(*args, **kwargs):
+        inputs = (*args, *kwargs.values())
+        if torch.is_grad_enabled() and all(a is None or isinstance(a, torch.Tensor) for a in inputs):
+            return graph(*args, **kwargs)
+        return forward(*args, **kwargs)
 
     return run
 
 
 def _checkpointed(forward: Callable) -> Callable:
     @functools.wraps(forward)
-    def run(*args):
+    def run(*args, **kwargs):
         if not torch.is_grad_enabled():  # evaluation, generation: nothing is kept for backward
-            return forward(*args)
+            return forward(*args, **kwargs)
         # non-reentrant: the bank is a list, some inputs need no grad, and outputs made inside
         # (the router scores of the aux loss) are used outside. The forward draws no random
         # numbers, so the RNG state need not be saved and restored.
-        return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=False)
+        return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=False, **kwargs)
 
     return run
