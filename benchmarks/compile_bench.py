@@ -39,8 +39,8 @@ def layer_kinds(cfg) -> dict[int, str]:
     """The first layer of each kind: {index: "KDA + MoE", ...}."""
     kinds: dict[str, int] = {}
     for i in range(cfg.num_hidden_layers):
-        kind = f"{'MLA' if cfg.is_mla_layer(i) else 'KDA'} + {'MoE' if cfg.is_moe_layer(i) else 'dense'}"
-        kinds.setdefault(kind, i)
+        attention = "MLA" if cfg.is_mla_layer(i) else "KDA"
+        kinds.setdefault(f"{attention} + {'MoE' if cfg.is_moe_layer(i) else 'dense'}", i)
     return {i: kind for kind, i in kinds.items()}
 
 
@@ -99,9 +99,9 @@ def step_row(args, cfg, compiled: bool, checkpointed: bool) -> list[dict]:
     first_s = time.perf_counter() - t
     sec = cuda_time(step, warmup=1, iters=args.steps)
     tok_s = args.batch * args.seq / sec
+    peak = peak_flops(torch.device("cuda"), torch.bfloat16)
     return [{"compile": compiled, "activation_checkpointing": checkpointed, "step_ms": 1e3 * sec,
-            "tokens_per_s": tok_s,
-            "mfu": tok_s * flops_per_token(cfg, args.seq) / peak_flops(torch.device("cuda"), torch.bfloat16),
+            "tokens_per_s": tok_s, "mfu": tok_s * flops_per_token(cfg, args.seq) / peak,
             "peak_GiB": torch.cuda.max_memory_allocated() / 2**30, "first_step_s": first_s,
             "graphs": counters["stats"]["unique_graphs"],
             "graph_breaks": sum(counters["graph_break"].values())}]
@@ -123,7 +123,8 @@ def markdown(rows: list[dict]) -> str:
     keys = list(dict.fromkeys(k for r in rows for k in r))
     cell = (lambda v: f"{v:.4g}" if isinstance(v, float) else str(v))
     lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-    return "\n".join(lines + ["| " + " | ".join(cell(r.get(k, "")) for k in keys) + " |" for r in rows])
+    lines += ["| " + " | ".join(cell(r.get(k, "")) for k in keys) + " |" for r in rows]
+    return "\n".join(lines)
 
 
 def main() -> None:

@@ -89,8 +89,8 @@ def _compiled(forward: Callable, backend: str | Callable) -> Callable:
 
     @functools.wraps(forward)
     def run(*args, **kwargs):
-        inputs = (*args, *kwargs.values())
-        if torch.is_grad_enabled() and all(a is None or isinstance(a, torch.Tensor) for a in inputs):
+        tensors = all(a is None or isinstance(a, torch.Tensor) for a in (*args, *kwargs.values()))
+        if torch.is_grad_enabled() and tensors:
             return graph(*args, **kwargs)
         return forward(*args, **kwargs)
 

@@ -127,8 +127,8 @@ def run_preset(name: str, **overrides: Any) -> RunConfig:
 RUN_CONFIG_FILE = "run_config.json"  # in the run directory: {"run": RunConfig, "model": ...}
 
 # Fields that may differ from the saved run when resuming: how long it runs, how often it logs,
-# evaluates and saves, what it prints at the end, and where and how it runs. Every other field defines
-# the run itself (model, data, batch, optimiser, schedule shape, seed) and must match.
+# evaluates and saves, what it prints at the end, and where and how it runs. Every other field
+# defines the run itself (model, data, batch, optimiser, schedule shape, seed) and must match.
 RESUMABLE_FIELDS = ("resume", "out", "max_steps", "log_interval", "eval_interval", "eval_batches",
                     "ckpt_interval", "keep_last", "num_samples", "sample_tokens",
                     "sample_temperature", "device", "compile", "activation_checkpointing")

@@ -17,7 +17,7 @@ from torch._dynamo.testing import CompileCounter, CompileCounterWithBackend
 from torch._dynamo.utils import counters
 
 from openk3.config import preset
-from openk3.model import build_model
+from openk3.model import build_model, moe
 from openk3.model.moe import RoutedExperts
 from openk3.ops import fast
 from openk3.ops.norm import rms_norm_ref
@@ -44,7 +44,8 @@ def fresh_dynamo():
 
 
 def _model(**fields) -> torch.nn.Module:
-    return build_model(preset("debug").replace(**{**LAYERS3, **fields}), device="cpu", seed=0).train()
+    cfg = preset("debug").replace(**{**LAYERS3, **fields})
+    return build_model(cfg, device="cpu", seed=0).train()
 
 
 def _ids(rows: int = 2, length: int = 18) -> torch.Tensor:
@@ -70,8 +71,6 @@ def _assert_grads(got: dict, want: dict, exact: bool) -> None:
             assert torch.equal(got[name], g), name
         else:
             torch.testing.assert_close(got[name], g, rtol=1e-5, atol=1e-6, msg=name)
-
-
 
 
 def test_compiled_layer_matches_eager():
@@ -141,8 +140,8 @@ def test_checkpointing_gives_identical_gradients_and_routing(method, compiled):
 def test_parallelize_keeps_names_parameters_and_layer_hooks(monkeypatch):
     """Checkpoints, Muon (parameter objects), the balancer (router hooks) and the trainer's
     activation probe (hooks on ``model.model.layers[i]``) see the model they saw before."""
-    real_compile = torch.compile  # parallelize compiles with inductor: dynamo alone is enough here
-    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real_compile(fn, **{**kw, "backend": "eager"}))
+    real = torch.compile  # parallelize compiles with inductor: dynamo alone is enough here
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, **{**kw, "backend": "eager"}))
     model, ref = _model(), _model()
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
@@ -189,7 +188,8 @@ def test_one_graph_per_region_kind_whatever_the_depth():
         with torch.no_grad():
             prompt = _ids(1, 6)
             cache, eager_cache = model.new_cache(), eager.new_cache()
-            got = [model(_ids(3, 9)).logits, model(prompt, cache).logits, model(prompt[:, :1], cache).logits]
+            got = [model(_ids(3, 9)).logits, model(prompt, cache).logits,
+                   model(prompt[:, :1], cache).logits]
             want = [eager(_ids(3, 9)).logits, eager(prompt, eager_cache).logits,
                     eager(prompt[:, :1], eager_cache).logits]
         for g, w in zip(got, want):
@@ -202,8 +202,6 @@ def test_routed_experts_fast_path_is_one_graph_without_host_reads(monkeypatch):
     """The CUDA path of the routed experts (expert-sorted rows, grouped matmuls with offsets on
     the device) traces with ``fullgraph=True``: nothing reads a value on the host. Forward only:
     ``grouped_mm``'s CPU backward is not usable; widths are multiples of 8 for its strides."""
-    from openk3.model import moe
-
     experts = RoutedExperts(preset("debug"), 64)
     for w in experts.parameters():
         torch.nn.init.normal_(w, 0.0, 0.1)
@@ -211,7 +209,8 @@ def test_routed_experts_fast_path_is_one_graph_without_host_reads(monkeypatch):
     monkeypatch.setattr(moe, "use_fast_path", lambda x: True)
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(40, 64, generator=gen).bfloat16()
-    topk_idx, topk_weight = torch.randint(0, 8, (40, 2), generator=gen), torch.rand(40, 2, generator=gen)
+    topk_idx = torch.randint(0, 8, (40, 2), generator=gen)
+    topk_weight = torch.rand(40, 2, generator=gen)
     counter = CompileCounter()
     graph = torch.compile(experts.forward, backend=counter, fullgraph=True)
     assert torch.equal(graph(x, topk_idx, topk_weight), experts(x, topk_idx, topk_weight))
@@ -229,23 +228,24 @@ def test_compiled_elementwise_ops_are_traced_inside_a_compiled_region():
     assert counter.frame_count == 1 and counter.op_count > 2
 
 
-def test_trainer_losses_are_the_same_with_activation_checkpointing(corpus, tmp_path, monkeypatch):  # noqa: F811
-    recomputed = []
+def test_trainer_losses_are_the_same_with_activation_checkpointing(corpus, tmp_path,  # noqa: F811
+                                                                   monkeypatch):
+    checkpointed_calls = []
     real_checkpoint = regions.checkpoint
     monkeypatch.setattr(regions, "checkpoint",
-                        lambda *a, **kw: recomputed.append(1) or real_checkpoint(*a, **kw))
+                        lambda *a, **kw: checkpointed_calls.append(1) or real_checkpoint(*a, **kw))
     real_parallelize = trainer_mod.parallelize
 
     def parallelize_with(cfg):  # the trainer passes RunConfig's fields from the merge on
-        return lambda model, env, **kw: real_parallelize(
-            model, env, **{"compile": cfg.compile, "activation_checkpointing": cfg.activation_checkpointing, **kw})
+        fields = {"compile": cfg.compile, "activation_checkpointing": cfg.activation_checkpointing}
+        return lambda model, env, **kw: real_parallelize(model, env, **{**fields, **kw})
 
     losses = []
     for ac in (False, True):
         cfg = tiny(corpus, tmp_path / f"ac{ac}", activation_checkpointing=ac, max_steps=3)
         monkeypatch.setattr(trainer_mod, "parallelize", parallelize_with(cfg))
         losses.append(train(cfg)["losses"])
-    assert recomputed and losses[1] == losses[0]
+    assert checkpointed_calls and losses[1] == losses[0]
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -324,4 +324,5 @@ def test_graphs_stay_bounded_across_training_and_evaluation_shapes_on_gpu():
     n = frames["train"]
     assert frames["train again"] == frames["eval, other shape"] == n, frames
     assert n < frames["train, other shape"] <= 2 * n, frames
-    assert frames["train, first shape"] == frames["train, third shape"] == frames["train, other shape"], frames
+    assert frames["train, first shape"] == frames["train, third shape"] == \
+        frames["train, other shape"], frames
