@@ -22,7 +22,12 @@ import torch
 
 def use_fast_path(x: torch.Tensor) -> bool:
     """Fast paths run on CUDA unless ``OPENK3_REFERENCE=1`` forces the references everywhere."""
-    return x.is_cuda and os.environ.get("OPENK3_REFERENCE", "0") != "1"
+    return x.is_cuda and not _reference_forced()
+
+
+@torch.compiler.assume_constant_result  # a compiled graph keeps the path chosen when it was traced
+def _reference_forced() -> bool:
+    return os.environ.get("OPENK3_REFERENCE", "0") == "1"
 
 
 @functools.cache
