@@ -2,16 +2,21 @@
 
 CPU (fp32, dynamo with the ``aot_eager`` backend: inductor's C++ build takes over a minute per
 graph on CI's two cores): compiled and checkpointed models equal the eager one in forward and
-backward, names, parameters and hooks stay, the balancer collects the same routing, one graph
-per region kind whatever the depth. GPU (inductor, bf16): a compiled step of a ``small``-shaped
+backward (also under FSDP2 over two gloo processes, and in the trainer), names, parameters and
+hooks stay, the balancer collects the same routing, one graph per region kind whatever the
+depth. GPU (inductor, bf16): a compiled step of a ``small``-shaped
 model against the eager one, and the number of graphs across training and evaluation shapes.
 """
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch._dynamo
+import torch.distributed as dist
+import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch._dynamo.testing import CompileCounter, CompileCounterWithBackend
 from torch._dynamo.utils import counters
@@ -27,7 +32,7 @@ from openk3.parallel.parallelize import parallelize
 from openk3.train import trainer as trainer_mod
 from openk3.train.balance import Balancer
 from openk3.train.trainer import Env, train
-from tests.parallel.test_parallelize import TINY
+from tests.parallel.test_parallelize import TINY, _free_port
 from tests.train.test_trainer import cache_dir, corpus, tiny  # noqa: F401 (fixtures)
 
 # layer 0: KDA + dense MLP; 1: KDA + MoE; 2: MLA + MoE, sealing an AttnRes block
@@ -226,6 +231,37 @@ def test_compiled_elementwise_ops_are_traced_inside_a_compiled_region():
     x, w = torch.randn(3, 8), torch.rand(8) + 0.5
     torch.testing.assert_close(region(x, w), rms_norm_ref(x, w, 1e-6) * 2)
     assert counter.frame_count == 1 and counter.op_count > 2
+
+
+def _fsdp_worker(rank: int, world: int, port: int, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.set_num_threads(1)
+        real = torch.compile  # dynamo alone: inductor's C++ builds are too slow for CI
+        torch.compile = lambda fn, **kw: real(fn, **{**kw, "backend": "eager"})
+        ids = _ids(2 * world)
+        ref = _model()  # one process, the whole global batch, eager
+        _loss(ref, ids).backward()
+        want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e30)
+        model = _model()
+        parallel = parallelize(model, Env(rank, world, torch.device("cpu"), torch.float32),
+                               compile=True, activation_checkpointing=True)
+        _loss(model, ids.chunk(world)[rank]).backward()
+        parallel.reduce_gradients()
+        torch.testing.assert_close(parallel.clip_grad_norm_(1e30), want, rtol=1e-5, atol=0)
+        results[rank] = "ok"
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp_with_compiled_and_checkpointed_layers_equals_one_process():
+    """FSDP2 shards each layer after its regions are compiled and its forward checkpointed: the
+    recomputation in backward runs on the parameters FSDP gathered again for it."""
+    results = mp.Manager().dict()
+    mp.start_processes(_fsdp_worker, args=(2, _free_port(), results), nprocs=2, join=True,
+                       start_method="spawn")
+    assert dict(results) == {0: "ok", 1: "ok"}
 
 
 def test_trainer_losses_are_the_same_with_activation_checkpointing(corpus, tmp_path,  # noqa: F811
