@@ -14,7 +14,8 @@ With a zero query the softmax is uniform and ``agg`` is the mean of the sources.
 
 Fast path (CUDA): fla-core's ``fused_attnres``, whose math is exactly this when called without
 its fused output norm (checked in tests/ops/test_attnres.py against its naive reference and on
-the device against the fused kernel).
+the device against the fused kernel). ``torch.compile`` calls it as it is (a graph break
+around it) instead of tracing it.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
-from openk3.ops.fast import use_fast_path
+from openk3.ops.fast import importable, use_fast_path
 
 
 def attn_res_agg_ref(sources: Sequence[torch.Tensor], query: torch.Tensor, norm_weight: torch.Tensor,
@@ -37,13 +38,12 @@ def attn_res_agg_ref(sources: Sequence[torch.Tensor], query: torch.Tensor, norm_
     return (weights.unsqueeze(-1) * v).sum(0).to(sources[0].dtype)
 
 
-@functools.cache
-def _fla_fused_attnres():
-    try:
-        from fla.ops.attnres import fused_attnres
-    except ImportError:
-        return None
-    return fused_attnres
+@torch.compiler.disable(reason="fla-core's Triton AttnRes kernel runs as it is")
+def _attn_res_agg_fla(sources: Sequence[torch.Tensor], query: torch.Tensor, norm_weight: torch.Tensor,
+                      eps: float) -> torch.Tensor:
+    from fla.ops.attnres import fused_attnres
+
+    return fused_attnres(query, list(sources), norm_weight, rms_eps=eps)
 
 
 def attn_res_agg(sources: Sequence[torch.Tensor], query: torch.Tensor, norm_weight: torch.Tensor,
@@ -61,7 +61,6 @@ def attn_res_agg(sources: Sequence[torch.Tensor], query: torch.Tensor, norm_weig
         dtype = (torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev)
                  else functools.reduce(torch.promote_types, (s.dtype for s in sources)))
         sources = [s.to(dtype) for s in sources]
-    fused = _fla_fused_attnres() if use_fast_path(sources[0]) else None
-    if fused is not None:
-        return fused(query, list(sources), norm_weight, rms_eps=eps)
+    if use_fast_path(sources[0]) and importable("fla.ops.attnres"):
+        return _attn_res_agg_fla(sources, query, norm_weight, eps)
     return attn_res_agg_ref(sources, query, norm_weight, eps)

@@ -11,7 +11,8 @@ result as one call per part.
   gathered by index arithmetic: no Python work per sequence.
 * ``causal_conv1d``: the entry point layers call. On CUDA it runs fla-core's Triton kernels:
   ``causal_conv1d`` (variable length, initial and final state, autograd) and, for one decode
-  token without autograd, ``causal_conv1d_update``.
+  token without autograd, ``causal_conv1d_update``; ``torch.compile`` calls them as they are
+  (a graph break around them) instead of tracing them.
 
 fla's state is ``[N, C, W]``, one column wider than ours: its column 0 holds the input W steps
 back, which no output reads (the forward kernel loads columns 1.. only and the update kernel
@@ -21,12 +22,10 @@ and drops it from the result.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
-from openk3.ops.fast import use_fast_path
+from openk3.ops.fast import importable, use_fast_path
 
 
 def _validate(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor | None,
@@ -105,20 +104,16 @@ def causal_conv1d_ref(x: torch.Tensor, weight: torch.Tensor,
     return _conv_torch(x, weight, conv_state, cu_seqlens)
 
 
-@functools.cache
-def _fla_conv():
-    """fla-core's (causal_conv1d, causal_conv1d_update), or None without fla-core and triton."""
-    try:
-        from fla.modules.causal_conv1d import causal_conv1d, causal_conv1d_update
-    except ImportError:
-        return None
-    return causal_conv1d, causal_conv1d_update
+_FLA_CONV = "fla.modules.causal_conv1d"
 
 
+@torch.compiler.disable(reason="fla-core's Triton conv kernels run as they are")
 def _conv_fla(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor | None,
               cu_seqlens: torch.Tensor | None,
               cu_seqlens_cpu: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    fla_conv, fla_conv_update = _fla_conv()
+    from fla.modules.causal_conv1d import causal_conv1d as fla_conv
+    from fla.modules.causal_conv1d import causal_conv1d_update
+
     B, T, C = x.shape
     W = weight.shape[-1]
     weight_CW = weight[:, 0]                                         # fla's layout: [C, W]
@@ -129,7 +124,7 @@ def _conv_fla(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor | 
     if T == 1 and cu_seqlens is None and not needs_grad:
         if state is None:
             state = x.new_zeros(B, C, W)
-        y, state = fla_conv_update(x, state, weight=weight_CW, activation="silu")  # in place
+        y, state = causal_conv1d_update(x, state, weight=weight_CW, activation="silu")  # in place
     else:
         y, state = fla_conv(x, weight_CW, initial_state=state, output_final_state=True,
                             activation="silu", cu_seqlens=cu_seqlens,
@@ -169,11 +164,11 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tenso
         raise ValueError(f"`backend` must be 'auto', 'torch' or 'fla', got {backend!r}")
     _validate(x, weight, conv_state, cu_seqlens)
     if backend == "auto":
-        backend = "fla" if use_fast_path(x) and _fla_conv() is not None else "torch"
+        backend = "fla" if use_fast_path(x) and importable(_FLA_CONV) else "torch"
     if backend == "fla":
         if not x.is_cuda:
             raise ValueError(f"backend='fla' needs CUDA tensors, got x on {x.device}")
-        if _fla_conv() is None:
+        if not importable(_FLA_CONV):
             raise ValueError("backend='fla' needs fla-core and triton: pip install 'openk3[gpu]'")
         return _conv_fla(x, weight, conv_state, cu_seqlens, cu_seqlens_cpu)
     return _conv_torch(x, weight, conv_state, cu_seqlens)

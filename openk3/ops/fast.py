@@ -3,12 +3,15 @@
 The reference ops are plain PyTorch. On CUDA the elementwise ones (RMSNorm, gated RMSNorm,
 SiTU-GLU) run through ``torch.compile`` of the *same* function, which fuses them into one
 kernel each; the numerics are the reference's, so the tests that compare the two only have to
-allow for fusion-order rounding.
+allow for fusion-order rounding. Inside a region that is itself being compiled (the decoder
+layers' attention and MLPs, ``openk3.parallel.compile``) they are traced as plain code instead,
+so the region's graph fuses them with their neighbours.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 import threading
 import warnings
@@ -19,7 +22,27 @@ import torch
 
 def use_fast_path(x: torch.Tensor) -> bool:
     """Fast paths run on CUDA unless ``OPENK3_REFERENCE=1`` forces the references everywhere."""
-    return x.is_cuda and os.environ.get("OPENK3_REFERENCE", "0") != "1"
+    return x.is_cuda and not _reference_forced()
+
+
+@torch.compiler.assume_constant_result  # a compiled graph keeps the path chosen when it was traced
+def _reference_forced() -> bool:
+    return os.environ.get("OPENK3_REFERENCE", "0") == "1"
+
+
+@functools.cache
+def _imports(module: str) -> bool:
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        return False
+    return True
+
+
+@torch.compiler.assume_constant_result  # dynamo calls it and keeps the result: no import traced
+def importable(module: str) -> bool:
+    """Whether ``module`` imports (fla-core's kernels need triton); tried once per module."""
+    return _imports(module)
 
 
 def _signature(args) -> tuple:
@@ -36,7 +59,8 @@ _CONFIG_LOCK = threading.RLock()
 
 
 def compiled(fn: Callable) -> Callable:
-    """``torch.compile`` ``fn`` lazily (first CUDA call), with dynamic shapes.
+    """``torch.compile`` ``fn`` lazily (first CUDA call), with dynamic shapes; while dynamo
+    traces a caller (a compiled region), ``fn`` itself, traced as part of that graph.
 
     If dynamo gives up on a kind of call (its per-function recompile limit: serving calls the
     same norm with many ranks, dtypes and grad modes), calls of that kind run ``fn`` eagerly
@@ -54,6 +78,8 @@ def compiled(fn: Callable) -> Callable:
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            return fn(*args, **kwargs)
         sig = _signature(args)
         if sig in eager:
             return fn(*args, **kwargs)

@@ -13,6 +13,9 @@ Layout over W = ``env.world_size`` processes, each reading its own data:
   consecutive ranks (``expert_parallel.py``); FSDP leaves these shares alone and
   ``ExpertShares`` (``expert_shares.py``) reduces, clips and gathers them.
 
+Before FSDP wraps the layers, each decoder layer may be activation-checkpointed and its
+attention and MLPs compiled (``compile.py``), as torchtitan orders them.
+
 Context parallelism (a later issue) is another size beside ``ep``: its groups are made here and
 the sequence split joins the data path; the trainer's calls stay as they are.
 """
@@ -26,16 +29,20 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.tensor import DTensor
 
 from openk3.model import build_model
+from openk3.parallel.compile import checkpoint_layers, compile_layers
 from openk3.parallel.expert_shares import ExpertShares
 from openk3.parallel.fsdp import apply_fsdp
 
 
-def parallelize(model: nn.Module, env, ep: int = 1) -> Parallel:
+def parallelize(model: nn.Module, env, ep: int = 1, compile: bool | None = None,
+                activation_checkpointing: bool = False) -> Parallel:
     """Apply the parallel layout to ``model`` in place and return its ``Parallel``.
 
     env: the trainer's ``Env`` (``rank``, ``world_size``, ``device``, ``dtype``); the process
     group is already initialised when ``world_size > 1``. ep: expert-parallel size
-    (``RunConfig.ep``); 1 keeps every expert on every rank. Collective when ``world_size > 1``.
+    (``RunConfig.ep``); 1 keeps every expert on every rank. compile, activation_checkpointing:
+    as ``RunConfig``'s fields (``compile.py``); MoonEP's experts stay eager (their dispatch
+    reads split sizes on the host). Collective when ``world_size > 1``.
     """
     if env.world_size % ep:
         raise ValueError(f"RunConfig.ep={ep}: must divide the number of processes "
@@ -43,6 +50,12 @@ def parallelize(model: nn.Module, env, ep: int = 1) -> Parallel:
     if model.cfg.num_experts % ep:
         raise ValueError(f"RunConfig.ep={ep}: must divide num_experts={model.cfg.num_experts}")
     experts = ExpertShares(model, ep) if ep > 1 else None
+    if activation_checkpointing:
+        checkpoint_layers(model)
+    if compile is None:  # on CPU the references' host reads leave little to compile
+        compile = env.device.type == "cuda"
+    if compile:
+        compile_layers(model)
     if env.world_size > 1:
         apply_fsdp(model, env, ignored_params=set(experts.params.values()) if experts else None)
     return Parallel(model, env.rank, env.world_size, experts)

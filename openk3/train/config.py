@@ -52,6 +52,9 @@ class RunConfig(_DictIO):
     seed: int = 0
     device: str = "auto"  # "auto", "cpu", "cuda"
     dtype: str = "auto"  # "auto" (bf16 on CUDA, fp32 on CPU), "float32", "bfloat16"
+    # torch.compile each decoder layer's attention and MLPs (docs/training.md); None: on CUDA only
+    compile: bool | None = None
+    activation_checkpointing: bool = False  # recompute each decoder layer in backward: less memory
     # samples printed at the end
     num_samples: int = 3
     sample_tokens: int = 80
@@ -128,13 +131,13 @@ def run_preset(name: str, **overrides: Any) -> RunConfig:
 RUN_CONFIG_FILE = "run_config.json"  # in the run directory: {"run": RunConfig, "model": ...}
 
 # Fields that may differ from the saved run when resuming: how long it runs, how often it logs,
-# evaluates and saves, what it prints at the end, and where it runs. ``batch_size`` is per rank:
-# resuming on another number of processes changes it, and the data stream refuses any change
-# of the global batch (world size x batch_size). Every other field defines the run itself
+# evaluates and saves, what it prints at the end, and where and how it runs. ``batch_size`` is
+# per rank: resuming on another number of processes changes it, and the data stream refuses any
+# change of the global batch (world size x batch_size). Every other field defines the run itself
 # (model, data, optimiser, schedule shape, seed) and must match.
 RESUMABLE_FIELDS = ("resume", "out", "max_steps", "log_interval", "eval_interval", "eval_batches",
                     "ckpt_interval", "keep_last", "num_samples", "sample_tokens",
-                    "sample_temperature", "device", "batch_size")
+                    "sample_temperature", "device", "batch_size", "compile", "activation_checkpointing")
 
 
 def _same(a: Any, b: Any) -> bool:

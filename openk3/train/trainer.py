@@ -14,18 +14,20 @@ import os
 import signal
 import sys
 import time
-from contextlib import nullcontext
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from openk3.train.config import RUN_CONFIG_FILE, RunConfig
+from openk3.config import ModelConfig
 from openk3.model import build_model
-from openk3.runtime import resolve_device, resolve_dtype
 from openk3.parallel.collectives import barrier, main_rank_first, mean_over_ranks
-from openk3.parallel.parallelize import parallelize
+from openk3.parallel.parallelize import Parallel, parallelize
+from openk3.runtime import resolve_device, resolve_dtype
+from openk3.train.config import RUN_CONFIG_FILE, RunConfig
 from openk3.train import state as ckpt
 from openk3.train.balance import Balancer
 from openk3.train.data import BOS_TOKEN, PAD_TOKEN, prepare_data
@@ -131,6 +133,63 @@ def _oom_message(cfg: RunConfig) -> str:
             "(raise grad_accum to keep the tokens per step), or choose a smaller preset")
 
 
+@dataclass
+class Training:
+    """The pieces one optimisation step needs, built once by ``build_training``."""
+
+    env: Env
+    model: torch.nn.Module
+    parallel: Parallel
+    optimizers: list
+    balancer: Balancer
+    autocast: Callable[[], AbstractContextManager]
+
+
+def build_training(cfg: RunConfig, env: Env, model_cfg: ModelConfig) -> Training:
+    """The model (fp32 master weights on ``env.device``), its parallel layout (FSDP2, MoonEP,
+    compilation, activation checkpointing: ``openk3.parallel.parallelize``), the optimisers and
+    the router balancer, as ``train`` uses them (and ``benchmarks/train_throughput.py``)."""
+    torch.manual_seed(cfg.seed)
+    # fp32 master weights; bf16 compute comes from autocast (one device) or FSDP's policy
+    model = build_model(model_cfg, device=env.device, seed=cfg.seed)
+    model.train()
+    parallel = parallelize(model, env, ep=cfg.ep, compile=cfg.compile,
+                           activation_checkpointing=cfg.activation_checkpointing)
+    optimizers = build_optimizers(model, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                  optimizer=cfg.optimizer)
+    balancer = Balancer(cfg.balance, model_cfg.num_experts,
+                        model_cfg.num_experts_per_token).attach(model)
+    use_amp = env.device.type == "cuda" and env.dtype != torch.float32
+    autocast = (lambda: torch.autocast("cuda", dtype=env.dtype)) if use_amp else nullcontext
+    return Training(env, model, parallel, optimizers, balancer, autocast)
+
+
+def train_step(t: Training, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], cfg: RunConfig,
+               ) -> tuple[float, torch.Tensor]:
+    """One optimisation step over ``cfg.grad_accum`` micro-batches ``(inputs, targets)`` [B, T]:
+    forward (the loss comes out of the model: no [B, T, vocab] logits), backward, balancer
+    update after each micro-batch, gradient reduction and clipping, the optimiser steps.
+    Returns (the loss averaged over micro-batches and ranks, the gradient norm)."""
+    loss_sum = torch.zeros((), device=t.env.device)
+    for inputs, targets in batches:
+        inputs, targets = inputs.to(t.env.device), targets.to(t.env.device)
+        with t.autocast():
+            loss = t.model(inputs, labels=targets).loss
+        loss = loss + cfg.aux_loss_coef * t.balancer.aux_loss()
+        (loss / cfg.grad_accum).backward()
+        loss_sum += loss.detach()
+        t.balancer.update()  # biases for the *next* batch; never re-route this one
+    loss_f = mean_over_ranks(loss_sum / cfg.grad_accum).item()
+    if not math.isfinite(loss_f):
+        return loss_f, torch.full((), float("nan"))  # the caller stops before the update
+    t.parallel.reduce_gradients()
+    grad_norm = t.parallel.clip_grad_norm_(cfg.clip_grad if cfg.clip_grad > 0 else 1e30)
+    for opt in t.optimizers:
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return loss_f, grad_norm
+
+
 def train(cfg: RunConfig) -> dict:
     """Run (or resume) a training run; returns a summary dict. See ``openk3 train --help``."""
     env = setup_env(cfg)
@@ -155,15 +214,9 @@ def train(cfg: RunConfig) -> dict:
         raise ValueError(f"tokenizer has {data.vocab_size} tokens but the model's vocab_size is "
                          f"{model_cfg.vocab_size}; set --vocab-size {data.vocab_size}")
 
-    torch.manual_seed(cfg.seed)
-    # fp32 master weights; bf16 compute comes from autocast (one device) or FSDP's policy
-    model = build_model(model_cfg, device=env.device, seed=cfg.seed)
-    model.train()
-    parallel = parallelize(model, env, ep=cfg.ep)
-    optimizers = build_optimizers(model, lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                  optimizer=cfg.optimizer)
-    balancer = Balancer(cfg.balance, model_cfg.num_experts,
-                        model_cfg.num_experts_per_token).attach(model)
+    training = build_training(cfg, env, model_cfg)
+    model, parallel, optimizers, balancer = (training.model, training.parallel, training.optimizers,
+                                             training.balancer)
     stream = TokenStream(data.train_path, data.dtype, cfg.seq_len, cfg.batch_size, seed=cfg.seed,
                          rank=env.rank, world_size=env.world_size)
     start = 0
@@ -194,8 +247,6 @@ def train(cfg: RunConfig) -> dict:
     probe = _ActivationProbe(model)
     last_saved = start
     summary: dict = {"start_step": start}
-    amp = (torch.autocast("cuda", dtype=env.dtype) if env.device.type == "cuda"
-           and env.dtype != torch.float32 else nullcontext())
 
     def save(step: int) -> None:
         nonlocal last_saved
@@ -211,30 +262,16 @@ def train(cfg: RunConfig) -> dict:
             set_lr(optimizers, mult)
             logging_step = step % cfg.log_interval == 0 or step == cfg.max_steps
             probe.active = logging_step
-            loss_sum = torch.zeros((), device=env.device)
             try:
-                for _ in range(cfg.grad_accum):
-                    inputs, targets = stream.next_batch()
-                    inputs, targets = inputs.to(env.device), targets.to(env.device)
-                    with amp:  # the loss comes from the forward: no [B, T, vocab] logits
-                        loss = model(inputs, labels=targets).loss
-                    loss = loss + cfg.aux_loss_coef * balancer.aux_loss()
-                    (loss / cfg.grad_accum).backward()
-                    loss_sum += loss.detach()
-                    balancer.update()  # biases for the *next* batch; never re-route this one
+                loss_f, grad_norm = train_step(
+                    training, (stream.next_batch() for _ in range(cfg.grad_accum)), cfg)
             except torch.cuda.OutOfMemoryError as e:
                 raise RuntimeError(_oom_message(cfg)) from e
-            loss_f = mean_over_ranks(loss_sum / cfg.grad_accum).item()
             if not math.isfinite(loss_f):
                 raise TrainingDiverged(
                     f"non-finite loss {loss_f} at step {step}; stopping. The last good checkpoint "
                     f"is step {last_saved} in {run_dir / ckpt.CKPT_DIR} (resume with --resume, "
                     "perhaps with a lower --lr)")
-            parallel.reduce_gradients()
-            grad_norm = parallel.clip_grad_norm_(cfg.clip_grad if cfg.clip_grad > 0 else 1e30)
-            for opt in optimizers:
-                opt.step()
-                opt.zero_grad(set_to_none=True)
             losses.append(loss_f)
             bar.update(step, loss=loss_f, lr=cfg.lr * mult)
 

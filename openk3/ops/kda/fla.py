@@ -1,25 +1,23 @@
 """KDA's fast path: fla-core's Triton kernels (``chunk_kda``, ``fused_recurrent_kda``) with the
-gate fused in, called with the layouts and flags openk3's arguments map to."""
+gate fused in, called with the layouts and flags openk3's arguments map to.
+
+Under ``torch.compile`` the kernels are opaque: dynamo calls them as they are, with a graph
+break around the call, instead of tracing fla's Python and Triton launchers."""
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
+from openk3.ops.fast import importable
 from openk3.ops.kda.gate import SAFE_LOWER_BOUND, a_log_heads
 
 
-@functools.cache
 def fla_available() -> bool:
     """Whether fla-core's KDA kernels import (needs triton; the import takes ~10 s, once)."""
-    try:
-        import fla.ops.kda  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return importable("fla.ops.kda")
 
 
+@torch.compiler.disable(reason="fla-core's Triton KDA kernels run as they are")
 def kda_fla(q, k, v, f, beta, A_log, dt_bias, lower_bound, scale, initial_state,
             output_final_state, use_qk_l2norm, cu_seqlens=None, cu_seqlens_cpu=None):
     """``kda`` on fla's kernels; arguments as ``kda``'s, already validated, ``f`` [B, T, H, K]."""
