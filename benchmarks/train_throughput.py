@@ -1,11 +1,12 @@
 """Training throughput on one GPU: openk3 vs transformers' KimiLinearForCausalLM in the same run.
 
-Measures full training steps (forward, backward, optimiser) of the ``small`` preset in bf16
-autocast with fp32 master weights, the loss taken from the forward as the trainer does
-(``model(inputs, labels=targets).loss``: fla's fused linear cross-entropy, no ``[B, T, vocab]``
-logits; the row names the loss backend) — tokens/s, MFU (formula in docs/training.md) and
-peak memory — and, as the peer, a transformers Kimi Linear model of similar activated size
-trained with AdamW the way a user would (bf16 weights, its default kernels).
+Measures full training steps of the ``small`` preset through the trainer's own step function
+(``openk3.train.trainer.train_step``: bf16 autocast over fp32 master weights, compiled layers,
+the loss out of the forward through fla's fused linear cross-entropy, Quantile Balancing,
+clipping, per-head Muon) — tokens/s and MFU by the same formula ``openk3 train`` logs
+(``openk3.train.metrics``), first-step (compile) time and peak memory — and, as the peer, a
+transformers Kimi Linear model of the same sizes trained with AdamW the way a user would (bf16
+weights, its default kernels).
 
 Floor: MFU = tokens/s x FLOPs/token / 989e12. Run on the device:
 ``python benchmarks/train_throughput.py --batch 4 --seq 4096 --steps 10``.
@@ -19,15 +20,15 @@ import time
 import torch
 
 from benchmarks.common import environment, profile, write_results
-from openk3 import build_model, preset
+from openk3 import preset
 from openk3.ops.loss import auto_backend
-from openk3.train.balance import Balancer
+from openk3.train.config import run_preset
 from openk3.train.metrics import flops_per_token, peak_flops
-from openk3.train.optim import build_optimizers
+from openk3.train.trainer import build_training, setup_env, train_step
 
 
 def time_steps(step, steps: int) -> float:
-    step()  # warm-up: autotuning, compilation
+    step()  # warm-up: autotuning
     torch.cuda.synchronize()
     t = time.perf_counter()
     for _ in range(steps):
@@ -37,30 +38,31 @@ def time_steps(step, steps: int) -> float:
 
 
 def openk3_row(args) -> dict:
-    cfg = preset(args.preset)
-    model = build_model(cfg, device="cuda").train()
-    opts = build_optimizers(model, lr=1e-3, weight_decay=0.1)
-    bal = Balancer("qb", cfg.num_experts, cfg.num_experts_per_token).attach(model)
-    ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), device="cuda")
+    """The trainer's own step (``openk3.train.trainer.train_step``: autocast, the fused loss, the
+    balancer, clipping, per-head Muon, compiled layers unless ``--no-compile``) on random tokens,
+    and the trainer's own tokens/s and MFU formula."""
+    cfg = run_preset(args.preset, batch_size=args.batch, seq_len=args.seq, compile=args.compile,
+                     activation_checkpointing=args.activation_checkpointing, device="cuda")
+    model_cfg = cfg.model_config()
+    env = setup_env(cfg)
+    training = build_training(cfg, env, model_cfg)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    ids = torch.randint(0, model_cfg.vocab_size, (args.batch, args.seq + 1), device="cuda", generator=g)
 
     def step():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = model(ids[:, :-1], labels=ids[:, 1:]).loss
-        loss.backward()
-        bal.update()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        for o in opts:
-            o.step()
-            o.zero_grad(set_to_none=True)
+        train_step(training, [(ids[:, :-1], ids[:, 1:])], cfg)
 
     torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    step()  # the first step compiles
+    first_s = time.perf_counter() - t0
     sec = time_steps(step, args.steps)
     tok_s = args.batch * args.seq / sec
-    mfu = tok_s * flops_per_token(cfg, args.seq) / peak_flops(torch.device("cuda"), torch.bfloat16)
-    row = {"system": f"openk3 {args.preset}", "loss_backend": auto_backend(ids),
-           "tokens_per_s": tok_s, "mfu": mfu,
-           "peak_GiB": torch.cuda.max_memory_allocated() / 2**30}
-    if args.profile:  # where the step's time goes (issue 3: the top costs when short of 35% MFU)
+    mfu = tok_s * flops_per_token(model_cfg, args.seq) / peak_flops(env.device, env.dtype)
+    row = {"system": f"openk3 {args.preset}", "compile": cfg.compile, "ckpt": cfg.activation_checkpointing,
+           "loss_backend": auto_backend(ids), "tokens_per_s": tok_s, "mfu": mfu,
+           "first_step_s": first_s, "peak_GiB": torch.cuda.max_memory_allocated() / 2**30}
+    if args.profile:  # where the step's time goes
         row.update(profile(step, "openk3 training step"))
     return row
 
@@ -102,6 +104,9 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--no-peer", action="store_true")
+    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                    help="RunConfig.compile (default None: on CUDA)")
+    ap.add_argument("--activation-checkpointing", action="store_true")
     ap.add_argument("--profile", action="store_true", help="profile one step (host vs GPU time)")
     args = ap.parse_args()
     print(environment())
