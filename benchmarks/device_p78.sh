@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The device runs of issues P7 (training speed) and P8 (serving speed), in phases of one call
+# each on nvidia-h200-x2, every phase under the 600 s limit (results in docs/benchmarks.md):
+#   run(command="bash benchmarks/device_p78.sh N", kind="nvidia-h200-x2",
+#       carry=[".whl", ".triton-cache", ".old"], timeout_s=598)
+# .whl: fla-core and the serving extras as wheels; .triton-cache: the last phase's autotuning
+# (unpack $OUT/autotune.tgz into the repo root before the next phase); .old: the openk3 package
+# as it landed before this work (git archive 5fd265f openk3), for the loss curve before vs after.
+source "$(dirname "$0")/device_common.sh"
+export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-cache
+gpu_tests() { local limit=$1; shift; timeout "$limit" python3 -m pytest -m gpu "$@" -q -p no:cacheprovider \
+  -rfE --tb=short >> "$OUT/gpu_tests.log" 2>&1; echo "== $*: rc $?" >> "$OUT/gpu_tests.log"; }
+train_run() {  # train_run SECONDS NAME NPROC EXTRA...: `openk3 train` from the current directory's
+  local limit=$1 name=$2 n=$3; shift 3  # package (python -m puts the directory first on sys.path)
+  timeout -k 10 "$limit" torchrun --nproc-per-node "$n" -m openk3 train --out "/tmp/runs/$name" \
+    --eval-interval 100000 --ckpt-interval 100000 --num-samples 0 "$@" > "$OUT/$name.log" 2>&1
+  echo "== rc $?" >> "$OUT/$name.log"
+  cp "/tmp/runs/$name/metrics.jsonl" "$OUT/$name.metrics.jsonl" 2>/dev/null
+}
+if [ "${1:-1}" = 1 ]; then
+  # GPU tests of every new kernel and path on one GPU; the headline measurements on the other
+  ( export CUDA_VISIBLE_DEVICES=0
+    gpu_tests 250 tests/ops
+    gpu_tests 170 tests/model tests/serve
+    gpu_tests 150 tests/parallel/test_compile.py ) & gpu0=$!
+  ( export CUDA_VISIBLE_DEVICES=1
+    timeout 280 python3 benchmarks/train_throughput.py --batch 4 --seq 4096 --steps 5 > "$OUT/train.log" 2>&1
+    timeout 290 python3 benchmarks/serve_bench.py --parts decode peer ttft > "$OUT/serve.log" 2>&1 ) & gpu1=$!
+  wait $gpu0 $gpu1
+elif [ "$1" = 2 ]; then
+  # the loss curve before (the landed package in .old) and after, side by side; then the MoE
+  # decode kernels, long contexts and the OpenAI server; then FSDP2 on both GPUs: small, medium
+  curve=(--preset small --max-steps 200 --warmup-steps 20 --log-interval 5)
+  ( export CUDA_VISIBLE_DEVICES=0
+    (cd .old && PYTHONPATH=/tmp/site train_run 170 curve_before 1 "${curve[@]}")
+    timeout 150 python3 benchmarks/moe_decode_bench.py > "$OUT/moe.log" 2>&1 ) & gpu0=$!
+  ( export CUDA_VISIBLE_DEVICES=1
+    train_run 170 curve_after 1 "${curve[@]}"
+    timeout 200 python3 benchmarks/serve_bench.py --parts long server > "$OUT/serve2.log" 2>&1 ) & gpu1=$!
+  wait $gpu0 $gpu1
+  train_run 100 small_2gpu 2 --preset small --max-steps 30 --warmup-steps 5 --log-interval 5
+  train_run 110 medium_2gpu 2 --preset medium --max-steps 20 --warmup-steps 5 --log-interval 5
+fi
+summary
