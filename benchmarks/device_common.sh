@@ -1,16 +1,19 @@
 # Sourced by the device scripts: fla from the carried wheel, Triton's autotuning results (the
 # committed benchmarks/autotune-h200.tgz when .triton-cache is empty), and a saver that tars the
-# results into $OUT every 20 s so a call cut short still returns them.
+# results every 20 s so a call cut short still returns them. Results are written under $OUT as
+# the scripts see it (/tmp/res); what comes back is two files in the device's $OUT, results.tgz
+# and autotune.tgz (a call returns at most 8 files).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=$PWD/.triton-cache \
   OPENK3_CACHE=/tmp/openk3-cache NCCL_NVLS_ENABLE=0
-export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" "$TRITON_CACHE_DIR"
+BACK=${OUT:-/tmp/out}; export OUT=/tmp/res; mkdir -p "$BACK" "$OUT" "$TRITON_CACHE_DIR"
 [ -n "$(ls -A "$TRITON_CACHE_DIR")" ] || tar xzf benchmarks/autotune-h200.tgz
-save_autotune() { (find .triton-cache -name '*.autotune.json' | tar czf "$OUT/autotune.tgz.tmp" -T - \
-  && mv "$OUT/autotune.tgz.tmp" "$OUT/autotune.tgz") 2>/dev/null; }
+save_autotune() { (find .triton-cache -name '*.autotune.json' | tar czf "$BACK/autotune.tgz.tmp" -T - \
+  && mv "$BACK/autotune.tgz.tmp" "$BACK/autotune.tgz"; tar czf "$BACK/results.tgz.tmp" -C "$OUT" . \
+  && mv "$BACK/results.tgz.tmp" "$BACK/results.tgz") 2>/dev/null; }
 ( while sleep 20; do save_autotune; done ) & saver=$!
 trap 'kill $saver 2>/dev/null; save_autotune' EXIT
 summary() { for f in "$OUT"/*.log; do echo "== $f"; tail -n 6 "$f"; done; }
