@@ -47,15 +47,16 @@ elif [ "$1" = 2 ]; then
       > "$OUT/train_compiled.log" 2>&1 ) & gpu1=$!
   wait $gpu0 $gpu1
 elif [ "$1" = 3 ]; then
-  # FSDP2 on both GPUs (small, then medium), sharded checkpoints over NCCL; then the MoE decode
-  # kernels beside long contexts and the OpenAI server
-  train_run 100 small_2gpu 2 --preset small --max-steps 30 --warmup-steps 5 --log-interval 5
-  train_run 120 medium_2gpu 2 --preset medium --max-steps 20 --warmup-steps 5 --log-interval 5
-  gpu_tests 60 tests/train/test_checkpoint_dcp.py
-  ( export CUDA_VISIBLE_DEVICES=0; timeout 150 python3 benchmarks/moe_decode_bench.py > "$OUT/moe.log" 2>&1 ) &
-  gpu0=$!
+  # FSDP2 on both GPUs (small, then medium; eager: a fresh machine compiles for ~90 s), sharded
+  # checkpoints over NCCL; then the MoE decode kernels and the engine's copy count beside long
+  # contexts and the OpenAI server
+  train_run 90 small_2gpu 2 --preset small --max-steps 30 --warmup-steps 5 --log-interval 5 --no-compile
+  train_run 110 medium_2gpu 2 --preset medium --max-steps 15 --warmup-steps 3 --log-interval 3 --no-compile
+  gpu_tests 50 tests/train/test_checkpoint_dcp.py
+  ( export CUDA_VISIBLE_DEVICES=0; timeout 120 python3 benchmarks/moe_decode_bench.py > "$OUT/moe.log" 2>&1
+    gpu_tests 60 tests/serve/test_engine_gpu.py -k copies ) & gpu0=$!
   ( export CUDA_VISIBLE_DEVICES=1
-    timeout 200 python3 benchmarks/serve_bench.py --parts long server > "$OUT/serve2.log" 2>&1 ) & gpu1=$!
+    timeout 190 python3 benchmarks/serve_bench.py --parts long server > "$OUT/serve2.log" 2>&1 ) & gpu1=$!
   wait $gpu0 $gpu1
 fi
 summary

@@ -51,10 +51,11 @@ from openk3.ops.fast import use_fast_path
 from openk3.ops.situ import situ_glu_ref, swiglu_ref
 
 # The most (token, expert) pairs that take the GEMV path in RoutedExperts: above it the grouped
-# path's single read of each used expert beats re-reading shared experts per pair. 256 pairs is
-# 64 decode tokens of `small` (k = 4) and 16 of K3 (k = 16); set from the device measurements of
-# benchmarks/moe_decode_bench.py.
-GEMV_MAX_PAIRS = 256
+# path's single read of each used expert beats re-reading shared experts per pair. Measured with
+# benchmarks/moe_decode_bench.py on one H200 (2026-11-30, docs/benchmarks.md): the GEMVs win at
+# 512 pairs (small: 92 vs 114 us; K3: 7.96 vs 8.17 ms) and lose at 2048 (K3: 31.0 vs 16.1 ms).
+# 512 pairs is 128 decode tokens of `small` (k = 4) and 32 of K3 (k = 16).
+GEMV_MAX_PAIRS = 512
 
 
 @functools.cache

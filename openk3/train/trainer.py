@@ -64,7 +64,9 @@ def setup_env(cfg: RunConfig) -> Env:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        # device_id binds the NCCL communicator to this process's GPU (no guess from the rank)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                device_id=device if device.type == "cuda" else None)
     return Env(rank, world, device, resolve_dtype(cfg.dtype, device))
 
 
