@@ -6,6 +6,9 @@
 * ``decode.py`` ``kda_decode_step``: one decode token.
 * ``fla.py``    fla-core's Triton kernels, the fast path on GPU.
 * ``dispatch.py`` ``kda``: the entry point layers call; picks fla on CUDA, the references elsewhere.
+* ``verify.py`` ``kda_verify``: a speculative-verification segment with per-position states, and
+  the rollback of the recurrent and conv states to the last accepted token (``rollback_*``,
+  ``conv_state_rollback``).
 
 Shapes: q, k ``[B, T, H, K]``; v ``[B, T, H, V]``; g (log decay, fp32) ``[B, T, H, K]``;
 beta (already sigmoided) ``[B, T, H]``; state ``[B, H, K, V]`` fp32. All internal math is
@@ -18,6 +21,15 @@ from openk3.ops.kda.decode import kda_decode_step
 from openk3.ops.kda.dispatch import kda
 from openk3.ops.kda.gate import SAFE_LOWER_BOUND, kda_gate
 from openk3.ops.kda.naive import kda_recurrent_ref
+from openk3.ops.kda.verify import (
+    conv_state_rollback,
+    conv_state_rollback_ref,
+    kda_verify,
+    kda_verify_ref,
+    rollback_recompute_,
+    rollback_snapshot_,
+)
 
-__all__ = ["SAFE_LOWER_BOUND", "kda", "kda_chunk_ref", "kda_decode_step", "kda_gate",
-           "kda_recurrent_ref"]
+__all__ = ["SAFE_LOWER_BOUND", "conv_state_rollback", "conv_state_rollback_ref", "kda",
+           "kda_chunk_ref", "kda_decode_step", "kda_gate", "kda_recurrent_ref", "kda_verify",
+           "kda_verify_ref", "rollback_recompute_", "rollback_snapshot_"]
