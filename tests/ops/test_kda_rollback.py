@@ -246,10 +246,12 @@ def test_docstring_examples_run():
 # fla's bf16 kernels against the fp32 reference on the same bf16 values, as in test_kda.py
 # (worst seen there on an H200: o 4.4e-3, S 3.5e-3).
 FLA_BF16_TOLS = {"o": 1e-2, "S": 1e-2}
-# fla snapshot vs fla recompute: the same inputs and kernel arithmetic except the gate, which
-# the verify kernel computes in-kernel (approximate ex2/lg2) and the recompute takes from
-# kda_gate (torch, fp32): fp32 rounding of the decay only.
-FLA_STRATEGY_TOL = 1e-5
+# fla's snapshot and recompute against fla's own decode steps: the same bf16 inputs and kernel
+# arithmetic, except that the recompute takes the decay from kda_gate (torch, fp32) where the
+# kernels compute it in-kernel (fla's softplus uses approximate ex2/lg2): fp32 rounding of the
+# decay only, far below bf16 noise. Set before a device run (#14); states one position apart
+# differ by 50-130% at these shapes, so a wrong selection fails by orders of magnitude.
+FLA_STRATEGY_TOL = 1e-4
 
 
 def bf16_segment(B, T, H, seed):

@@ -271,10 +271,11 @@ def _verify_fla(q, k, v, f, beta, A_log, dt_bias, lower_bound, scale, initial_st
     states = torch.empty(B, T, H, K, V, device=q.device, dtype=torch.float32)
     states[:, 0] = initial_state
     indices = torch.arange(B * T, device=q.device, dtype=torch.int32).view(B, T)
-    o, _ = fused_recurrent_kda_fwd(
-        q=q.contiguous(), k=k.contiguous(), v=v.contiguous(), g=f.contiguous(),
-        beta=beta.contiguous(), scale=scale, initial_state=states.view(B * T, H, K, V),
-        inplace_final_state=True, ssm_state_indices=indices, **gate_args)
+    with torch.cuda.device(q.device):  # what the public wrapper's input_guard does
+        o, _ = fused_recurrent_kda_fwd(
+            q=q.contiguous(), k=k.contiguous(), v=v.contiguous(), g=f.contiguous(),
+            beta=beta.contiguous(), scale=scale, initial_state=states.view(B * T, H, K, V),
+            inplace_final_state=True, ssm_state_indices=indices, **gate_args)
     return o, states
 
 
