@@ -32,9 +32,9 @@ The short convolution's state is a window of its inputs, so its rollback is a ga
 old state and the segment's (pre-convolution) inputs, whichever KDA strategy is used:
 ``conv_state_rollback``.
 
-Inference only: nothing here is differentiable in a useful way (the kernels have no backward),
-so inputs with ``requires_grad`` under grad mode are refused; call under ``torch.no_grad()`` or
-``torch.inference_mode()``.
+Inference only: verification is a serving step and fla's ``fused_recurrent_kda`` has no
+backward, so inputs that require grad (under grad mode) are refused; call under
+``torch.no_grad()`` or ``torch.inference_mode()``.
 
 ``num_kept`` ``[B]`` (integers ``n_b``) may live on the host or on the device. On the host its
 range is checked with a ``ValueError``; on the device it is checked with ``torch._assert_async``,
@@ -168,8 +168,11 @@ def kda_verify(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tenso
         return _verify_fla(q, k, v, f, beta, A_log, dt_bias, lower_bound, scale, initial_state,
                            use_qk_l2norm, output_states)
     g = kda_gate(f, A_log, dt_bias, lower_bound)
-    o, states = kda_verify_ref(q, k, v, g, beta, initial_state, scale, use_qk_l2norm)
-    return o, (states if output_states else None)
+    if output_states:
+        return kda_verify_ref(q, k, v, g, beta, initial_state, scale, use_qk_l2norm)
+    o, _ = kda_recurrent_ref(q, k, v, g, beta, scale, initial_state=initial_state,
+                             use_qk_l2norm=use_qk_l2norm)
+    return o, None
 
 
 def rollback_snapshot_(pool: torch.Tensor, slots: torch.Tensor, states: torch.Tensor,
@@ -194,6 +197,8 @@ def rollback_snapshot_(pool: torch.Tensor, slots: torch.Tensor, states: torch.Te
                          f"{list(states.shape)}")
     B, T, H, K, V = states.shape
     _check_pool(pool, slots, B, H, K, V)
+    if states.device != pool.device:
+        raise ValueError(f"`states` is on {states.device}, pool on {pool.device}")
     n = _check_num_kept(num_kept, B, T, states.device)
     pool.index_copy_(0, slots, states[torch.arange(B, device=states.device), n - 1])
 
