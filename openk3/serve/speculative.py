@@ -4,7 +4,7 @@ distribution exactly that of sampling from the target token by token.
 
 For one sequence with draft tokens d_1..d_K drawn from the draft's distributions q_1..q_K and
 the target's distributions p_1..p_{K+1} (all after the engine's temperature / top-k / top-p
-processing, ``target_probs``):
+processing, ``sampling_probs``):
 
     for i = 1..K:   accept d_i with probability  min(1, p_i(d_i) / q_i(d_i))
                     (q_i(d_i) = 0: reject; the draft could not have proposed it)
@@ -52,13 +52,14 @@ def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return torch.where(r.sum(-1, keepdim=True) > 0, r, p)
 
 
-def target_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """logits [B, K+1, V] -> fp32 probabilities [B, K+1, V] of the distributions each request
+def sampling_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """logits [B, P, V] -> fp32 probabilities [B, P, V] of the distributions each request
     samples from at every position: ``sampler.filtered_logprobs`` (temperature, top-k, top-p)
-    with the row's settings, exponentiated. The draft's q must be processed the same way when
-    its tokens are sampled, so that q is the distribution they were drawn from."""
+    with the row's settings, exponentiated. The target's p are these of its logits (P = K+1);
+    the draft's q are the distributions its tokens were actually drawn from (the draft can
+    sample through this function too)."""
     if logits.dim() != 3 or len(params) != logits.shape[0]:
-        raise ValueError(f"target_probs: `logits` must be [B, K+1, V] with B = len(params) = "
+        raise ValueError(f"sampling_probs: `logits` must be [B, P, V] with B = len(params) = "
                          f"{len(params)}, got {list(logits.shape)}")
     B, P, V = logits.shape
     settings = torch.tensor([[p.temperature, p.top_p, p.top_k] for p in params],
@@ -124,16 +125,16 @@ def speculative_sample(draft_tokens: torch.Tensor, draft_probs: torch.Tensor,
     """Verify a batch of drafts.
 
     draft_tokens [B, K] int64; draft_probs [B, K, V] (the distributions the draft tokens were
-    sampled from); target_probs [B, K+1, V] (``target_probs(target_logits, params)``);
+    sampled from); target_probs [B, K+1, V] (``sampling_probs(target_logits, params)``);
     num_draft: row b's draft length k_b <= K (host ints, None: all K; positions >= k_b are
-    padding and are never read); ``params[b]`` (temperature 0: greedy) and ``generators[b]``
-    (None: the global RNG) as in ``sampler.sample``.
+    padding of any value); ``params[b]`` (temperature 0: greedy) and ``generators[b]`` (None:
+    the global RNG) as in ``sampler.sample``.
 
     Returns (num_accepted [B] int64, tokens [B, K+1] int64): row b emits
     ``tokens[b, :num_accepted[b] + 1]``, the rest is -1.
 
     >>> p = torch.tensor([[[0.5, 0.5, 0.0], [0.0, 0.0, 1.0]]])   # target, K+1 = 2 positions
-    >>> q = torch.tensor([[[0.5, 0.5, 0.0]]])                    # draft equals target at 1
+    >>> q = torch.tensor([[[0.5, 0.5, 0.0]]])                    # the draft is the target here
     >>> n, tokens = speculative_sample(torch.tensor([[1]]), q, p, None, [SamplingParams()], [None])
     >>> n.tolist(), tokens.tolist()                               # accepted, then the bonus
     ([1], [[1, 2]])
@@ -157,11 +158,13 @@ def speculative_sample(draft_tokens: torch.Tensor, draft_probs: torch.Tensor,
     k_b = torch.full((B,), K, device=dev) if num_draft is None else torch.tensor(num_draft, device=dev)
     greedy = torch.tensor([p.temperature == 0 for p in params], device=dev)
 
+    drafted = torch.arange(K, device=dev) < k_b[:, None]                            # [B, K]
+    d = torch.where(drafted, draft_tokens, 0)  # padding may be -1; it is rejected below
     p_draft = target_probs[:, :K]                                                   # [B, K, V]
-    p_d = p_draft.gather(-1, draft_tokens[..., None])[..., 0]                       # [B, K]
-    q_d = draft_probs.gather(-1, draft_tokens[..., None])[..., 0]
-    ok = torch.where(greedy[:, None], draft_tokens == p_draft.argmax(-1), u < acceptance_prob(p_d, q_d))
-    ok &= torch.arange(K, device=dev) < k_b[:, None]                                # padding rejects
+    p_d = p_draft.gather(-1, d[..., None])[..., 0]                                  # [B, K]
+    q_d = draft_probs.gather(-1, d[..., None])[..., 0]
+    ok = torch.where(greedy[:, None], d == p_draft.argmax(-1), u < acceptance_prob(p_d, q_d))
+    ok &= drafted
     num_accepted = ok.long().cumprod(-1).sum(-1)                                    # [B]
 
     rows = torch.arange(B, device=dev)
@@ -173,7 +176,7 @@ def speculative_sample(draft_tokens: torch.Tensor, draft_probs: torch.Tensor,
     last = torch.where(greedy, p_next.argmax(-1), (w / noise).argmax(-1))           # [B]
 
     pos = torch.arange(K + 1, device=dev)
-    drafted = torch.cat([draft_tokens, draft_tokens.new_full((B, 1), -1)], dim=1)   # [B, K+1]
-    tokens = torch.where(pos < num_accepted[:, None], drafted,
+    padded = torch.cat([d, d.new_full((B, 1), -1)], dim=1)                          # [B, K+1]
+    tokens = torch.where(pos < num_accepted[:, None], padded,
                          torch.where(pos == num_accepted[:, None], last[:, None], -1))
     return num_accepted, tokens

@@ -8,7 +8,7 @@ import torch
 
 import openk3.serve.speculative as spec
 from openk3.serve.sampler import SamplingParams, make_generator, sample
-from openk3.serve.speculative import speculative_sample, target_probs
+from openk3.serve.speculative import sampling_probs, speculative_sample
 
 # Upper 1e-3 points of the chi-square distribution by degrees of freedom (scipy.stats.chi2.isf(1e-3, df);
 # the same values are in the NIST/SEMATECH e-Handbook table 1.3.6.7.4). A correct sampler fails
@@ -71,7 +71,7 @@ def test_greedy_equals_plain_greedy_decoding():
             drafts[b, i + 1:] = torch.randint(0, V, (K - i - 1,))     # after a miss: anything
     greedy = [SamplingParams(temperature=0)] * B
     q = torch.nn.functional.one_hot(drafts, V).float()               # a greedy draft
-    n, tokens = speculative_sample(drafts, q, target_probs(logits, greedy), None, greedy, [None] * B)
+    n, tokens = speculative_sample(drafts, q, sampling_probs(logits, greedy), None, greedy, [None] * B)
     assert n.tolist() == first_miss
     for b in range(B):
         plain = [int(sample(logits[b, i:i + 1], greedy[:1], [None])[0]) for i in range(n[b] + 1)]
@@ -140,7 +140,10 @@ def test_batch_equals_reference():
     p[3, 1] /= p[3, 1].sum()
     q[3, 1] = p[3, 1]
     params = [SamplingParams(temperature=0 if b in (5, 9) else 1.0) for b in range(B)]
-    n, tokens = speculative_sample(drafts, q, p, num_draft, params, [make_generator(b) for b in range(B)])
+    padded = drafts.clone()
+    for b, k in enumerate(num_draft):
+        padded[b, k:] = -1                   # padding is never read as a token
+    n, tokens = speculative_sample(padded, q, p, num_draft, params, [make_generator(b) for b in range(B)])
     for b, k in enumerate(num_draft):
         ref_n, ref_tokens = spec.speculative_sample_ref(drafts[b, :k], q[b, :k], p[b, :k + 1],
                                                    params[b].temperature == 0, make_generator(b))
@@ -153,7 +156,7 @@ def test_engine_processing_of_the_target():
     K, V = 2, 8
     logits = torch.randn(1, K + 1, V, generator=torch.Generator().manual_seed(5))
     params = SamplingParams(temperature=0.7, top_k=4, top_p=0.9)
-    p = target_probs(logits, [params])
+    p = sampling_probs(logits, [params])
     one = torch.ones(1)
     for i in range(K + 1):
         want = spec.filtered_logprobs(logits[:, i], one * 0.7, torch.tensor([4]), one * 0.9).exp()
