@@ -4,7 +4,7 @@ Per row (token position) i, with p = softmax(target_logits_i) the target's distr
 q = softmax(draft_logits_i) the draft's:
 
     alpha = sum_x min(p(x), q(x))          the probability that speculative sampling accepts
-                                           the draft's token (Leviathan et al. 2023, §3.1)
+                                           the draft's token (Leviathan et al. 2023)
     KL    = sum_x p(x) (log p(x) - log q(x))              forward KL(p || q)
     TV    = 0.5 sum_x |p(x) - q(x)| = 1 - alpha           total variation
     LK_alpha  = -log alpha                                 negative log acceptance
