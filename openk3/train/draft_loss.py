@@ -43,9 +43,9 @@ DEFAULT_ETA = 3.0    # LK_lambda's decay rate (the default of the implementation
 
 def _validate(target_logits: torch.Tensor, draft_logits: torch.Tensor,
               ignore: torch.Tensor | None) -> None:
-    if draft_logits.dim() != 2 or not draft_logits.is_floating_point():
-        raise ValueError(f"`draft_logits` must be a floating [N, V] tensor, got {draft_logits.dtype} "
-                         f"{list(draft_logits.shape)}")
+    if draft_logits.dim() != 2 or not draft_logits.is_floating_point() or draft_logits.shape[0] == 0:
+        raise ValueError(f"`draft_logits` must be a floating [N, V] tensor with N > 0, got "
+                         f"{draft_logits.dtype} {list(draft_logits.shape)}")
     if target_logits.shape != draft_logits.shape or not target_logits.is_floating_point():
         raise ValueError(f"`target_logits` must be a floating tensor of the draft's shape "
                          f"{list(draft_logits.shape)}, got {target_logits.dtype} {list(target_logits.shape)}")

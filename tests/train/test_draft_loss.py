@@ -162,6 +162,7 @@ def test_limited_capacity_lk_accepts_more_than_kl():
 
 @pytest.mark.parametrize("args,name", [
     ((torch.zeros(3, 5), torch.zeros(3)), "draft_logits"),
+    ((torch.zeros(0, 5), torch.zeros(0, 5)), "draft_logits"),
     ((torch.zeros(3, 4), torch.zeros(3, 5)), "target_logits"),
     ((torch.zeros(3, 5, dtype=torch.long), torch.zeros(3, 5)), "target_logits"),
     ((torch.zeros(3, 5), torch.zeros(3, 5), torch.zeros(3)), "ignore"),
