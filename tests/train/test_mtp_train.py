@@ -50,6 +50,30 @@ def test_train_step_adds_the_weighted_mtp_loss():
             torch.testing.assert_close(got[n].grad, p.grad, rtol=1e-4, atol=1e-6, msg=n)
 
 
+def test_mtp_layer_is_compiled_and_checkpointed_like_a_decoder_layer(monkeypatch):
+    """parallelize compiles the MTP block's regions and recomputes the MTP layer in backward:
+    the losses and gradients are those of the plain model."""
+    real = torch.compile  # parallelize compiles with inductor: dynamo alone checks the wiring
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, **{**kw, "backend": "eager"}))
+    torch._dynamo.reset()
+    plain, model = _mtp_model().train(), _mtp_model().train()
+    parallelize(model, Env(0, 1, torch.device("cpu"), torch.float32), compile=True,
+                activation_checkpointing=True)
+    layer = model.mtp[0]
+    assert "forward" in vars(layer) and "forward" in vars(layer.self_attn)
+    assert "forward" in vars(layer.mlp.experts) and "forward" in vars(layer.mlp.shared_experts)
+    ids, labels = _batch()
+    outs = [m(ids, labels=labels) for m in (plain, model)]
+    for out in outs:
+        (out.loss + 0.3 * out.mtp_loss).backward()
+    torch.testing.assert_close(outs[1].mtp_loss, outs[0].mtp_loss, rtol=1e-6, atol=1e-6)
+    got = dict(model.named_parameters())
+    for n, p in plain.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(got[n].grad, p.grad, rtol=1e-5, atol=1e-6, msg=n)
+    torch._dynamo.reset()
+
+
 def test_cli_train_with_mtp_layers(corpus, tmp_path, capsys):  # noqa: F811 (the fixture)
     out = tmp_path / "run"
     args = ["train", "--preset", "debug", "--mtp-layers", "1", "--max-steps", "3",
