@@ -114,7 +114,7 @@ class RunConfig(_DictIO):
                              f"{self.mtp_layers}: set the MTP layers with mtp_layers (--mtp-layers)")
         changes["num_nextn_predict_layers"] = self.mtp_layers
         try:
-            return cfg.replace(**changes) if changes else cfg
+            return cfg.replace(**changes)
         except TypeError as e:
             raise ValueError(f"RunConfig.model_overrides={self.model_overrides!r}: {e}") from e
 

@@ -180,7 +180,7 @@ def train_step(t: Training, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]
     (aux: the balancer's auxiliary loss, 0 unless ``balance="aux"``; mtp_loss with an MTP
     layer only). Returns (the loss without its MTP term, the gradient norm, the MTP loss or
     None without an MTP layer); the losses are averaged over micro-batches and ranks."""
-    sums = torch.zeros(2, device=t.env.device)  # [main loss, MTP loss]
+    sums = torch.zeros(2, device=t.env.device)  # [loss (+ aux term), MTP loss]
     has_mtp = False
     for inputs, targets in batches:
         inputs, targets = inputs.to(t.env.device), targets.to(t.env.device)
@@ -284,9 +284,10 @@ def train(cfg: RunConfig) -> dict:
             except torch.cuda.OutOfMemoryError as e:
                 raise RuntimeError(_oom_message(cfg)) from e
             if not _finite(loss_f, mtp_f):
+                mtp_note = "" if mtp_f is None else f" (MTP loss {mtp_f})"
                 raise TrainingDiverged(
-                    f"non-finite loss {loss_f} (MTP loss {mtp_f}) at step {step}; stopping. The last good checkpoint "
-                    f"is step {last_saved} in {run_dir / ckpt.CKPT_DIR} (resume with --resume, "
+                    f"non-finite loss {loss_f}{mtp_note} at step {step}; stopping. The last good "
+                    f"checkpoint is step {last_saved} in {run_dir / ckpt.CKPT_DIR} (resume with --resume, "
                     "perhaps with a lower --lr)")
             losses.append(loss_f)
             bar.update(step, loss=loss_f, lr=cfg.lr * mult)

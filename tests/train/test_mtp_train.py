@@ -11,6 +11,7 @@ from contextlib import nullcontext
 
 import pytest
 import torch
+from torch.distributed.checkpoint import FileSystemReader
 
 from openk3.cli import main
 from openk3.parallel.parallelize import parallelize
@@ -118,6 +119,9 @@ def test_resume_with_mtp_is_exact(corpus, tmp_path):  # noqa: F811 (the fixture)
           "ckpt_interval": 2, "eval_interval": 1000}
     straight = train(tiny(corpus, out, **kw))["losses"]
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    saved = FileSystemReader(str(out / "checkpoints" / "step_000002")).read_metadata().state_dict_metadata
+    assert "model.mtp.0.eh_proj.weight" in saved and "model.mtp.0.mlp.experts.w1" in saved
+    assert any(k.startswith("optim.state.mtp.0.eh_proj.weight.") for k in saved)  # Muon momentum
     crash_after(out, 2)
     resumed = train(tiny(corpus, out, resume=True, **kw))
     assert straight[:2] + resumed["losses"] == straight
