@@ -215,7 +215,9 @@ def _place(cfg, state, hf, tensor, file, filled, experts_filled, packed, stored_
         stack = _our_name(cfg, f"{m.group(1)}.mlp.experts.{m.group(3)}")
         e, kind = int(m.group(2)), m.group(4)
         if stack not in state:
-            raise CheckpointError(f"{file}: unexpected tensor {hf} (layer has no routed experts)")
+            raise CheckpointError(f"{file}: unexpected tensor {hf} (no routed experts there in this "
+                                  "config: a dense layer, or a layer past num_hidden_layers + "
+                                  "num_nextn_predict_layers)")
         param = state[stack]
         if e >= param.shape[0]:
             raise CheckpointError(f"{file}: unexpected tensor {hf}: expert {e} >= num_experts "
@@ -240,8 +242,12 @@ def _place(cfg, state, hf, tensor, file, filled, experts_filled, packed, stored_
         return
     name = from_hf_name(cfg, hf)
     if name is None or name not in state:
-        raise CheckpointError(f"{file}: unexpected tensor {hf} (no such parameter in a "
-                              f"{cfg.arch} model of this config)")
+        mtp = re.match(r"^mtp\.(\d+)\.", name or "")
+        why = (f"a tensor of MTP layer {mtp.group(1)}, but num_nextn_predict_layers="
+               f"{cfg.num_nextn_predict_layers}"
+               if mtp and int(mtp.group(1)) >= cfg.num_nextn_predict_layers
+               else f"no such parameter in a {cfg.arch} model of this config")
+        raise CheckpointError(f"{file}: unexpected tensor {hf} ({why})")
     target = state[name]
     if name.endswith("self_attn.A_log"):
         tensor = _unpad_a_log(tensor, target.shape[0], hf, file)
