@@ -119,6 +119,7 @@ class ModelConfig(_DictIO):
     # Block Attention Residuals; None means plain residual connections
     attn_res_block_size: int | None = 12
 
+    # multi-token prediction depths (openk3/model/mtp.py): 0 or 1; the K3 release ships 0
     num_nextn_predict_layers: int = 0
     bos_token_id: int | None = 163584
     eos_token_id: int | None = 163586
@@ -178,9 +179,9 @@ class ModelConfig(_DictIO):
             raise bad("hidden_act", "must be 'situ' or 'silu'")
         if self.kda_gate_lower_bound is not None and self.kda_gate_lower_bound >= 0:
             raise bad("kda_gate_lower_bound", "must be negative (a log-decay) or None")
-        if self.num_nextn_predict_layers != 0:
-            raise bad("num_nextn_predict_layers", "multi-token-prediction layers are not supported yet "
-                      "(issue P9); the K3 release ships none")
+        if not 0 <= self.num_nextn_predict_layers <= 1:
+            raise bad("num_nextn_predict_layers", "must be 0 or 1: openk3 builds at most one "
+                      "multi-token-prediction layer (the K3 report pre-trains one)")
         if self.attn_res_block_size is not None and self.attn_res_block_size <= 0:
             raise bad("attn_res_block_size", "must be positive or None")
         if self.moe_latent_size is not None and self.moe_latent_size <= 0:

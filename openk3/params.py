@@ -31,16 +31,20 @@ def _component(name: str) -> str:
 
 
 def count_parameters(cfg: ModelConfig) -> dict:
-    """{'total', 'active', 'breakdown': {component: count}}; routed experts count k of E as active."""
+    """{'total', 'active', 'breakdown': {component: count}}; routed experts count k of E as active.
+    The MTP layer's parameters (``mtp.*``) are counted apart: ``MTP routed experts`` and ``MTP``
+    (the rest of it; its embedding and head are the main ones)."""
     model = build_model(cfg, device="meta")
     breakdown: dict[str, int] = defaultdict(int)
     for name, p in model.named_parameters():
         comp = _component(name)
-        if comp == "attention":
+        if name.startswith("mtp."):
+            comp = "MTP routed experts" if comp == "routed experts" else "MTP"
+        elif comp == "attention":
             layer = int(name.split(".")[2])
             comp = "MLA attention" if cfg.is_mla_layer(layer) else "KDA attention"
         breakdown[comp] += p.numel()
     total = sum(breakdown.values())
-    routed = breakdown.get("routed experts", 0)
+    routed = breakdown.get("routed experts", 0) + breakdown.get("MTP routed experts", 0)
     active = total - routed + routed * cfg.num_experts_per_token // cfg.num_experts
     return {"total": total, "active": active, "breakdown": dict(breakdown)}

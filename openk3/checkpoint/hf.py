@@ -9,7 +9,12 @@ This module is the only place that knows external tensor names. The mapping, our
 * stacked experts ``mlp.experts.w{1,2,3}`` [E, ...] -> ``experts.{e}.w{1,2,3}.weight`` per expert,
   or ``.weight_packed`` (uint8) + ``.weight_scale`` (E8M0) when MXFP4-packed;
 * AttnRes ``X_res.norm.weight`` / ``X_res.proj.weight`` -> ``X_res_norm.weight`` / ``X_res_proj.weight``;
-* KDA ``A_log`` [H] -> [max(H, 128)] zero-padded (K3) or [1, 1, H, 1] (Kimi Linear).
+* KDA ``A_log`` [H] -> [max(H, 128)] zero-padded (K3) or [1, 1, H, 1] (Kimi Linear);
+* MTP layer ``mtp.{k}.`` -> ``model.layers.{L + k}.`` with L = ``num_hidden_layers``, then as any
+  layer (``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm``, the block's MLA and MoE names).
+  The MTP head and embedding are the main ``lm_head`` / ``embed_tokens``: no copy is written
+  (DeepSeek-V3's ``shared_head.head`` / ``embed_tokens`` under the MTP layer), and a checkpoint
+  holding one is refused as an unexpected tensor.
 """
 
 from __future__ import annotations
@@ -48,13 +53,36 @@ def _hf_prefix(cfg: ModelConfig) -> str:
     return "language_model." if cfg.is_k3 else ""
 
 
+def _layer_name(cfg: ModelConfig, name: str) -> str:
+    """Our name with the MTP layer numbered as the checkpoint numbers it:
+    ``mtp.{k}.`` -> ``model.layers.{num_hidden_layers + k}.``; other names unchanged."""
+    L = cfg.num_hidden_layers
+    return re.sub(r"^mtp\.(\d+)\.", lambda m: f"model.layers.{L + int(m.group(1))}.", name)
+
+
+def _our_name(cfg: ModelConfig, name: str) -> str:
+    """The inverse of ``_layer_name``: ``model.layers.{i}.`` -> ``mtp.{i - L}.`` for
+    i >= L = num_hidden_layers."""
+    m = re.match(r"^model\.layers\.(\d+)\.", name)
+    if m and int(m.group(1)) >= cfg.num_hidden_layers:
+        return f"mtp.{int(m.group(1)) - cfg.num_hidden_layers}." + name[m.end():]
+    return name
+
+
+def _is_expert_stack(cfg: ModelConfig, name: str) -> bool:
+    """Our ``name`` is a stacked routed-expert tensor [E, ...] (main model or MTP layer)."""
+    return bool(_EXPERT_RE.match(_layer_name(cfg, name)))
+
+
 def _is_moe_name(cfg: ModelConfig, name: str) -> bool:
+    # the MTP layers (index >= num_hidden_layers) are MoE: no dense_mlp_layers entry reaches them
     m = re.match(r"^model\.layers\.(\d+)\.", name)
     return bool(m) and cfg.is_moe_layer(int(m.group(1)))
 
 
 def to_hf_name(cfg: ModelConfig, name: str) -> str:
     """Our parameter name -> HF name (not for stacked experts, see ``_hf_tensors``)."""
+    name = _layer_name(cfg, name)
     hf = re.sub(r"_res\.(norm|proj)\.weight$", r"_res_\1.weight", name)
     if _is_moe_name(cfg, name):
         hf = hf.replace(".mlp.", ".block_sparse_moe.", 1)
@@ -68,7 +96,7 @@ def from_hf_name(cfg: ModelConfig, hf: str) -> str | None:
         return None
     name = hf[len(prefix):]
     name = re.sub(r"_res_(norm|proj)\.weight$", r"_res.\1.weight", name)
-    return name.replace(".block_sparse_moe.", ".mlp.", 1)
+    return _our_name(cfg, name.replace(".block_sparse_moe.", ".mlp.", 1))
 
 
 # ---- loading ----------------------------------------------------------------------------
@@ -150,9 +178,9 @@ def load_pretrained(path: str | os.PathLike, dtype: torch.dtype | None = None,
         if set(parts) != {"weight_packed", "weight_scale"}:
             raise CheckpointError(f"expert {stack}.{e}.{w}: has {sorted(parts)}, needs both "
                                   "weight_packed and weight_scale")
-    missing = sorted(n for n in state if n not in filled and not _EXPERT_RE.match(n))
+    missing = sorted(n for n in state if n not in filled and not _is_expert_stack(cfg, n))
     for n, p in state.items():
-        if _EXPERT_RE.match(n) and len(experts_filled[n]) != p.shape[0]:
+        if _is_expert_stack(cfg, n) and len(experts_filled[n]) != p.shape[0]:
             absent = sorted(set(range(p.shape[0])) - experts_filled[n])
             missing.append(f"{n} (experts {absent[:8]}{'...' if len(absent) > 8 else ''})")
     if missing:
@@ -165,7 +193,7 @@ def load_pretrained(path: str | os.PathLike, dtype: torch.dtype | None = None,
 
 def _describe_missing(cfg: ModelConfig, name: str) -> str:
     base = name.split(" ")[0]
-    return name if _EXPERT_RE.match(base) else f"{to_hf_name(cfg, base)}"
+    return name if _is_expert_stack(cfg, base) else f"{to_hf_name(cfg, base)}"
 
 
 _ST_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
@@ -184,10 +212,12 @@ def _checkpoint_dtype(files: list[Path]) -> torch.dtype:
 def _place(cfg, state, hf, tensor, file, filled, experts_filled, packed, stored_dtypes) -> None:
     m = _HF_EXPERT_RE.match(hf[len(_hf_prefix(cfg)):]) if hf.startswith(_hf_prefix(cfg)) else None
     if m:
-        stack = f"{m.group(1)}.mlp.experts.{m.group(3)}"
+        stack = _our_name(cfg, f"{m.group(1)}.mlp.experts.{m.group(3)}")
         e, kind = int(m.group(2)), m.group(4)
         if stack not in state:
-            raise CheckpointError(f"{file}: unexpected tensor {hf} (layer has no routed experts)")
+            raise CheckpointError(f"{file}: unexpected tensor {hf} (no routed experts there in this "
+                                  "config: a dense layer, or a layer past num_hidden_layers + "
+                                  "num_nextn_predict_layers)")
         param = state[stack]
         if e >= param.shape[0]:
             raise CheckpointError(f"{file}: unexpected tensor {hf}: expert {e} >= num_experts "
@@ -212,8 +242,12 @@ def _place(cfg, state, hf, tensor, file, filled, experts_filled, packed, stored_
         return
     name = from_hf_name(cfg, hf)
     if name is None or name not in state:
-        raise CheckpointError(f"{file}: unexpected tensor {hf} (no such parameter in a "
-                              f"{cfg.arch} model of this config)")
+        mtp = re.match(r"^mtp\.(\d+)\.", name or "")
+        why = (f"a tensor of MTP layer {mtp.group(1)}, but num_nextn_predict_layers="
+               f"{cfg.num_nextn_predict_layers}"
+               if mtp and int(mtp.group(1)) >= cfg.num_nextn_predict_layers
+               else f"no such parameter in a {cfg.arch} model of this config")
+        raise CheckpointError(f"{file}: unexpected tensor {hf} ({why})")
     target = state[name]
     if name.endswith("self_attn.A_log"):
         tensor = _unpad_a_log(tensor, target.shape[0], hf, file)
@@ -244,7 +278,7 @@ def _hf_tensors(model: KimiForCausalLM, experts: str):
         if cfg.tie_word_embeddings and name == "lm_head.weight":
             continue
         t = t.detach()
-        m = _EXPERT_RE.match(name)
+        m = _EXPERT_RE.match(_layer_name(cfg, name))
         if m:
             base = _hf_prefix(cfg) + f"{m.group(1)}.block_sparse_moe.experts"
             for e in range(t.shape[0]):

@@ -17,6 +17,7 @@ from openk3.model.cache import ModelCache
 from openk3.model.kda import KDAttention
 from openk3.model.mla import MLAttention, RMSNorm
 from openk3.model.moe import MLP, MoE
+from openk3.model.mtp import MTPLayer, shift_for_mtp
 from openk3.ops.attnres import attn_res_agg
 from openk3.ops.loss import IGNORE_INDEX, linear_cross_entropy
 
@@ -82,6 +83,7 @@ class DecoderLayer(nn.Module):
 class CausalLMOutput:
     logits: torch.Tensor | None = None  # [B, T, vocab] (only the kept positions); None with labels
     loss: torch.Tensor | None = None    # fp32 scalar, with labels only
+    mtp_loss: torch.Tensor | None = None  # fp32 scalar, with labels and an MTP layer only
 
 
 class KimiModel(nn.Module):
@@ -123,6 +125,8 @@ class KimiForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        # multi-token prediction (openk3/model/mtp.py): empty unless num_nextn_predict_layers
+        self.mtp = nn.ModuleList(MTPLayer(cfg) for _ in range(cfg.num_nextn_predict_layers))
         # HF tensor name -> the dtype a loaded checkpoint stored it in, where that is below the
         # fp32 this model keeps it in (router, KDA decay); save_pretrained writes it back in it
         self.stored_dtypes: dict[str, torch.dtype] = {}
@@ -138,6 +142,8 @@ class KimiForCausalLM(nn.Module):
         the final hidden states and ``lm_head.weight`` through ``linear_cross_entropy``, which
         on GPU never materialises the ``[B, T, vocab]`` logits. It runs inside this forward so
         that wrappers of the root module (FSDP2 gathers ``lm_head`` here) see the head used.
+        With an MTP layer the output also holds that layer's loss (``mtp_loss``, see the method
+        of that name), which the caller weights and adds. Without labels the MTP layer does not run.
         """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, T], got {tuple(input_ids.shape)}")
@@ -150,10 +156,24 @@ class KimiForCausalLM(nn.Module):
                                  "with labels returns the loss and no logits")
         hidden = self.model(input_ids, cache)
         if labels is not None:
-            return CausalLMOutput(loss=linear_cross_entropy(
-                hidden.flatten(0, 1), self.lm_head.weight, labels.flatten(), IGNORE_INDEX))
+            loss = linear_cross_entropy(hidden.flatten(0, 1), self.lm_head.weight, labels.flatten(),
+                                        IGNORE_INDEX)
+            return CausalLMOutput(loss=loss, mtp_loss=self.mtp_loss(input_ids, hidden, labels)
+                                  if len(self.mtp) else None)
         kept = hidden[:, -logits_to_keep:] if logits_to_keep else hidden
         return CausalLMOutput(self.lm_head(kept))
+
+    def mtp_loss(self, input_ids: torch.Tensor, hidden: torch.Tensor,
+                 labels: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy of the MTP layer's prediction of ``labels[:, t+1]`` (= x_{t+2})
+        from position t, over the counted positions (the last never counts). input_ids, labels:
+        [B, T] as in ``forward``; hidden: the main model's final hidden states [B, T, d]. The
+        embedding and head are the main model's; gradients reach the main model through
+        ``hidden`` too, as in DeepSeek-V3's MTP training."""
+        next_ids, next_labels = shift_for_mtp(input_ids, labels)
+        out = self.mtp[0](hidden, self.model.embed_tokens(next_ids))
+        return linear_cross_entropy(out.flatten(0, 1), self.lm_head.weight, next_labels.flatten(),
+                                    IGNORE_INDEX)
 
     def new_cache(self) -> ModelCache:
         return ModelCache.for_config(self.cfg)

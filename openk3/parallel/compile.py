@@ -49,7 +49,8 @@ REGIONS = (KDAttention, MLAttention, RoutedExperts, MLP)
 
 
 def compile_layers(model: nn.Module, backend: str | Callable = "inductor") -> None:
-    """``torch.compile`` every ``REGIONS`` module of ``model.model.layers``, in place.
+    """``torch.compile`` every ``REGIONS`` module of the decoder layers (``model.model.layers``
+    and the MTP layer's block, ``model.mtp``, which reuses their graphs), in place.
 
     Only training forwards (and their recomputation in backward) run the compiled graphs.
     Evaluation and generation run without autograd, rarely, and eagerly: compiled, they would
@@ -63,17 +64,18 @@ def compile_layers(model: nn.Module, backend: str | Callable = "inductor") -> No
     design, and the CPU references read values on the host (the expert loop's row counts, the
     bounded gate's check).
     """
-    for layer in model.model.layers:
+    for layer in [*model.model.layers, *model.mtp]:
         for module in layer.modules():
             if isinstance(module, REGIONS):
                 _replace_forward(module, lambda forward: _compiled(forward, backend))
 
 
 def checkpoint_layers(model: nn.Module) -> None:
-    """Recompute each decoder layer of ``model.model.layers`` in backward instead of keeping its
-    activations (per layer only its inputs stay: ``p`` [B, T, d] and the AttnRes bank, which
-    the model keeps anyway), in place. Costs about one more forward per step."""
-    for layer in model.model.layers:
+    """Recompute each decoder layer of ``model.model.layers`` (and the MTP layer, ``model.mtp``)
+    in backward instead of keeping its activations (per layer only its inputs stay: ``p``
+    [B, T, d] and the AttnRes bank, which the model keeps anyway), in place. Costs about one
+    more forward per step."""
+    for layer in [*model.model.layers, *model.mtp]:
         _replace_forward(layer, _checkpointed)
 
 

@@ -1,6 +1,6 @@
 """FSDP2 data parallelism, applied from outside the model (the model code stays single-device).
 
-Each decoder layer is one FSDP unit (its parameters are all-gathered just before it runs and
+Each decoder layer (and the MTP layer) is one FSDP unit (its parameters are all-gathered just before it runs and
 freed after), the embedding/head/final norms form the root unit. On CUDA the compute runs in
 bf16 with fp32 gradient reduction; on CPU (gloo) everything stays fp32.
 """
@@ -23,6 +23,6 @@ def apply_fsdp(model, env, ignored_params: set | None = None) -> None:
     kw = dict(mesh=mesh, ignored_params=ignored_params or None)
     if mp is not None:
         kw["mp_policy"] = mp
-    for layer in model.model.layers:
+    for layer in [*model.model.layers, *model.mtp]:
         fully_shard(layer, **kw)
     fully_shard(model, **kw)

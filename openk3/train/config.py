@@ -43,6 +43,10 @@ class RunConfig(_DictIO):
     balance: str = "qb"  # "qb", "sign", "aux" or "none"
     ep: int = 1  # expert parallelism (MoonEP): ranks per expert group; divides the process count
     aux_loss_coef: float = 1e-2
+    # multi-token prediction: MTP layers (0 or 1; the model's num_nextn_predict_layers) and the
+    # weight of their loss in the training loss (DeepSeek-V3's 0.3, its value for most of pre-training)
+    mtp_layers: int = 0
+    mtp_loss_weight: float = 0.3
     # bookkeeping
     log_interval: int = 10
     eval_interval: int = 100
@@ -83,8 +87,12 @@ class RunConfig(_DictIO):
             raise bad("vocab_size", "must be at least 260 (256 bytes + special tokens)")
         if not self.lr > 0:
             raise bad("lr", "must be positive")
-        if self.weight_decay < 0 or self.clip_grad < 0:
-            raise bad("weight_decay" if self.weight_decay < 0 else "clip_grad", "must be >= 0")
+        if self.mtp_layers not in (0, 1):
+            raise bad("mtp_layers", "must be 0 or 1 (the model's num_nextn_predict_layers: "
+                      "openk3 builds at most one multi-token-prediction layer)")
+        for name in ("weight_decay", "clip_grad", "mtp_loss_weight"):
+            if getattr(self, name) < 0:
+                raise bad(name, "must be >= 0")
         if not 0 <= self.min_lr_ratio <= 1:
             raise bad("min_lr_ratio", "must be in [0, 1]")
         choices = {"optimizer": ("muon", "adamw"), "schedule": ("cosine", "wsd"),
@@ -100,8 +108,13 @@ class RunConfig(_DictIO):
         changes = dict(self.model_overrides)
         if self.vocab_size is not None:
             changes["vocab_size"] = self.vocab_size
+        if changes.get("num_nextn_predict_layers", self.mtp_layers) != self.mtp_layers:
+            raise ValueError(f"RunConfig.model_overrides sets num_nextn_predict_layers="
+                             f"{changes['num_nextn_predict_layers']!r} but RunConfig.mtp_layers="
+                             f"{self.mtp_layers}: set the MTP layers with mtp_layers (--mtp-layers)")
+        changes["num_nextn_predict_layers"] = self.mtp_layers
         try:
-            return cfg.replace(**changes) if changes else cfg
+            return cfg.replace(**changes)
         except TypeError as e:
             raise ValueError(f"RunConfig.model_overrides={self.model_overrides!r}: {e}") from e
 

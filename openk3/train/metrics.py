@@ -31,9 +31,11 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     counts = count_parameters(cfg)
     br = counts["breakdown"]  # "active" already counts k of E routed experts
     active_matmul = counts["active"] - br.get("embedding", 0) - br.get("norms", 0)
+    # an MTP layer reuses lm_head (counted once above) for a second head matmul
+    active_matmul += cfg.num_nextn_predict_layers * br.get("lm_head", 0)
     fwd = 2.0 * active_matmul
-    n_mla = len(cfg.full_attn_layers)
-    n_kda = cfg.num_hidden_layers - n_mla
+    n_kda = cfg.num_hidden_layers - len(cfg.full_attn_layers)
+    n_mla = len(cfg.full_attn_layers) + cfg.num_nextn_predict_layers  # the MTP block is MLA
     fwd += n_mla * cfg.num_attention_heads * 2 * seq_len * (cfg.qk_head_dim + cfg.v_head_dim) / 2
     K = V = cfg.linear_head_dim
     fwd += n_kda * cfg.linear_num_heads * (2 * KDA_CHUNK * (K + V) / 2 + 4 * K * V)
@@ -113,6 +115,8 @@ class Progress:
             return
         msg = (f"step {row['step']:>6}  loss {row['loss']:.4f}  lr {row['lr']:.2e}  "
                f"gnorm {row['grad_norm']:.2f}  {row['tokens_per_s']:,.0f} tok/s")
+        if "mtp_loss" in row:
+            msg += f"  mtp {row['mtp_loss']:.4f}"
         if "val_loss" in row:
             msg += f"  val {row['val_loss']:.4f}"
         if row.get("load_max_over_mean"):

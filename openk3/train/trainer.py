@@ -166,30 +166,44 @@ def build_training(cfg: RunConfig, env: Env, model_cfg: ModelConfig) -> Training
     return Training(env, model, parallel, optimizers, balancer, autocast)
 
 
+def _finite(loss: float, mtp_loss: float | None) -> bool:
+    return math.isfinite(loss) and (mtp_loss is None or math.isfinite(mtp_loss))
+
+
 def train_step(t: Training, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], cfg: RunConfig,
-               ) -> tuple[float, torch.Tensor]:
+               ) -> tuple[float, torch.Tensor, float | None]:
     """One optimisation step over ``cfg.grad_accum`` micro-batches ``(inputs, targets)`` [B, T]:
     forward (the loss comes out of the model: no [B, T, vocab] logits), backward, balancer
     update after each micro-batch, gradient reduction and clipping, the optimiser steps.
-    Returns (the loss averaged over micro-batches and ranks, the gradient norm)."""
-    loss_sum = torch.zeros((), device=t.env.device)
+
+    The loss differentiated is ``loss + aux_loss_coef * aux + mtp_loss_weight * mtp_loss``
+    (aux: the balancer's auxiliary loss, 0 unless ``balance="aux"``; mtp_loss with an MTP
+    layer only). Returns (the loss without its MTP term, the gradient norm, the MTP loss or
+    None without an MTP layer); the losses are averaged over micro-batches and ranks."""
+    sums = torch.zeros(2, device=t.env.device)  # [loss (+ aux term), MTP loss]
+    has_mtp = False
     for inputs, targets in batches:
         inputs, targets = inputs.to(t.env.device), targets.to(t.env.device)
         with t.autocast():
-            loss = t.model(inputs, labels=targets).loss
-        loss = loss + cfg.aux_loss_coef * t.balancer.aux_loss()
+            out = t.model(inputs, labels=targets)
+        loss = out.loss + cfg.aux_loss_coef * t.balancer.aux_loss()
+        sums[0] += loss.detach()
+        if out.mtp_loss is not None:
+            has_mtp = True
+            loss = loss + cfg.mtp_loss_weight * out.mtp_loss
+            sums[1] += out.mtp_loss.detach()
         (loss / cfg.grad_accum).backward()
-        loss_sum += loss.detach()
         t.balancer.update()  # biases for the *next* batch; never re-route this one
-    loss_f = mean_over_ranks(loss_sum / cfg.grad_accum).item()
-    if not math.isfinite(loss_f):
-        return loss_f, torch.full((), float("nan"))  # the caller stops before the update
+    loss_f, mtp_f = mean_over_ranks(sums / cfg.grad_accum).tolist()  # one host sync
+    mtp_f = mtp_f if has_mtp else None
+    if not _finite(loss_f, mtp_f):
+        return loss_f, torch.full((), float("nan")), mtp_f  # the caller stops before the update
     t.parallel.reduce_gradients()
     grad_norm = t.parallel.clip_grad_norm_(cfg.clip_grad if cfg.clip_grad > 0 else 1e30)
     for opt in t.optimizers:
         opt.step()
         opt.zero_grad(set_to_none=True)
-    return loss_f, grad_norm
+    return loss_f, grad_norm, mtp_f
 
 
 def train(cfg: RunConfig) -> dict:
@@ -265,14 +279,15 @@ def train(cfg: RunConfig) -> dict:
             logging_step = step % cfg.log_interval == 0 or step == cfg.max_steps
             probe.active = logging_step
             try:
-                loss_f, grad_norm = train_step(
+                loss_f, grad_norm, mtp_f = train_step(
                     training, (stream.next_batch() for _ in range(cfg.grad_accum)), cfg)
             except torch.cuda.OutOfMemoryError as e:
                 raise RuntimeError(_oom_message(cfg)) from e
-            if not math.isfinite(loss_f):
+            if not _finite(loss_f, mtp_f):
+                mtp_note = "" if mtp_f is None else f" (MTP loss {mtp_f})"
                 raise TrainingDiverged(
-                    f"non-finite loss {loss_f} at step {step}; stopping. The last good checkpoint "
-                    f"is step {last_saved} in {run_dir / ckpt.CKPT_DIR} (resume with --resume, "
+                    f"non-finite loss {loss_f}{mtp_note} at step {step}; stopping. The last good "
+                    f"checkpoint is step {last_saved} in {run_dir / ckpt.CKPT_DIR} (resume with --resume, "
                     "perhaps with a lower --lr)")
             losses.append(loss_f)
             bar.update(step, loss=loss_f, lr=cfg.lr * mult)
@@ -283,6 +298,7 @@ def train(cfg: RunConfig) -> dict:
                 t_last, step_last = now, step
                 row = {"step": step, "loss": loss_f, "lr": cfg.lr * mult,
                        "grad_norm": float(grad_norm),
+                       **({"mtp_loss": mtp_f} if mtp_f is not None else {}),
                        "tokens_per_s": tok_s, "tokens": step * tokens_per_step,
                        "load_max_over_mean": balancer.stats(),
                        "max_abs_activation": probe.read()}

@@ -81,3 +81,21 @@ def test_model_fast_path_matches_reference_and_decodes(arch, monkeypatch):
     errors = {"bf16 reference": base, "fast": rel(fast, exact), "decode": rel(decoded, exact)}
     assert 0 < base < 0.1, errors  # bf16 logits of this random model: ~3e-2 on CPU
     assert errors["fast"] <= 2 * base + 2e-3 and errors["decode"] <= 2 * base + 2e-3, errors
+
+
+def test_mtp_loss_fast_path_matches_reference(monkeypatch):
+    """The MTP loss on CUDA (fla's fused linear cross-entropy through the shared lm_head, fla's
+    KDA and AttnRes kernels underneath) against the reference path, loss and gradients, fp32."""
+    cfg = preset("debug").replace(num_nextn_predict_layers=1)
+    ids = torch.randint(0, cfg.vocab_size, (2, 129), device="cuda")
+    inputs, labels = ids[:, :-1], ids[:, 1:]
+    results = []
+    for reference in ("1", "0"):
+        monkeypatch.setenv("OPENK3_REFERENCE", reference)
+        model = build_model(cfg, device="cuda", seed=0).train()
+        out = model(inputs, labels=labels)
+        (out.loss + 0.3 * out.mtp_loss).backward()
+        results.append((out.loss.detach(), out.mtp_loss.detach(), model.mtp[0].eh_proj.weight.grad,
+                        model.lm_head.weight.grad))
+    for fast, ref in zip(results[1], results[0]):
+        assert rel(fast, ref) < 1e-2

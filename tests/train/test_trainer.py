@@ -203,22 +203,29 @@ def _losses(run_dir):
     return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("parallel", [[], ["--ep", "2"]], ids=["fsdp", "fsdp+moonep"])
+@pytest.mark.parametrize("parallel", [[], ["--ep", "2"], ["--ep", "2", "--mtp-layers", "1"]],
+                         ids=["fsdp", "fsdp+moonep", "fsdp+moonep+mtp"])
 def test_two_process_gloo_run_matches_one_process(corpus, tmp_path, parallel):
     """2 ranks x batch 1 see the same global batch as 1 rank x batch 2: same losses (fp32).
-    With --ep 2 each rank also holds only half of every layer's experts (MoonEP)."""
+    With --ep 2 each rank also holds only half of every layer's experts (MoonEP); with
+    --mtp-layers 1 the MTP layer is one more FSDP unit with its own MoonEP experts."""
     args = _train_args(corpus, tmp_path / "ddp", 3)
     args[args.index("--batch-size") + 1] = "1"
     args[args.index("--num-samples") + 1] = "1"  # sampling after a sharded run uses the export
     args += ["--balance", "sign", *parallel]  # exact QB on one rank vs its histogram on two differ
     out = _torchrun(args)
     assert "--- sample 1 ---" in out
+    mtp = int("--mtp-layers" in parallel)
     single = train(tiny(corpus, tmp_path / "one", max_steps=3, warmup_steps=1, log_interval=1,
-                        eval_interval=1000, ckpt_interval=1000, balance="sign"))["losses"]
+                        eval_interval=1000, ckpt_interval=1000, balance="sign", mtp_layers=mtp))["losses"]
     ddp = _losses(tmp_path / "ddp")
     assert len(ddp) == 3
     for a, b in zip(ddp, single):
         assert abs(a - b) < 1e-4 * abs(b), (ddp, single)
+    if mtp:
+        rows = [[json.loads(line)["mtp_loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+                for run in (tmp_path / "ddp", tmp_path / "one")]
+        assert rows[0] == pytest.approx(rows[1], rel=1e-4)
     import openk3
     exported = openk3.load_pretrained(tmp_path / "ddp" / "export")  # all experts gathered
     assert exported.model.layers[1].mlp.experts.w1.shape[0] == exported.cfg.num_experts
