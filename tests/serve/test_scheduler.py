@@ -70,7 +70,7 @@ class FakeRunner:
         for save in out.kda_saves:
             self.checkpoints[save.checkpoint_id] = list(self.state[save.state_slot])
         sampled = [s for s in out.sampled if not s.is_finished]
-        return self.sched.postprocess([s.request_id for s in sampled], [self.next_token(s) for s in sampled])
+        return self.sched.postprocess([s.request_id for s in sampled], [[self.next_token(s)] for s in sampled])
 
 
 def check_invariants(sched: Scheduler, out) -> None:
