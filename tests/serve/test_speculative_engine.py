@@ -11,9 +11,11 @@ import dataclasses
 import pytest
 import torch
 
-from openk3 import build_model, preset
+from openk3 import build_model, preset, save_pretrained
+from openk3.cli import main
 from openk3.serve.config import EngineConfig
 from openk3.serve.engine import LLMEngine
+from openk3.serve.metrics import ServerMetrics
 from openk3.serve.sampler import SamplingParams
 from openk3.tokenizer import ByteTokenizer
 
@@ -218,8 +220,6 @@ def test_checkpoint_saves_only_in_plain_steps(model, noisy):
 
 
 def test_stats_and_metrics(model, noisy):
-    from openk3.serve.metrics import ServerMetrics
-
     eng = make_engine(model, noisy, num_speculative_tokens=3)
     eng.generate(PROMPTS, GREEDY)
     s = eng.snapshot_stats()
@@ -240,3 +240,18 @@ def test_configuration_errors(model):
     small = build_model(dataclasses.replace(preset("debug"), vocab_size=512))
     with pytest.raises(ValueError, match="vocab_size 512 differs"):
         make_engine(model, small, num_speculative_tokens=2)
+
+
+def test_cli_generate_with_a_draft(tmp_path, capsys):
+    """``openk3 generate --draft DIR --num-speculative-tokens K`` prints what plain greedy
+    generation prints (the draft: a saved copy of the same random-init model, all accepted)."""
+    save_pretrained(build_model(preset("debug"), seed=0), tmp_path / "draft")
+    flags = ["generate", "--random-init", "--prompt", "hello", "--max-new-tokens", "8", "--temperature", "0",
+             "--device", "cpu"]
+    assert main(flags) == 0
+    plain = capsys.readouterr()
+    assert main(flags + ["--draft", str(tmp_path / "draft"), "--num-speculative-tokens", "3"]) == 0
+    spec = capsys.readouterr()
+    assert spec.out == plain.out and "draft acceptance 100%" in spec.err
+    assert main(flags + ["--num-speculative-tokens", "3"]) == 2
+    assert "needs --draft" in capsys.readouterr().err
