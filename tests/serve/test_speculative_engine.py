@@ -11,7 +11,7 @@ import dataclasses
 import pytest
 import torch
 
-from openk3 import build_model, preset, save_pretrained
+from openk3 import LLM, build_model, preset, save_pretrained
 from openk3.cli import main
 from openk3.serve.config import EngineConfig
 from openk3.serve.engine import LLMEngine
@@ -255,3 +255,9 @@ def test_cli_generate_with_a_draft(tmp_path, capsys):
     assert spec.out == plain.out and "draft acceptance 100%" in spec.err
     assert main(flags + ["--num-speculative-tokens", "3"]) == 2
     assert "needs --draft" in capsys.readouterr().err
+    greedy = SamplingParams(temperature=0, max_tokens=6)
+    llm = LLM(preset="debug", random_init=True, device="cpu", max_model_len=64, physical_block_size=16,
+              hash_block_size=8, kda_checkpoint_interval=16, draft=str(tmp_path / "draft"), num_speculative_tokens=2)
+    want = LLM(preset="debug", random_init=True, device="cpu", max_model_len=64, physical_block_size=16,
+               hash_block_size=8, kda_checkpoint_interval=16).generate("hi", greedy)[0].token_ids
+    assert llm.generate("hi", greedy)[0].token_ids == want and llm.engine.stats.spec_acceptance_rate == 1
