@@ -74,6 +74,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
               f"{model.cfg.vocab_size}", file=sys.stderr)
         return 2
     print(args.prompt, end="", flush=True)
+    if args.num_speculative_tokens:
+        return _generate_speculative(args, model, tok, ids)
     new: list[int] = []
     shown = ""
 
@@ -91,6 +93,33 @@ def cmd_generate(args: argparse.Namespace) -> int:
     dt = time.perf_counter() - t0
     print(f"\n[{len(new)} tokens in {dt:.2f}s, {len(new) / max(dt, 1e-9):.1f} tok/s on {device}]",
           file=sys.stderr)
+    return 0
+
+
+def _generate_speculative(args: argparse.Namespace, model, tok, ids: list[int]) -> int:
+    """``generate`` with a draft model: through the serving engine, which verifies
+    ``--num-speculative-tokens`` draft tokens per step (docs/speculative.md)."""
+    from openk3.serve.engine import LLMEngine
+    from openk3.serve.sampler import SamplingParams
+
+    if args.draft is None:
+        print("openk3 generate: --num-speculative-tokens needs --draft DIR", file=sys.stderr)
+        return 2
+    config = EngineConfig(max_num_seqs=1, max_model_len=len(ids) + args.max_new_tokens,
+                          num_speculative_tokens=args.num_speculative_tokens, draft=args.draft)
+    engine = LLMEngine(model, tok, config)
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                            max_tokens=args.max_new_tokens)
+    t0, n = time.perf_counter(), 0
+    engine.add_request(ids, params)
+    while engine.has_unfinished():
+        for out in engine.step():
+            print(out.delta_text, end="", flush=True)
+            n = len(out.token_ids)
+    dt, s = time.perf_counter() - t0, engine.stats
+    print(f"\n[{n} tokens in {dt:.2f}s, {n / max(dt, 1e-9):.1f} tok/s on {engine.runner.device}; "
+          f"draft acceptance {s.spec_acceptance_rate:.0%}, {s.spec_mean_accepted_tokens:.2f} accepted "
+          f"per step]", file=sys.stderr)
     return 0
 
 
@@ -181,6 +210,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.8)
     g.add_argument("--top-p", type=float, default=0.95)
     g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--draft", default=None, metavar="DIR",
+                   help="draft model directory for speculative decoding (shares the tokenizer)")
+    g.add_argument("--num-speculative-tokens", type=int, default=0, metavar="K",
+                   help="draft tokens verified per step (needs --draft; 0: off)")
     g.set_defaults(fn=cmd_generate)
 
     t = sub.add_parser("train", help="train a model (torchrun for several processes)")

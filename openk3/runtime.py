@@ -100,3 +100,9 @@ def load_model(checkpoint: str | Path | None = None, preset: str | None = None, 
     tok = load_tokenizer(tokenizer) if tokenizer is not None else VisibleTokenizer()
     model = build_model(model_preset(preset), device=device, dtype=dtype, seed=seed)
     return model.eval(), tok, f"openk3-{preset}"
+
+
+def load_draft_model(checkpoint: str | Path, device: torch.device, dtype: torch.dtype):
+    """A speculative-decoding draft model (in eval mode) from a checkpoint directory, as
+    ``load_model`` loads one but without a tokenizer: the draft uses the target's."""
+    return load_pretrained(checkpoint_dir(checkpoint), dtype=dtype, device=device).eval()

@@ -243,13 +243,16 @@ class BlockManager:
         seq.num_registered_hash_blocks = num_cached // self.hash_block_size
         return Allocation(num_cached, block_copy, kda_restore)
 
-    def can_append(self, seq: Sequence) -> bool:
-        """Whether the pool can hold all of ``seq.num_tokens`` (the next token to compute)."""
-        return self.num_blocks_for(seq.num_tokens) - len(seq.block_table) <= self.num_free_blocks
+    def can_append(self, seq: Sequence, num_lookahead: int = 0) -> bool:
+        """Whether the pool can hold all of ``seq.num_tokens`` (the next token to compute) and
+        ``num_lookahead`` positions after it (speculative draft tokens)."""
+        return (self.num_blocks_for(seq.num_tokens + num_lookahead) - len(seq.block_table)
+                <= self.num_free_blocks)
 
-    def append_slot(self, seq: Sequence) -> None:
-        """Grow ``seq`` to hold its newest token, taking a new block when the last one is full."""
-        while len(seq.block_table) < self.num_blocks_for(seq.num_tokens):
+    def append_slot(self, seq: Sequence, num_lookahead: int = 0) -> None:
+        """Grow ``seq`` to hold its newest token and ``num_lookahead`` positions after it,
+        taking new blocks when the last one is full."""
+        while len(seq.block_table) < self.num_blocks_for(seq.num_tokens + num_lookahead):
             seq.block_table.append(self._allocate_block())
 
     def free(self, seq: Sequence) -> None:

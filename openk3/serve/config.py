@@ -37,6 +37,12 @@ class EngineConfig:
         kda_checkpoint_interval: a KDA checkpoint is taken every this many tokens (and at prompt
             ends, rounded down to a hash boundary); a multiple of ``hash_block_size``.
         enable_prefix_caching: off means no hashes, no checkpoints, no hits.
+    Speculative decoding (``docs/speculative.md``, "Engine integration"):
+        num_speculative_tokens: K, draft tokens proposed and verified per decode step (0: off).
+            A decode then computes up to K + 1 positions and emits 1 to K + 1 tokens.
+        draft: the draft model's directory (``openk3.runtime.load_model``; a small openk3/Kimi
+            model sharing the target's vocabulary); required when K > 0 unless the engine is
+            handed a draft model object.
     Runner:
         cuda_graphs: capture decode steps as CUDA graphs, one per batch bucket (GPU fast paths
             only: not with ``OPENK3_REFERENCE=1``).
@@ -53,6 +59,8 @@ class EngineConfig:
     num_kda_checkpoints: int = 16
     kda_checkpoint_interval: int = 8192
     enable_prefix_caching: bool = True
+    num_speculative_tokens: int = 0
+    draft: str | None = None
     cuda_graphs: bool = True
 
     def __post_init__(self):
@@ -67,6 +75,8 @@ class EngineConfig:
                 raise bad(name, "must be positive")
         if self.num_kda_checkpoints < 0:
             raise bad("num_kda_checkpoints", "must be >= 0")
+        if self.num_speculative_tokens < 0:
+            raise bad("num_speculative_tokens", "must be >= 0 (0 turns speculative decoding off)")
         if self.physical_block_size % self.hash_block_size:
             raise bad("hash_block_size", f"must divide physical_block_size ({self.physical_block_size})")
         if self.kda_checkpoint_interval % self.hash_block_size:

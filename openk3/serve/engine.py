@@ -12,6 +12,11 @@ the text is cut before the stop string and the request finishes with ``finish_re
 While streaming, the last ``max(len(stop)) - 1`` characters are held back, since they may
 turn out to begin a stop string.
 
+Speculative decoding (``EngineConfig.num_speculative_tokens`` K > 0, a draft model): a decode
+step may emit several tokens; ``docs/speculative.md`` ("Engine integration") describes the
+step. Stop strings, stop tokens and max_tokens apply token by token within the emitted run, so
+the outputs are those of plain decoding with the same sampling.
+
 Log-probabilities are those of the model's own next-token distribution (``log_softmax`` of the
 logits, before temperature and filtering), as OpenAI reports them.
 """
@@ -29,10 +34,12 @@ import torch
 
 from openk3.serve.block_manager import BlockManager
 from openk3.serve.config import EngineConfig
-from openk3.serve.model_runner import ModelRunner, PromptLogprobs
+from openk3.serve.draft import Drafter
+from openk3.serve.model_runner import ModelRunner, PromptLogprobs, StepResult
 from openk3.serve.sampler import InvalidRequest, SamplingParams, make_generator, sample, token_logprobs
 from openk3.serve.scheduler import Scheduler
 from openk3.serve.sequence import Sequence
+from openk3.serve.speculative import sampling_probs, speculative_sample
 
 
 @dataclass
@@ -74,6 +81,20 @@ class EngineStats:
     generation_tokens: int = 0
     num_preemptions: int = 0
     num_steps: int = 0
+    # speculative decoding: sequence-steps verified, draft tokens proposed, and accepted
+    spec_verifications: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Accepted / proposed draft tokens."""
+        return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else 0.0
+
+    @property
+    def spec_mean_accepted_tokens(self) -> float:
+        """Accepted draft tokens per verified sequence-step (each also emits one more token)."""
+        return self.spec_accepted_tokens / self.spec_verifications if self.spec_verifications else 0.0
 
 
 @dataclass
@@ -93,8 +114,12 @@ class _Request:
 
 
 class LLMEngine:
+    """``draft_model``: the draft for speculative decoding as a model object (else
+    ``config.draft`` is loaded when ``config.num_speculative_tokens`` > 0)."""
+
     def __init__(self, model, tokenizer, config: EngineConfig | None = None,
-                 eos_token_ids: tuple[int, ...] | None = None, model_name: str = "openk3"):
+                 eos_token_ids: tuple[int, ...] | None = None, model_name: str = "openk3",
+                 draft_model=None):
         self.model, self.tokenizer, self.model_name = model, tokenizer, model_name
         self.config = config = config or EngineConfig()
         cfg = model.cfg
@@ -105,9 +130,28 @@ class LLMEngine:
         self.max_model_len = self.runner.max_model_len
         self.block_manager = BlockManager(config, self.runner.num_blocks, num_state_slots=config.max_num_seqs)
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
+        self.drafter = self._make_drafter(draft_model)
         self.requests: dict[str, _Request] = {}
         self.stats = EngineStats()
         self._ids = itertools.count()
+
+    def _make_drafter(self, draft_model) -> Drafter | None:
+        config, K = self.config, self.config.num_speculative_tokens
+        if K == 0:
+            if draft_model is not None or config.draft is not None:
+                raise ValueError("a draft model is given but EngineConfig.num_speculative_tokens=0: "
+                                 "set it to the number of draft tokens per step")
+            return None
+        if draft_model is None:
+            if config.draft is None:
+                raise ValueError(f"EngineConfig.num_speculative_tokens={K} needs a draft model: "
+                                 f"EngineConfig.draft (a model directory) or LLMEngine(draft_model=...)")
+            from openk3.runtime import load_draft_model
+            draft_model = load_draft_model(config.draft, self.runner.device, self.runner.dtype)
+        if draft_model.cfg.vocab_size != self.model.cfg.vocab_size:
+            raise ValueError(f"draft model: vocab_size {draft_model.cfg.vocab_size} differs from the target's "
+                             f"{self.model.cfg.vocab_size}; the draft must share the target's tokenizer")
+        return Drafter(draft_model, config, self.runner.num_blocks, self.max_model_len)
 
     # Requests.
 
@@ -177,25 +221,90 @@ class LLMEngine:
         self.stats.num_steps += 1
         self.stats.num_preemptions += len(out.preempted_ids)
         self.stats.prompt_tokens += sum(n for s, n in out.scheduled if s.num_computed_tokens <= s.num_prompt_tokens)
+        verified = [s for s, _ in out.scheduled if s.request_id in out.num_draft_tokens]
+        drafts = None
+        if self.drafter is not None:
+            vreqs = [self.requests[s.request_id] for s in verified]
+            drafts = self.drafter.propose(out, [r.params for r in vreqs], [r.generator for r in vreqs])
+            for seq, row in zip(verified, drafts[0].tolist() if drafts is not None else []):
+                seq.draft_token_ids = row[:out.num_draft_tokens[seq.request_id]]
         result = self.runner.execute(out)
         for rid, piece in result.prompt_logprobs.items():
             self._record_prompt_logprobs(self.requests[rid], piece)
+        seqs = result.sampled + result.verified
+        if not seqs:
+            return []
+        new_token_ids = self._sample(result) + (self._verify(result, *drafts) if result.verified else [])
+        self.scheduler.postprocess([s.request_id for s in seqs], new_token_ids)
+        self.stats.generation_tokens += sum(map(len, new_token_ids))
+        return [self._output(self.requests[s.request_id]) for s in seqs]
+
+    def _sample(self, result: StepResult) -> list[list[int]]:
+        """One token for each of ``result.sampled``."""
         if not result.sampled:
             return []
         reqs = [self.requests[s.request_id] for s in result.sampled]
         tokens, _ = sample(result.logits, [r.params for r in reqs], [r.generator for r in reqs])
         token_ids = tokens.tolist()  # the step's one device -> host copy of tokens
+        self._record_logprobs(reqs, result.logits, [[t] for t in token_ids])
+        return [[t] for t in token_ids]
+
+    def _record_logprobs(self, reqs: list[_Request], logits: torch.Tensor, runs: list[list[int]]) -> None:
+        """Log-probabilities of each request's new tokens ``runs[i]``; ``logits`` [B, V] (one
+        token each) or [B, P, V] (row i's first ``len(runs[i])`` positions)."""
         k = max((r.params.logprobs for r in reqs if r.logprobs is not None), default=None)
-        if k is not None:
-            rows = token_logprobs(result.logits, tokens, k).tolist()  # and of log-probs
-            for r, token_id, row in zip(reqs, token_ids, rows):
+        if k is None:
+            return
+        if logits.dim() == 2:
+            logits = logits[:, None]
+        picked = [(i, j) for i, run in enumerate(runs) for j in range(len(run))]
+        i, j = torch.tensor(picked, device=logits.device).unbind(1)
+        tokens = torch.tensor([t for run in runs for t in run], device=logits.device)
+        rows = iter(token_logprobs(logits[i, j], tokens, k).tolist())  # one host copy of log-probs
+        for r, run in zip(reqs, runs):
+            for token_id in run:
+                row = next(rows)
                 if r.logprobs is not None:
                     n = r.params.logprobs
                     top = dict(zip(map(int, row[1 + k:1 + k + n]), row[1:1 + n]))
                     r.logprobs.append(Logprob(token_id, row[0], top))
-        self.scheduler.postprocess([s.request_id for s in result.sampled], token_ids)
-        self.stats.generation_tokens += len(token_ids)
-        return [self._output(r) for r in reqs]
+
+    def _verify(self, result: StepResult, draft_tokens: torch.Tensor, draft_probs: torch.Tensor) -> list[list[int]]:
+        """Speculative sampling for ``result.verified``; returns each sequence's emitted tokens
+        (accepted drafts, then the correction or bonus token, cut after a stop string) and rolls
+        the target's and the draft's KDA states back to the kept tokens."""
+        seqs = result.verified
+        reqs = [self.requests[s.request_id] for s in seqs]
+        params, ks = [r.params for r in reqs], [len(s.draft_token_ids) for s in seqs]
+        target_probs = sampling_probs(result.verify_logits, params)
+        num_accepted, tokens = speculative_sample(draft_tokens, draft_probs, target_probs, ks, params,
+                                                  [r.generator for r in reqs])
+        accepted = num_accepted.tolist()  # the step's device -> host copies of verify results
+        runs = [self._cut_at_stop(r, row[:a + 1]) for r, row, a in zip(reqs, tokens.tolist(), accepted)]
+        self.stats.spec_verifications += len(seqs)
+        self.stats.spec_draft_tokens += sum(ks)
+        self.stats.spec_accepted_tokens += sum(accepted)
+        self._record_logprobs(reqs, result.verify_logits, runs)
+        # the kept tokens: the last one and the accepted drafts (the last of a run is fed next step)
+        self.runner.rollback([(s.state_slot, s.num_tokens - 1, s.token_ids[-1:] + run[:-1])
+                              for s, run, k in zip(seqs, runs, ks) if len(run) - 1 < k])
+        self.drafter.rollback([(s, run[:-1]) for s, run in zip(seqs, runs)])
+        return runs
+
+    def _cut_at_stop(self, r: _Request, run: list[int]) -> list[int]:
+        """``run`` up to the first token whose text completes a stop string (or an eos), as
+        plain decoding, which would stop there, would have emitted it."""
+        for j, token_id in enumerate(run[:-1], 1):
+            if token_id in r.seq.eos_token_ids:
+                return run[:j]
+            if r.params.stop:
+                window = r.seq.output_token_ids[r.prefix_offset:] + run[:j]
+                decode = self.tokenizer.decode
+                head = decode(r.seq.output_token_ids[r.prefix_offset:r.read_offset])
+                text = r.decoded + decode(window)[len(head):]
+                if any(stop in text for stop in r.params.stop):
+                    return run[:j]
+        return run
 
     @staticmethod
     def _record_prompt_logprobs(r: _Request, piece: PromptLogprobs) -> None:

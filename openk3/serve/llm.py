@@ -19,7 +19,7 @@ from openk3.serve.sampler import SamplingParams
 
 class LLM:
     """The model as ``openk3.runtime.load_model`` loads it; the other keyword arguments are
-    ``EngineConfig`` fields."""
+    ``EngineConfig`` fields (speculative decoding: ``draft=DIR, num_speculative_tokens=K``)."""
 
     def __init__(self, checkpoint: str | None = None, *, preset: str | None = None,
                  random_init: bool = False, device: str | torch.device | None = None,

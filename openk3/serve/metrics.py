@@ -2,7 +2,7 @@
 
 Latency histograms and finished requests are measured by the server as responses go out. The
 engine's own counters and gauges (tokens, queue lengths, cache usage, prefix-cache hits,
-preemptions) live in ``EngineStats``; a collector reads them at scrape time instead of copying
+preemptions, speculative acceptance) live in ``EngineStats``; a collector reads them at scrape time instead of copying
 them into client-side metrics on every step. Each ``ServerMetrics`` has its own registry, so
 several apps in one process (tests) never share or collide on a metric.
 """
@@ -44,6 +44,18 @@ class _EngineCollector:
                                   value=s.num_preemptions)
         yield CounterMetricFamily("openk3_engine_steps_total", "Scheduler steps that ran a forward pass.",
                                   value=s.num_steps)
+        yield CounterMetricFamily("openk3_spec_verifications_total",
+                                  "Speculative decoding: sequence-steps whose drafts were verified.",
+                                  value=s.spec_verifications)
+        yield CounterMetricFamily("openk3_spec_draft_tokens_total", "Speculative decoding: draft tokens proposed.",
+                                  value=s.spec_draft_tokens)
+        yield CounterMetricFamily("openk3_spec_accepted_tokens_total", "Speculative decoding: draft tokens accepted.",
+                                  value=s.spec_accepted_tokens)
+        yield GaugeMetricFamily("openk3_spec_acceptance_rate", "spec_accepted_tokens / spec_draft_tokens.",
+                                value=s.spec_acceptance_rate)
+        yield GaugeMetricFamily("openk3_spec_mean_accepted_tokens",
+                                "Accepted draft tokens per verified sequence-step (each emits one more).",
+                                value=s.spec_mean_accepted_tokens)
 
 
 class ServerMetrics:

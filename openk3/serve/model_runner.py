@@ -11,6 +11,9 @@ Tensors it owns (``L_mla`` MLA layers, ``L_kda`` KDA layers):
   num_kda_checkpoints, ...]`` (``paged_views.KDAPool``). Slots and checkpoint ids come from the
   ``BlockManager`` through the scheduler's instructions.
 
+With speculative decoding a KDA snapshot pool ``[L_kda, max_num_seqs + 1, ...]`` holds each
+verified sequence's state from before its verify pass, for the rollback (``rollback``).
+
 The last block and the last slot are scratch: the padding rows of a CUDA-graph decode batch
 read and write only there.
 
@@ -21,7 +24,9 @@ One step (``execute``) runs up to two forward passes over the scheduled sequence
   the rows' block tables are read from the device table. KDA runs the single-token step, MLA the
   absorbed form with ``paged_mla_decode`` (reads only each row's blocks). On GPU the pass is a
   CUDA graph per batch bucket (the next power of two), whatever the context lengths.
-* **prefill group** (prompt chunks): all chunks packed into one ``[1, sum T_i]`` row with
+* **prefill group** (prompt chunks, and speculative verify segments: the last token and the
+  ``k`` drafts of a sequence in ``out.num_draft_tokens``, whose ``k + 1`` positions all get
+  logits; always eager): all chunks packed into one ``[1, sum T_i]`` row with
   ``cu_seqlens``; KDA and its short convolutions run varlen, MLA the expanded form over every
   chunk's cached prefix with one varlen attention. Its inputs are one packed host tensor too.
 
@@ -69,11 +74,16 @@ class PromptLogprobs:
 @dataclass
 class StepResult:
     """``logits [len(sampled), vocab]``, row i for ``sampled[i]``: the sequences of
-    ``out.sampled``, decode rows first. ``prompt_logprobs`` by request id (one piece per step and
-    request; a long prompt chunk is split and the pieces concatenated here)."""
+    ``out.sampled``, decode rows first. ``verify_logits [len(verified), K + 1, vocab]`` (K the
+    step's largest draft count): row b for ``verified[b]`` (the speculating sequences), positions
+    ``0 .. k_b`` the logits after its last token and after each draft, the rest padding.
+    ``prompt_logprobs`` by request id (one piece per step and request; a long prompt chunk is
+    split and the pieces concatenated here)."""
 
     logits: torch.Tensor
     sampled: list[Sequence] = field(default_factory=list)
+    verified: list[Sequence] = field(default_factory=list)
+    verify_logits: torch.Tensor | None = None
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
 
 
@@ -120,6 +130,8 @@ class ModelRunner:
         self.kda_state = KDAPool(cfg, len(self.kda_layers), config.max_num_seqs + 1, self.device, self.dtype)
         self.kda_checkpoints = KDAPool(cfg, len(self.kda_layers), config.num_kda_checkpoints,
                                        self.device, self.dtype)
+        self.kda_snapshots = (KDAPool(cfg, len(self.kda_layers), config.max_num_seqs + 1, self.device, self.dtype)
+                              if config.num_speculative_tokens else None)
         # graphs serve the fast paths: the references sync and gather whole block tables
         self.use_graphs = config.cuda_graphs and use_fast_path(p)
         self._graphs: dict[int, _DecodeGraph] = {}  # by batch bucket
@@ -127,8 +139,11 @@ class ModelRunner:
         self._pin = self.device.type == "cuda"  # pinned host tensors copy asynchronously
 
     def cache_bytes(self) -> dict[str, int]:
-        return {"mla": sum(t.numel() * t.element_size() for t in self.mla_cache.values()),
-                "kda_state": self.kda_state.nbytes(), "kda_checkpoints": self.kda_checkpoints.nbytes()}
+        sizes = {"mla": sum(t.numel() * t.element_size() for t in self.mla_cache.values()),
+                 "kda_state": self.kda_state.nbytes(), "kda_checkpoints": self.kda_checkpoints.nbytes()}
+        if self.kda_snapshots is not None:
+            sizes["kda_snapshots"] = self.kda_snapshots.nbytes()
+        return sizes
 
     def _upload(self, *parts: list[int]) -> list[torch.Tensor]:
         """One host -> device copy for several lists of ints: int64 device tensors, one per list."""
@@ -160,6 +175,24 @@ class ModelRunner:
         if out.kda_resets:
             self.kda_state.zero_(resets)
 
+    def snapshot_kda(self, slots: list[int]) -> None:
+        """Keep the KDA states of ``slots`` (into the snapshot pool, entry = slot)."""
+        (idx,) = self._upload(slots)
+        self.kda_snapshots.copy_(idx, self.kda_state, idx)
+
+    def rollback(self, kept: list[tuple[int, int, list[int]]]) -> None:
+        """Speculative rollback by recomputation: for each (state slot, position, token ids),
+        restore the slot's snapshot and run the tokens from that position again, so the KDA
+        state is exactly that after the kept tokens (their MLA latents are rewritten with the
+        same values; rows after them are stale and overwritten later)."""
+        if not kept:
+            return
+        (idx,) = self._upload([slot for slot, _, _ in kept])
+        self.kda_state.copy_(idx, self.kda_snapshots, idx)
+        segments = [s for s in kept if s[2]]
+        if segments:
+            self._forward_segments(segments, [])
+
     def _after_forward(self, out: SchedulerOutput) -> None:
         """KDA saves: the state slots now hold the states at the checkpoint boundaries."""
         if out.kda_saves:
@@ -173,6 +206,8 @@ class ModelRunner:
         """Run the step: logits of ``out.sampled`` and the prompt log-probabilities of this step's
         tokens of every sequence that wants them (``Sequence.wants_prompt_logprobs``)."""
         self._before_forward(out)
+        if out.num_draft_tokens:
+            self.snapshot_kda([s.state_slot for s, _ in out.scheduled if s.request_id in out.num_draft_tokens])
         # sampled decode rows first: their logits are then a prefix of the decode pass's
         decode = sorted((s for s, n in out.scheduled if n == 1), key=lambda s: s.num_computed_tokens < s.num_tokens)
         prefill = [(s, n) for s, n in out.scheduled if n > 1]
@@ -187,7 +222,7 @@ class ModelRunner:
                 if s.wants_prompt_logprobs:
                     self._add_prompt_logprobs(result, s, s.num_computed_tokens - 1, rows[j:j + 1])
         if prefill:
-            sampled, rows = self._prefill(prefill, result)
+            sampled, rows = self._prefill(prefill, result, out.num_draft_tokens)
             logits.append(rows)
             result.sampled += sampled
         self._after_forward(out)
@@ -214,31 +249,53 @@ class ModelRunner:
                 (before.token, before.top_ids, before.top_values), (piece.token, piece.top_ids, piece.top_values))))
         result.prompt_logprobs[seq.request_id] = piece
 
-    def _prefill(self, chunks: list[tuple[Sequence, int]], result: StepResult) -> tuple[list[Sequence], torch.Tensor]:
-        """Returns the sequences whose prompt this step completes and their logits [n, V]."""
-        ids, cu_q, cu_k, starts, slots, last_rows, sampled = [], [0], [0], [], [], [], []
+    def _prefill(self, chunks: list[tuple[Sequence, int]], result: StepResult,
+                 num_draft: dict[str, int]) -> tuple[list[Sequence], torch.Tensor]:
+        """Returns the sequences whose prompt this step completes and their logits [n, V]; fills
+        ``result.verified`` / ``verify_logits`` for the speculating ones (``num_draft``)."""
+        segments, last_rows, sampled, verify_rows = [], [], [], []
+        K, T = max(num_draft.values(), default=0), 0
         for seq, n in chunks:
             end = seq.num_computed_tokens  # already advanced by the scheduler
-            ids += seq.token_ids[end - n:end]
-            cu_q.append(cu_q[-1] + n)
-            cu_k.append(cu_k[-1] + end)  # the chunk attends over its whole prefix
-            starts.append(end - n)
-            slots.append(seq.state_slot)
-            if end == seq.num_tokens:
-                last_rows.append(cu_q[-1] - 1)
+            segments.append((seq.state_slot, end - n, seq.input_ids(end - n, end)))
+            k = num_draft.get(seq.request_id)
+            if k is not None:  # rows 0..k, then the last one again as padding
+                verify_rows += [T + min(j, k) for j in range(K + 1)]
+                result.verified.append(seq)
+            elif end == seq.num_tokens:
+                last_rows.append(T + n - 1)
                 sampled.append(seq)
-        ids, cu_q_dev, cu_k_dev, starts, slots, last_rows = self._upload(ids, cu_q, cu_k, starts, slots, last_rows)
-        batch = self._prefill_batch(cu_q_dev, cu_k_dev, starts, slots, torch.tensor(cu_q), torch.tensor(cu_k))
-        hidden = self._forward(ids[None], batch, slots, batch.cu_seqlens_q, batch.cu_seqlens_q_cpu)[0]
+            T += n
+        hidden, rows, cu_q = self._forward_segments(segments, last_rows + verify_rows)
         for (seq, n), a, b in zip(chunks, cu_q[:-1], cu_q[1:]):
             if seq.wants_prompt_logprobs:  # in pieces: [rows, vocab] fp32 logits are large
                 start = seq.num_computed_tokens - n
                 for lo in range(a, b, PROMPT_LOGITS_ROWS):
                     hi = min(b, lo + PROMPT_LOGITS_ROWS)
                     self._add_prompt_logprobs(result, seq, start + lo - a, self.model.lm_head(hidden[lo:hi]))
-        if not sampled:
+        if not len(rows):
             return [], hidden.new_empty(0, self.cfg.vocab_size)
-        return sampled, self.model.lm_head(hidden[last_rows]).float()
+        logits = self.model.lm_head(hidden[rows]).float()
+        if verify_rows:
+            result.verify_logits = logits[len(last_rows):].view(len(result.verified), K + 1, -1)
+        return sampled, logits[:len(last_rows)]
+
+    def _forward_segments(self, segments: list[tuple[int, int, list[int]]],
+                          rows: list[int]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """One packed forward over segments (state slot, position of the first token, token
+        ids), each continuing its slot's cache. Returns the hidden states [sum T_i, D], ``rows``
+        (indices into them) uploaded with the inputs, and the segments' offsets ``cu_q``."""
+        ids, cu_q, cu_k, starts, slots = [], [0], [0], [], []
+        for slot, start, token_ids in segments:
+            ids += token_ids
+            cu_q.append(cu_q[-1] + len(token_ids))
+            cu_k.append(cu_k[-1] + start + len(token_ids))  # the segment attends over its whole prefix
+            starts.append(start)
+            slots.append(slot)
+        ids, cu_q_dev, cu_k_dev, starts, slots, rows = self._upload(ids, cu_q, cu_k, starts, slots, rows)
+        batch = self._prefill_batch(cu_q_dev, cu_k_dev, starts, slots, torch.tensor(cu_q), torch.tensor(cu_k))
+        hidden = self._forward(ids[None], batch, slots, batch.cu_seqlens_q, batch.cu_seqlens_q_cpu)[0]
+        return hidden, rows, cu_q
 
     def _prefill_batch(self, cu_q: torch.Tensor, cu_k: torch.Tensor, starts: torch.Tensor,
                        slots: torch.Tensor, cu_q_cpu: torch.Tensor, cu_k_cpu: torch.Tensor) -> PrefillBatch:

@@ -13,7 +13,16 @@ Engine loop contract, per step:
     out.block_copies and out.kda_restores, zeroes out.kda_resets, runs the forward pass for
     out.scheduled, then executes out.kda_saves; it returns the logits of the sequences in
     out.sampled (all of their tokens computed), one token is sampled for each, and
-    scheduler.postprocess(request_ids, token_ids)
+    scheduler.postprocess(request_ids, [[token_id] for each])
+
+Speculative decoding (``num_speculative_tokens`` K > 0): a decode may be planned ``k <= K`` draft
+tokens (``out.num_draft_tokens``); it is scheduled ``1 + k`` tokens, holds MLA blocks for
+them, and ``num_computed_tokens`` counts them. The engine fills ``seq.draft_token_ids``, the
+runner verifies them, and ``postprocess`` gets that sequence's emitted tokens (the accepted
+drafts and one more): it rolls ``num_computed_tokens`` back to the tokens kept before anything
+is registered, so prefix hashes only ever cover accepted tokens. ``k`` stops short of the next
+KDA checkpoint boundary, so checkpoints are only ever saved by plain steps (whose state is
+exact); the step reaching the boundary is a plain decode.
 The step's hash blocks and KDA checkpoints become visible to prefix lookups at the next
 ``postprocess`` or ``step`` (the runner has run it by then); a sequence freed before that
 (abort) gives its planned checkpoint id back.
@@ -41,6 +50,7 @@ class SchedulerOutput:
     kda_resets: list[int] = field(default_factory=list)  # state slots to zero before the forward
     kda_saves: list[KDASave] = field(default_factory=list)  # after the forward
     preempted_ids: list[str] = field(default_factory=list)
+    num_draft_tokens: dict[str, int] = field(default_factory=dict)  # by request id, k >= 1
 
     @property
     def num_batched_tokens(self) -> int:
@@ -48,7 +58,8 @@ class SchedulerOutput:
 
     @property
     def sampled(self) -> list[Sequence]:
-        """Sequences whose every token is computed after this step: they get a new token."""
+        """Sequences whose every token is computed after this step: they get a new token
+        (speculating sequences, which also count their drafts, are not among them)."""
         return [seq for seq, _ in self.scheduled if seq.num_computed_tokens == seq.num_tokens]
 
 
@@ -119,6 +130,19 @@ class Scheduler:
             end = boundary
         return end - start
 
+    def _num_draft_tokens(self, seq: Sequence, budget: int) -> int:
+        """Draft tokens to verify for a decoding ``seq``: up to K, no more than max_tokens lets
+        it emit (a step emits up to k + 1), within the budget, and ending before the next KDA
+        checkpoint boundary (the state there must be exact for the save)."""
+        K = self.config.num_speculative_tokens
+        if K == 0 or seq.num_uncomputed_tokens != 1:
+            return 0
+        k = min(K, seq.max_tokens - seq.num_output_tokens - 1, budget - 1)
+        boundary = self.block_manager.next_kda_checkpoint_boundary(seq, seq.num_computed_tokens)
+        if boundary is not None:
+            k = min(k, boundary - seq.num_tokens - 1)
+        return max(k, 0) if self.block_manager.can_append(seq, max(k, 0)) else 0
+
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.block_manager.free(seq)
         self.running.remove(seq)
@@ -154,6 +178,7 @@ class Scheduler:
             seq = pending.popleft()
             if seq.num_uncomputed_tokens == 0:
                 continue  # its sampled token has not been reported yet
+            k = self._num_draft_tokens(seq, budget)  # never preempts for drafts
             while not bm.can_append(seq):
                 victim = pending.pop() if pending else seq
                 self._preempt(victim, out)
@@ -162,9 +187,11 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 break
             num_blocks = len(seq.block_table)
-            bm.append_slot(seq)
+            bm.append_slot(seq, k)
             self._update_table(out, seq, num_blocks)
-            n = self._num_new_tokens(seq, budget)
+            n = 1 + k if k else self._num_new_tokens(seq, budget)
+            if k:
+                out.num_draft_tokens[seq.request_id] = k
             out.scheduled.append((seq, n))
             budget -= n
 
@@ -198,28 +225,41 @@ class Scheduler:
         self._last_scheduled = [seq for seq, _ in out.scheduled]
         return out
 
-    def postprocess(self, seq_ids: list[str], new_token_ids: list[int]) -> list[Sequence]:
-        """Append one sampled token per sequence; finish (and free) on eos or max_tokens.
+    def postprocess(self, seq_ids: list[str], new_token_ids: list[list[int]]) -> list[Sequence]:
+        """Append each sequence's new tokens: one sampled token, or a speculating sequence's
+        emitted run (its ``a`` accepted drafts and one more: ``num_computed_tokens`` rolls back
+        to the ``a`` drafts kept). Tokens are appended in order and a sequence finishes (and is
+        freed) at the first eos or at max_tokens; the rest of its run is dropped.
 
         Returns the sequences that finished. Ids of requests aborted since the step are ignored.
         """
         if len(seq_ids) != len(new_token_ids):
-            raise ValueError(f"{len(seq_ids)} sequence ids but {len(new_token_ids)} tokens")
+            raise ValueError(f"{len(seq_ids)} sequence ids but {len(new_token_ids)} token lists")
+        seqs = [self.requests.get(rid) for rid in seq_ids]
+        seqs = [(s, t) for s, t in zip(seqs, new_token_ids) if s is not None and s.status is SequenceStatus.RUNNING]
+        for seq, token_ids in seqs:  # before registration: hashes cover kept tokens only
+            if not 1 <= len(token_ids) <= len(seq.draft_token_ids) + 1:
+                raise ValueError(f"request {seq.request_id!r}: {len(token_ids)} new tokens, but "
+                                 f"{len(seq.draft_token_ids)} drafts allow 1 to {len(seq.draft_token_ids) + 1}")
+            if seq.num_computed_tokens - len(seq.draft_token_ids) != seq.num_tokens:
+                raise ValueError(f"request {seq.request_id!r} was not due to sample this step")
+            seq.num_computed_tokens = seq.num_tokens + len(token_ids) - 1  # the kept drafts
+            seq.draft_token_ids = []
         self._register_computed()
         finished = []
-        for rid, token_id in zip(seq_ids, new_token_ids):
-            seq = self.requests.get(rid)
-            if seq is None or seq.status is not SequenceStatus.RUNNING:
+        for seq, token_ids in seqs:
+            for token_id in token_ids:
+                seq.append_token(token_id)
+                if token_id in seq.eos_token_ids:
+                    seq.finish_reason = "stop"
+                elif seq.num_output_tokens >= seq.max_tokens:
+                    seq.finish_reason = "length"
+                else:
+                    continue
+                break
+            if seq.finish_reason is None:
                 continue
-            if seq.num_computed_tokens != seq.num_tokens:
-                raise ValueError(f"request {rid!r} was not due to sample this step")
-            seq.append_token(token_id)
-            if token_id in seq.eos_token_ids:
-                seq.finish_reason = "stop"
-            elif seq.num_output_tokens >= seq.max_tokens:
-                seq.finish_reason = "length"
-            else:
-                continue
+            rid = seq.request_id
             self.block_manager.free(seq)
             self.running.remove(seq)
             del self.requests[rid]

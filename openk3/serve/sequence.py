@@ -53,6 +53,11 @@ class Sequence:
         # computed here (a prefix-cache hit would skip their logits), though its blocks are still
         # registered for others.
         self.wants_prompt_logprobs = False
+        # Speculative decoding: the draft tokens being verified this step (set by the engine after
+        # the scheduler planned ``k`` of them, cleared by ``Scheduler.postprocess``). They follow
+        # ``token_ids`` as inputs only; the scheduler counts them in ``num_computed_tokens`` until
+        # postprocess rolls it back to the accepted ones.
+        self.draft_token_ids: list[int] = []
 
     def __repr__(self) -> str:
         return (
@@ -84,6 +89,12 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    def input_ids(self, start: int, end: int) -> list[int]:
+        """Token ids of positions [start, end), draft tokens included."""
+        if end <= self.num_tokens:
+            return self.token_ids[start:end]
+        return (self.token_ids + self.draft_token_ids)[start:end]
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)

@@ -9,6 +9,8 @@ reports for each must match a fresh full-sequence forward over prompt + chosen t
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -22,24 +24,34 @@ from openk3.tokenizer import ByteTokenizer
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-def make_engine(graphs: bool) -> LLMEngine:
+def make_engine(graphs: bool, num_speculative_tokens: int = 0) -> LLMEngine:
     torch.manual_seed(0)
     model = build_model(preset("debug"), device="cuda", dtype=torch.bfloat16).eval()
     with torch.no_grad():  # peaked next-token distributions: a wrong context moves log-probs
         model.lm_head.weight.mul_(10)  # by whole units (a flat random model would hide it)
+    draft = None
+    if num_speculative_tokens:  # the target with noise on its head: some drafts are rejected
+        draft = copy.deepcopy(model)
+        with torch.no_grad():
+            draft.lm_head.weight.add_(torch.randn_like(draft.lm_head.weight) * draft.lm_head.weight.std() * 0.3)
     config = dict(max_num_seqs=8, max_num_batched_tokens=96, physical_block_size=64, hash_block_size=16,
-                  kda_checkpoint_interval=64, max_model_len=1024, cuda_graphs=graphs)
-    return LLMEngine(model, ByteTokenizer(), EngineConfig(**config), eos_token_ids=())
+                  kda_checkpoint_interval=64, max_model_len=1024, cuda_graphs=graphs,
+                  num_speculative_tokens=num_speculative_tokens)
+    return LLMEngine(model, ByteTokenizer(), EngineConfig(**config), eos_token_ids=(), draft_model=draft)
 
 
-@pytest.mark.parametrize("graphs", [True, False])
-def test_engine_logprobs_match_full_forward(graphs):
-    eng = make_engine(graphs)
+@pytest.mark.parametrize("graphs,num_speculative_tokens", [(True, 0), (False, 0), (True, 3)])
+def test_engine_logprobs_match_full_forward(graphs, num_speculative_tokens):
+    """With speculation (K = 3) too: verify segments, rollback reruns and plain graph decodes."""
+    eng = make_engine(graphs, num_speculative_tokens)
     model = eng.model
     prompts = [torch.randint(3, 4000, (n,)).tolist() for n in (7, 33, 150, 64, 1)]
     outs = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=24, logprobs=1))
     assert bool(eng.runner._graphs) == graphs
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+    if num_speculative_tokens:
+        s = eng.stats
+        assert 0 < s.spec_accepted_tokens < s.spec_draft_tokens, s
     errs = []
     for p, o in zip(prompts, outs):
         ids = torch.tensor([p + o.token_ids[:-1]], device="cuda")

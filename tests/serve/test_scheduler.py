@@ -70,7 +70,7 @@ class FakeRunner:
         for save in out.kda_saves:
             self.checkpoints[save.checkpoint_id] = list(self.state[save.state_slot])
         sampled = [s for s in out.sampled if not s.is_finished]
-        return self.sched.postprocess([s.request_id for s in sampled], [self.next_token(s) for s in sampled])
+        return self.sched.postprocess([s.request_id for s in sampled], [[self.next_token(s)] for s in sampled])
 
 
 def check_invariants(sched: Scheduler, out) -> None:
@@ -274,3 +274,46 @@ def test_random_workload_is_correct_and_leak_free(seed, num_blocks, budget, max_
             sched.abort(rng.choice(sorted(sched.requests)))
         runner.run(out)
     assert_drained(sched)
+
+
+def test_speculative_decode_budget_blocks_and_rollback():
+    """A decode with K = 3 drafts is scheduled 1 + k tokens and blocks for them; k is capped by
+    max_tokens, the budget and the next KDA checkpoint boundary; postprocess keeps the accepted
+    drafts only and hashes nothing beyond them."""
+    sched = make(budget=64, num_speculative_tokens=3, kda_checkpoint_interval=64)
+    seq = Sequence("a", list(range(1, 15)), max_tokens=6)
+    sched.add_request(seq)
+    while seq.num_computed_tokens < 14:  # the prompt, in two chunks (a checkpoint at 12)
+        sched.step()
+    sched.postprocess(["a"], [[1]])
+    out = sched.step()
+    assert out.scheduled == [(seq, 4)] and out.num_draft_tokens == {"a": 3}
+    assert seq.num_computed_tokens == 18 and len(seq.block_table) == 2  # positions up to 17
+    seq.draft_token_ids = [5, 6, 7]
+    sched.postprocess(["a"], [[5, 9]])  # one draft accepted, then the correction
+    assert seq.token_ids[14:] == [1, 5, 9] and seq.num_computed_tokens == 16
+    assert seq.num_registered_hash_blocks == 4  # 16 // 4: only computed, accepted tokens
+    out = sched.step()  # 3 generated, max_tokens 6: at most 3 more, so k = 2
+    assert out.num_draft_tokens == {"a": 2}
+    seq.draft_token_ids = [3, 4]
+    sched.postprocess(["a"], [[3, 4, 8]])
+    assert seq.is_finished and seq.finish_reason == "length" and seq.output_token_ids == [1, 5, 9, 3, 4, 8]
+
+
+def test_speculation_stops_before_a_checkpoint_boundary_and_within_the_budget():
+    sched = make(budget=3, num_speculative_tokens=3, kda_checkpoint_interval=16)
+    seq = Sequence("a", list(range(1, 12)), max_tokens=20)
+    sched.add_request(seq)
+    while seq.num_computed_tokens < 11:
+        sched.step()
+    sched.postprocess(["a"], [[1]])  # 12 tokens, 11 computed
+    out = sched.step()
+    assert out.num_draft_tokens == {"a": 2}  # the budget of 3 tokens
+    seq.draft_token_ids = [2, 3]
+    sched.postprocess(["a"], [[2, 3, 4]])  # 15 tokens, 14 computed; the boundary is at 16
+    for computed in (15, 16):  # a segment would reach the boundary at 16: plain decodes up to it
+        out = sched.step()
+        assert not out.num_draft_tokens and out.scheduled == [(seq, 1)] and seq.num_computed_tokens == computed
+        assert bool(out.kda_saves) == (computed == 16)
+        sched.postprocess(["a"], [[5]])
+    assert sched.step().num_draft_tokens == {"a": 2}  # past it: speculating again
