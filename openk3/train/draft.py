@@ -91,6 +91,9 @@ class DraftRunConfig(_DictIO):
             raise bad("lr", "must be positive")
         if not 0 <= self.min_lr_ratio <= 1:
             raise bad("min_lr_ratio", "must be in [0, 1]")
+        for name, allowed in (("device", ("auto", "cpu", "cuda")), ("dtype", ("auto", "float32", "bfloat16"))):
+            if getattr(self, name) not in allowed:
+                raise bad(name, f"choose one of {allowed}")
 
 
 def draft_loss(name: str, eta: float = 3.0):
@@ -151,7 +154,7 @@ def train_draft(cfg: DraftRunConfig) -> dict:
     """Train a draft for ``cfg.checkpoint`` and write it to ``cfg.out``; returns a summary dict
     (``losses`` and ``alphas``: per step, per unrolled depth)."""
     out = Path(cfg.out)
-    if out.exists() and any(out.iterdir()):
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"--out {cfg.out!r} already exists; choose another directory")
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
