@@ -70,7 +70,7 @@ def _ids(T: int = 12):
 def test_loss_is_the_decayed_sum_over_unrolled_steps(target_run):
     """loss = sum_i 0.8^i L_i, L_i between the draft's step-i logits at t and the target's at
     t + i + 1 over t <= T - 2 - i, written out here with kl_loss; alpha per step likewise."""
-    cfg, target, draft = _target_and_draft(target_run, loss="kl")
+    _, target, draft = _target_and_draft(target_run, loss="kl")
     ids = _ids()
     T = ids.shape[1]
     total, losses, alphas = ttt_losses(target, draft, ids, 3, draft_loss("kl"), 0.8)
@@ -89,7 +89,7 @@ def test_loss_is_the_decayed_sum_over_unrolled_steps(target_run):
 
 
 def test_gradients_reach_the_draft_only_and_the_target_is_unchanged(target_run):
-    cfg, target, draft = _target_and_draft(target_run)
+    _, target, draft = _target_and_draft(target_run)
     before = copy.deepcopy(target.state_dict())
     opt = torch.optim.AdamW(draft.parameters(), lr=1e-2)
     for _ in range(2):
@@ -145,7 +145,7 @@ def test_cli_end_to_end(target_run, tmp_path, capsys):
 
 
 def test_init_mtp_needs_an_mtp_layer(target_run, tmp_path):
-    cfg, target, _ = _target_and_draft(target_run)
+    _, target, _ = _target_and_draft(target_run)
     target.mtp = torch.nn.ModuleList()
     with pytest.raises(ValueError, match="--init mtp: .*--mtp-layers 1"):
         build_draft(_cfg(target_run, tmp_path / "d", init="mtp"), target, "t")
