@@ -169,6 +169,18 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train_draft(args: argparse.Namespace) -> int:
+    from openk3.train.draft import DraftRunConfig, train_draft
+
+    cfg = DraftRunConfig(**_config_flags_given(args, DraftRunConfig))
+    summary = train_draft(cfg)
+    first, last = summary["alphas"][0], summary["alphas"][-1]
+    print(f"openk3 train-draft: {len(summary['alphas'])} steps, acceptance per depth "
+          f"{' '.join(f'{a:.3f}' for a in first)} -> {' '.join(f'{a:.3f}' for a in last)}; "
+          f"draft in {cfg.out}", file=sys.stderr)
+    return 0
+
+
 def cmd_plot(args: argparse.Namespace) -> int:
     from openk3.train.plot import plot_run
 
@@ -219,6 +231,13 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train a model (torchrun for several processes)")
     _add_config_flags(t, RunConfig)
     t.set_defaults(fn=cmd_train)
+
+    from openk3.train.draft import DraftRunConfig
+
+    td = sub.add_parser("train-draft", help="train an EAGLE-3 draft against a frozen target "
+                                            "(docs/speculative.md)")
+    _add_config_flags(td, DraftRunConfig)
+    td.set_defaults(fn=cmd_train_draft)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (docs/serving.md)")
     _add_model_flags(s)

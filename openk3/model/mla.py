@@ -101,7 +101,7 @@ class MLAttention(nn.Module):
         return self.o_proj(o)
 
     def attend_expanded(self, q: torch.Tensor, c: torch.Tensor, k_r: torch.Tensor,
-                        past: int) -> torch.Tensor:
+                        past: int, mask: torch.Tensor | None = None) -> torch.Tensor:
         """Causal attention of ``Tq`` new queries over ``Tk = past + Tq`` latents, with keys and
         values expanded per head by ``kv_b_proj`` (training, prefill).
 
@@ -110,6 +110,8 @@ class MLAttention(nn.Module):
             c: normalised latents ``[B, Tk, kv_lora_rank]`` ([B, Tk, 512]), the cached ones first.
             k_r: the shared key part ``[B, Tk, qk_rope_head_dim]`` ([B, Tk, 64]).
             past: how many of the Tk positions precede the queries: query i sits at ``past + i``.
+            mask: ``[Tq, Tk]`` bool, True where query i may read key j; replaces the causal
+                mask (the draft's training-time test, ``openk3/model/draft.py``).
 
         Returns:
             ``[B, Tq, H, v_head_dim]`` ([B, Tq, H, 128]).
@@ -120,7 +122,9 @@ class MLAttention(nn.Module):
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         k = torch.cat([k_nope, k_r.unsqueeze(2).expand(B, Tk, H, self.rope)], dim=-1)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, dim]
-        if past == 0:
+        if mask is not None:
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+        elif past == 0:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
         else:  # query i sits at absolute position past + i
             mask = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril(diagonal=past)

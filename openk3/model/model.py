@@ -98,6 +98,15 @@ class KimiModel(nn.Module):
             self.output_attn_res = AttnResQuery(d)
 
     def forward(self, input_ids: torch.Tensor, cache: ModelCache | None = None) -> torch.Tensor:
+        """The final hidden states [B, T, d] (after ``norm``: what ``lm_head`` reads)."""
+        return self.hidden_and_blocks(input_ids, cache)[0]
+
+    def hidden_and_blocks(self, input_ids: torch.Tensor, cache: ModelCache | None = None,
+                          ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """(final hidden states [B, T, d], the AttnRes bank): ``bank[0]`` is the embedding and
+        ``bank[k]`` the output of block k (the running sum sealed when block k + 1 starts), each
+        [B, T, d]; the last, unsealed block is read only through the hidden states. The bank is
+        empty without AttnRes. The EAGLE-3 draft reads it (``openk3/model/draft.py``)."""
         p = self.embed_tokens(input_ids)
         bank: list[torch.Tensor] = []
         for i, layer in enumerate(self.layers):
@@ -107,7 +116,7 @@ class KimiModel(nn.Module):
             p = p_next
         if self.cfg.attn_res_block_size is not None:
             p = self.output_attn_res(bank + [p], self.cfg.rms_norm_eps)
-        return self.norm(p)
+        return self.norm(p), bank
 
 
 class KimiForCausalLM(nn.Module):

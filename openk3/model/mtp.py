@@ -49,12 +49,13 @@ class MTPLayer(nn.Module):
         self.shared_head = nn.Module()  # the head itself is the main lm_head (tied, not stored)
         self.shared_head.norm = RMSNorm(d, eps)
 
-    def forward(self, hidden: torch.Tensor, next_embeds: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, next_embeds: torch.Tensor, state=None) -> torch.Tensor:
         """hidden: the main model's final hidden states h [B, T, d]; next_embeds: the embeddings
         of the next tokens, ``embed(x_{t+1})`` [B, T, d]. Returns ``shared_head.norm(h')``
-        [B, T, d], what the shared head reads to predict x_{t+2}."""
+        [B, T, d], what the shared head reads to predict x_{t+2}. ``state``: the attention's
+        (``MLAttention.forward``), e.g. the draft's training-time-test keys (``openk3/model/draft.py``)."""
         u = self.eh_proj(torch.cat([self.enorm(next_embeds), self.hnorm(hidden)], dim=-1))
-        a = u + self.self_attn(self.input_layernorm(u))
+        a = u + self.self_attn(self.input_layernorm(u), state)
         h = a + self.mlp(self.post_attention_layernorm(a))
         return self.shared_head.norm(h)
 
