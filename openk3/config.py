@@ -253,7 +253,7 @@ def _small() -> ModelConfig:
 def _medium() -> ModelConfig:
     # ~9B total / ~1.6B active, K3's ratios at a width of 2048: 3:1 KDA:MLA, a latent MoE at half
     # the width with 128 experts of which 8 are active (6%), two shared experts. The preset to
-    # train on one node (FSDP2 over 2-8 GPUs; docs/benchmarks.md has its measured memory and MFU).
+    # train on one node (FSDP2 over 2-8 GPUs; its memory and MFU are not measured yet: docs/benchmarks.md).
     return ModelConfig(
         vocab_size=65536, hidden_size=2048, num_hidden_layers=28,
         full_attn_layers=tuple(range(4, 29, 4)),
