@@ -383,6 +383,11 @@ class LLMEngine:
         return [final[i] for i in ids]
 
 
+def _deliver(deliveries: list[tuple[asyncio.Queue, object]]) -> None:
+    for q, item in deliveries:
+        q.put_nowait(item)
+
+
 class AsyncEngine:
     """``LLMEngine`` on a background thread, for asyncio servers.
 
@@ -430,7 +435,7 @@ class AsyncEngine:
                     try:
                         eng.add_request(ids, params, rid)
                     except Exception as e:  # noqa: BLE001 - fail this request only
-                        self._push(rid, e)
+                        self._push([(rid, e)])
                 else:
                     eng.abort(args[0])
             if not eng.has_unfinished():
@@ -440,18 +445,28 @@ class AsyncEngine:
             try:
                 outputs = eng.step()
             except Exception as e:  # noqa: BLE001 - fail every request, keep serving
-                for rid in list(eng.requests):
+                failed = list(eng.requests)
+                for rid in failed:
                     eng.abort(rid)
-                    self._push(rid, e)
+                self._push([(rid, e) for rid in failed])
                 continue
-            for o in outputs:
-                self._push(o.request_id, o)
+            self._push([(o.request_id, o) for o in outputs])
 
-    def _push(self, rid: str, item) -> None:
-        target = self._streams.get(rid)
-        if target is not None:
-            loop, q = target
-            loop.call_soon_threadsafe(q.put_nowait, item)
+    def _push(self, items: list[tuple[str, object]]) -> None:
+        """Hand ``(request id, output or exception)`` pairs to their streams: one wake-up of each
+        event loop per engine step, however many streams it serves."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for rid, item in items:
+            target = self._streams.get(rid)
+            if target is not None:
+                by_loop.setdefault(target[0], []).append((target[1], item))
+        for loop, deliveries in by_loop.items():
+            loop.call_soon_threadsafe(_deliver, deliveries)
+
+    def fail_all(self, error: BaseException) -> None:
+        """End every open stream with ``error`` (raised to its consumer, which aborts the
+        request): the server's shutdown after its grace period."""
+        self._push([(rid, error) for rid in list(self._streams)])
 
     async def generate(self, prompt: str | list[int], params: SamplingParams,
                        request_id: str) -> AsyncIterator[RequestOutput]:

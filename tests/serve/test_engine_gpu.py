@@ -104,7 +104,8 @@ class HostToDevice(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if func is torch.ops.aten.copy_.default:
             self.count += args[1].device.type == "cpu" and args[0].device.type == "cuda"
-        elif func is torch.ops.aten._to_copy.default:
+        elif func.overloadpacket in (torch.ops.aten._to_copy, torch.ops.aten.to):
+            # under inference mode ``Tensor.to`` reaches the mode as ``aten.to.*``, not ``_to_copy``
             self.count += args[0].device.type == "cpu" and out.device.type == "cuda"
         elif func is torch.ops.aten.lift_fresh.default:
             self.count += out.device.type == "cuda"
