@@ -78,9 +78,9 @@ def echo():
 
 
 def make_engine(model, draft_model=None, **kw) -> LLMEngine:
-    cfg = dict(max_num_seqs=4, max_num_batched_tokens=64, physical_block_size=32, hash_block_size=8,
-               kda_checkpoint_interval=16, max_model_len=256, cuda_graphs=False)
-    return LLMEngine(model, ByteTokenizer(), EngineConfig(**{**cfg, **kw}), eos_token_ids=(), draft_model=draft_model)
+    cfg = EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, physical_block_size=32, hash_block_size=8,
+                       kda_checkpoint_interval=16, max_model_len=256, cuda_graphs=False)
+    return LLMEngine(model, ByteTokenizer(), dataclasses.replace(cfg, **kw), eos_token_ids=(), draft_model=draft_model)
 
 
 def tokens(seed: int, n: int) -> list[int]:
@@ -230,8 +230,8 @@ def test_draft_directory_through_llm_and_cli(tmp_path, capsys):
     target = build_model(preset("debug"), seed=0)
     save_draft(_draft(target, 5), tmp_path / "draft")
     greedy = SamplingParams(temperature=0, max_tokens=8)
-    kw = dict(preset="debug", random_init=True, device="cpu", max_model_len=64, physical_block_size=16,
-              hash_block_size=8, kda_checkpoint_interval=16)
+    kw = {"preset": "debug", "random_init": True, "device": "cpu", "max_model_len": 64,
+          "physical_block_size": 16, "hash_block_size": 8, "kda_checkpoint_interval": 16}
     llm = LLM(**kw, draft=str(tmp_path / "draft"), num_speculative_tokens=3)
     assert type(llm.engine.drafter).__name__ == "EagleDrafter"
     assert llm.generate("hi", greedy)[0].token_ids == LLM(**kw).generate("hi", greedy)[0].token_ids
