@@ -56,8 +56,7 @@ def draft(model):
     return _draft(model, 1)
 
 
-@pytest.fixture(scope="module")
-def echo():
+def echo_pair():
     """(target, draft): every layer of the target writes zeros, so its next token is a function
     of the current token only, ``argmax lm_head(norm(embed(x)))``; the draft's block writes zeros
     too and ``eh_proj`` passes the next token's normalised embedding, so the draft computes that
@@ -75,6 +74,11 @@ def echo():
         draft.layer.eh_proj.weight[:, :d] = torch.eye(d)  # [enorm(embed(x_{t+1})) | hnorm(f)] -> the former
         draft.layer.shared_head.norm.weight.copy_(target.model.norm.weight)
     return target, draft.eval()
+
+
+@pytest.fixture(scope="module")
+def echo():
+    return echo_pair()
 
 
 def make_engine(model, draft_model=None, **kw) -> LLMEngine:
