@@ -223,7 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=0.95)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--draft", default=None, metavar="DIR",
-                   help="draft model directory for speculative decoding (shares the tokenizer)")
+                   help="draft for speculative decoding: a draft model directory (shares the tokenizer), "
+                        "an EAGLE-3 draft directory (openk3 train-draft) or 'mtp' (the target's MTP layer)")
     g.add_argument("--num-speculative-tokens", type=int, default=0, metavar="K",
                    help="draft tokens verified per step (needs --draft; 0: off)")
     g.set_defaults(fn=cmd_generate)

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -102,7 +103,31 @@ def load_model(checkpoint: str | Path | None = None, preset: str | None = None, 
     return model.eval(), tok, f"openk3-{preset}"
 
 
-def load_draft_model(checkpoint: str | Path, device: torch.device, dtype: torch.dtype):
-    """A speculative-decoding draft model (in eval mode) from a checkpoint directory, as
-    ``load_model`` loads one but without a tokenizer: the draft uses the target's."""
-    return load_pretrained(checkpoint_dir(checkpoint), dtype=dtype, device=device).eval()
+def load_draft_model(checkpoint: str | Path, device: torch.device, dtype: torch.dtype, target=None):
+    """A speculative-decoding draft (in eval mode; the draft uses the target's tokenizer):
+
+    * ``"mtp"``: the MTP layer of ``target`` (one trained with ``--mtp-layers 1``) as an EAGLE-3
+      draft (``Eagle3Draft.from_mtp``: the fusion picks h, so it is the MTP layer as trained);
+    * an EAGLE-3 draft directory (``openk3 train-draft``; its ``config.json`` has ``model_type``
+      ``openk3_eagle3_draft``): ``load_draft(dir, target)``, fp32 (the engine casts it);
+    * any other checkpoint directory (or training run): a separate draft model, loaded as
+      ``load_model`` loads one, in ``dtype``.
+    """
+    from openk3.checkpoint.draft import DRAFT_CONFIG_FILE, load_draft
+    from openk3.model.draft import DRAFT_MODEL_TYPE, DraftConfig, Eagle3Draft
+
+    if str(checkpoint) == "mtp":
+        if target is None or not len(target.mtp):
+            raise ValueError("draft='mtp' uses the target's MTP layer, but the target has none "
+                             "(num_nextn_predict_layers 0; train it with --mtp-layers 1)")
+        with torch.device(target.lm_head.weight.device):
+            draft = Eagle3Draft(DraftConfig.for_target(target.cfg, "mtp", init="mtp"))
+        draft.from_mtp(target.mtp[0])
+        return draft.eval()
+    path = checkpoint_dir(checkpoint)
+    config = path / DRAFT_CONFIG_FILE
+    if config.is_file() and json.loads(config.read_text()).get("model_type") == DRAFT_MODEL_TYPE:
+        if target is None:
+            raise ValueError(f"draft {str(path)!r} is an EAGLE-3 draft: loading it needs its target model")
+        return load_draft(path, target)
+    return load_pretrained(path, dtype=dtype, device=device).eval()
