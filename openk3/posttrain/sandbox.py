@@ -68,6 +68,12 @@ class SandboxLimits:
     file_bytes: int = 16 << 20
     open_files: int = 64
 
+    def __post_init__(self):
+        for name in ("cpu_seconds", "wall_seconds", "memory_bytes", "output_bytes", "max_processes",
+                     "file_bytes", "open_files"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"SandboxLimits.{name} must be > 0, got {getattr(self, name)!r}")
+
 
 @dataclass(frozen=True)
 class SandboxResult:
@@ -107,12 +113,15 @@ def run_python(code: str, stdin: str = "", limits: SandboxLimits = SandboxLimits
                        "wall_seconds": limits.wall_seconds, "memory_bytes": limits.memory_bytes,
                        "file_bytes": limits.file_bytes, "open_files": limits.open_files,
                        "max_processes": limits.max_processes}, f)
-        status_r, status_w = os.pipe()
+        status_r, status_w = os.pipe()  # the child's reports; _communicate closes status_r
         try:
             proc = subprocess.Popen(
                 [sys.executable, "-I", "-S", "-B", "-X", "utf8", _CHILD, config, str(status_w)],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=workdir,
                 env=_environment(workdir), start_new_session=True, pass_fds=(status_w,))
+        except BaseException:
+            os.close(status_r)
+            raise
         finally:
             os.close(status_w)
         deadline = start + limits.wall_seconds + _BACKSTOP_S
@@ -123,7 +132,8 @@ def run_python(code: str, stdin: str = "", limits: SandboxLimits = SandboxLimits
         if proc is not None:
             _kill_group(proc)
         shutil.rmtree(workdir, onerror=_force_remove)
-    return _result(proc.returncode, out, err, status, truncated, backstop, time.monotonic() - start)
+    return _result(proc.returncode, out, err, status, truncated, backstop, time.monotonic() - start,
+                   max(1, math.ceil(limits.cpu_seconds)))
 
 
 def _environment(workdir: str) -> dict[str, str]:
@@ -218,7 +228,7 @@ def _force_remove(function, path, _excinfo) -> None:
 
 
 def _result(returncode: int | None, out: bytes, err: bytes, status: bytes, truncated: bool,
-            backstop: bool, duration: float) -> SandboxResult:
+            backstop: bool, duration: float, cpu_limit: int) -> SandboxResult:
     """Put together what the child reported and what we saw."""
     info: dict = {"protections": []}
     for line in status.decode("utf-8", "replace").splitlines():
@@ -244,9 +254,9 @@ def _result(returncode: int | None, out: bytes, err: bytes, status: bytes, trunc
         reason = "wall_time"
     elif truncated:
         reason = "output_limit"
-    elif code == -signal.SIGXCPU or (code == -signal.SIGKILL and info.get("cpu_s", 0) >= 1):
+    elif code == -signal.SIGXCPU or (code == -signal.SIGKILL and info.get("cpu_s", 0) >= cpu_limit):
         reason = "cpu_time"
-    elif last.startswith("MemoryError") or code == -signal.SIGSEGV and "memory" in last.lower():
+    elif last.startswith("MemoryError"):
         reason = "memory"
     return SandboxResult(returncode=code, stdout=out.decode("utf-8", "replace"), stderr=stderr,
                          timed_out=timed_out, killed_reason=reason, duration_s=round(duration, 4),

@@ -63,6 +63,14 @@ def test_normal_code_stdin_exit_code_and_private_dir(mode):
         assert "uid" in r.protections
 
 
+def test_limits_are_checked_and_a_locked_directory_is_still_removed():
+    with pytest.raises(ValueError, match="wall_seconds must be > 0"):
+        SandboxLimits(wall_seconds=0)
+    r = run_python("import os\nos.makedirs('a/b')\nopen('a/b/f', 'w').close()\nos.chmod('a/b', 0)\n"
+                   "os.chmod('a', 0)\nprint(os.getcwd())")
+    assert r.returncode == 0 and not os.path.exists(r.stdout.strip())
+
+
 def test_errors_are_the_programs_own():
     r = run_python("def f(:\n")
     assert r.returncode == 1 and "SyntaxError" in r.stderr and "_sandbox_child" not in r.stderr

