@@ -32,7 +32,6 @@ import types
 CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x20000, 0x10000000, 0x20000000, 0x40000000
 PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 36, 38
 MS_NOSUID, MS_NODEV, MS_RDONLY, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 2, 4, 1, 32, 4096, 16384, 1 << 18
-SANDBOX_UID_BASE = 0x70000000  # root drops to SANDBOX_UID_BASE + bootstrap pid: one fresh uid per run
 SETUP_FAILED = 125
 
 libc = ctypes.CDLL(None, use_errno=True)
@@ -124,7 +123,7 @@ def main() -> None:
                                            (CLONE_NEWPID, "pidns"), (CLONE_NEWNS, "mountns")) if flags & bit]
     uid = None
     if root:  # rlimits do not bind root (RLIMIT_NPROC is not even checked): run as a fresh uid
-        uid = SANDBOX_UID_BASE + os.getpid()
+        uid = cfg["uid_base"] + os.getpid()
         os.chown(cfg["workdir"], uid, uid)
         protections.append("uid")
         if flags & CLONE_NEWNS:

@@ -49,6 +49,7 @@ from pathlib import Path
 _CHILD = str(Path(__file__).with_name("_sandbox_child.py"))
 _BACKSTOP_S = 3.0  # the child's init enforces wall_seconds; we kill the whole group this much later
 _SETUP_FAILED = 125
+_UID_BASE = 0x70000000  # root runs the program as _UID_BASE + the bootstrap's pid: a fresh uid per run
 
 
 @dataclass(frozen=True)
@@ -109,6 +110,7 @@ def run_python(code: str, stdin: str = "", limits: SandboxLimits = SandboxLimits
         config = os.path.join(workdir, ".sandbox.json")
         with open(os.open(config, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
             json.dump({"workdir": workdir, "main": main, "namespaces": namespaces, "landlock": landlock,
+                       "uid_base": _UID_BASE,
                        "cpu_seconds": max(1, math.ceil(limits.cpu_seconds)),
                        "wall_seconds": limits.wall_seconds, "memory_bytes": limits.memory_bytes,
                        "file_bytes": limits.file_bytes, "open_files": limits.open_files,
@@ -130,7 +132,7 @@ def run_python(code: str, stdin: str = "", limits: SandboxLimits = SandboxLimits
         backstop = not _exited(proc, deadline)
     finally:
         if proc is not None:
-            _kill_group(proc)
+            _kill_group(proc, workdir)
         shutil.rmtree(workdir, onerror=_force_remove)
     return _result(proc.returncode, out, err, status, truncated, backstop, time.monotonic() - start,
                    max(1, math.ceil(limits.cpu_seconds)))
@@ -143,9 +145,11 @@ def _environment(workdir: str) -> dict[str, str]:
 
 def _communicate(proc: subprocess.Popen, data: bytes, status_fd: int, limit: int,
                  deadline: float) -> tuple[bytes, bytes, bytes, bool]:
-    """Feed stdin and read stdout, stderr and the status pipe until all are closed or the
-    deadline passes. Keeps at most ``limit`` bytes of stdout and of stderr: past that, that pipe
-    is closed (the program's next write fails) and ``truncated`` is set."""
+    """Feed stdin and read stdout, stderr and the status pipe until all are closed, the
+    bootstrap has exited (then what is left in the pipes is read without waiting: a writer still
+    alive is a process that escaped init) or the deadline passes. Keeps at most ``limit`` bytes
+    of stdout and of stderr: past that, that pipe is closed (the program's next write fails) and
+    ``truncated`` is set."""
     out_fd, err_fd, in_fd = proc.stdout.fileno(), proc.stderr.fileno(), proc.stdin.fileno()
     files = {out_fd: proc.stdout, err_fd: proc.stderr}
     bufs = {fd: bytearray() for fd in (*files, status_fd)}
@@ -162,14 +166,40 @@ def _communicate(proc: subprocess.Popen, data: bytes, status_fd: int, limit: int
     else:
         proc.stdin.close()
 
+    try:
+        pidfd = os.pidfd_open(proc.pid)  # Linux >= 5.3: readable once the bootstrap has exited
+        sel.register(pidfd, selectors.EVENT_READ)
+    except (AttributeError, OSError):
+        pidfd = None
+
     def close(fd: int) -> None:
         sel.unregister(fd)
         files[fd].close() if fd in files else os.close(fd)
+
+    def read(fd: int) -> None:
+        nonlocal truncated
+        chunk = os.read(fd, 65536)
+        room = caps[fd] - len(bufs[fd])
+        bufs[fd] += chunk[:room]
+        truncated |= len(chunk) > room
+        if not chunk or len(chunk) > room:
+            close(fd)
 
     try:
         while sel.get_map() and (remaining := deadline - time.monotonic()) > 0:
             for key, _ in sel.select(remaining):
                 fd = key.fd
+                if fd == pidfd:
+                    for pipe in [f for f in sel.get_map() if f in bufs]:
+                        os.set_blocking(pipe, False)
+                        try:
+                            while pipe in sel.get_map():
+                                read(pipe)
+                        except BlockingIOError:
+                            pass
+                    for left in list(sel.get_map()):
+                        close(left)
+                    break
                 if fd == in_fd:
                     try:
                         sent += os.write(fd, data[sent:sent + 65536])
@@ -180,13 +210,7 @@ def _communicate(proc: subprocess.Popen, data: bytes, status_fd: int, limit: int
                     if sent >= len(data):
                         close(fd)
                     continue
-                chunk = os.read(fd, 65536)
-                room = caps[fd] - len(bufs[fd])
-                bufs[fd] += chunk[:room]
-                if len(chunk) > room:
-                    truncated = True
-                if not chunk or len(chunk) > room:
-                    close(fd)
+                read(fd)
     finally:
         for fd in list(sel.get_map()):
             close(fd)
@@ -208,13 +232,36 @@ def _exited(proc: subprocess.Popen, deadline: float) -> bool:
         time.sleep(0.002)
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    """SIGKILL whatever is left of the sandbox's process group, then reap the bootstrap."""
+def _kill_group(proc: subprocess.Popen, workdir: str) -> None:
+    """SIGKILL whatever is left of the sandbox's process group, then reap the bootstrap. If the
+    bootstrap did not end cleanly (its init was killed, so init's cleanup may not have run), also
+    kill the run's processes that left the group: as root, every process of the run's sandbox
+    uid; otherwise those whose command line names the run's directory (forks keep the
+    bootstrap's). Done before reaping: until then the pid, hence the uid, cannot be reused."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+    status = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    if status is None or status.si_code != os.CLD_EXITED or status.si_status != 0:
+        uid = _UID_BASE + proc.pid if os.geteuid() == 0 else None
+        for entry in os.listdir("/proc"):
+            if entry.isdigit() and int(entry) != os.getpid() and _belongs(entry, uid, workdir.encode()):
+                try:
+                    os.kill(int(entry), signal.SIGKILL)
+                except OSError:
+                    pass
     proc.wait()
+
+
+def _belongs(pid: str, uid: int | None, marker: bytes) -> bool:
+    try:
+        if uid is not None:
+            with open(f"/proc/{pid}/status") as f:
+                return any(line.startswith("Uid:") and int(line.split()[1]) == uid for line in f)
+        return marker in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (OSError, ValueError):
+        return False
 
 
 def _force_remove(function, path, _excinfo) -> None:

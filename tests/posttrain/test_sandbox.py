@@ -8,6 +8,8 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -114,6 +116,28 @@ def test_processes_left_behind_are_killed(mode):
             "        time.sleep(30)\n        os._exit(0)\nprint('bye')")
     r = run_python(code, **mode)
     assert r.stdout == "bye\n" and r.duration_s < 5  # did not wait for the sleepers; none survive
+
+
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_escaped_processes_die_with_the_sandbox(mode):
+    """The sandbox's own processes are killed from outside (as if init hung and met the
+    backstop): a grandchild that left the process group must not survive, nor be waited for."""
+    code = "import os, time\nif os.fork() == 0:\n    os.setsid()\nwhile True:\n    time.sleep(1)"
+    results = []
+    thread = threading.Thread(target=lambda: results.append(
+        run_python(code, limits=SandboxLimits(wall_seconds=30), **mode)))
+    thread.start()
+    deadline = time.monotonic() + 10
+    while len(_sandbox_processes()) < 4 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    bootstrap = [pid for pid in _sandbox_processes() if _parent(pid) == os.getpid()]
+    os.kill(bootstrap[0], signal.SIGKILL)
+    thread.join()
+    assert results[0].duration_s < 10
 
 
 @pytest.mark.parametrize("mode", MODES)
