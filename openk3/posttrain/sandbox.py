@@ -18,7 +18,7 @@ Protections, each tried and reported in ``SandboxResult.protections`` (docs/post
 - ``netns`` (+ ``userns`` when not root): a new, empty network namespace: no interface but a
   down loopback. ``pidns``: a new PID namespace whose init kills every process the program left.
   ``mountns`` (root): a private mount namespace (see ``hidden:``).
-- ``uid`` (root only): the program runs as a fresh unprivileged uid (``0x70000000 + pid``), so
+- ``uid`` (root only): the program runs as a fresh unprivileged uid (``0x70000000 + bootstrap pid``), so
   RLIMIT_NPROC applies (root is exempt) and counts this sandbox alone, and file permissions
   protect everything it does not own. ``hidden:DIR``: DIR (e.g. ``/root``, holding the Python
   installation) is replaced, for the sandbox only, by a tmpfs with just the interpreter's

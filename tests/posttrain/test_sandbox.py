@@ -63,6 +63,8 @@ def test_normal_code_stdin_exit_code_and_private_dir(mode):
     assert ("audit-hook" in r.protections) == ("netns" not in r.protections)
     if os.geteuid() == 0:
         assert "uid" in r.protections
+    if not mode:
+        assert sandbox.sandbox_protections() == r.protections
 
 
 def test_limits_are_checked_and_a_locked_directory_is_still_removed():
