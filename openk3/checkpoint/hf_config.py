@@ -151,10 +151,10 @@ def _vision_from_hf(raw: dict, hidden_size: int, where: str) -> VisionConfig | N
         if vc.get(key, want) != want:
             raise ValueError(f"{where}: vision_config.{key}={vc[key]!r} is not supported (K3's "
                              f"MoonViT-V2 uses {want!r}; docs/vision.md)")
-    for key, want in (("text_hidden_size", hidden_size), ("mm_hidden_size", vc.get("vt_hidden_size"))):
+    for key, want, source in (("text_hidden_size", hidden_size, "text_config.hidden_size"),
+                              ("mm_hidden_size", vc.get("vt_hidden_size"), "vt_hidden_size")):
         if key in vc and want is not None and vc[key] != want:
-            raise ValueError(f"{where}: vision_config.{key}={vc[key]!r} must equal {want} "
-                             f"({'text_config.hidden_size' if key == 'text_hidden_size' else 'vt_hidden_size'})")
+            raise ValueError(f"{where}: vision_config.{key}={vc[key]!r} must equal {want} ({source})")
     kw = {k: vc[k] for k in _VISION_FIELDS + _VISION_OPTIONAL if k in vc}
     if "media_placeholder_token_id" in raw:
         kw["media_placeholder_token_id"] = raw["media_placeholder_token_id"]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -140,3 +141,22 @@ def expand_placeholders(ids: list[int], tokens_per_image: list[int], placeholder
         out += ids[prev:slot] + [placeholder_id] * n
         prev = slot + 1
     return out + ids[prev:]
+
+
+def image_prompt_ids(token_id: Callable[[str], int | None], encode: Callable[[str], list[int]],
+                     sizes: list[tuple[int, int]], tokens_per_image: list[int],
+                     placeholder_id: int) -> list[int]:
+    """The tokens of the images' blocks, before the text. Per image, the release's chat format
+    ``<|media_begin|>image {W}x{H}<|media_content|>`` + placeholders + ``<|media_end|>`` when
+    the tokenizer knows ``<|media_content|>``; the debug-vl corpus's ``<|media_begin|>`` +
+    placeholders + ``<|media_end|>`` otherwise; bare placeholders without either.
+
+    token_id: the id of a special token or None; encode: plain text -> ids; sizes: each image's
+    (width, height) as given."""
+    begin, content, end = (token_id(t) for t in ("<|media_begin|>", "<|media_content|>", "<|media_end|>"))
+    out: list[int] = []
+    for (w, h), n in zip(sizes, tokens_per_image):
+        head = ([begin] if begin is not None else []) + (
+            encode(f"image {w}x{h}") + [content] if content is not None else [])
+        out += head + [placeholder_id] * n + ([end] if end is not None else [])
+    return out

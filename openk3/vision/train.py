@@ -46,7 +46,8 @@ def train_vl(cfg: RunConfig) -> dict:
     model_cfg = cfg.model_config()
     vision = model_cfg.vision_config
     tok = synthetic.build_tokenizer()
-    if tok.get_vocab_size() > model_cfg.vocab_size or vision.media_placeholder_token_id != synthetic.MEDIA_PAD:
+    if (tok.get_vocab_size() > model_cfg.vocab_size
+            or vision.media_placeholder_token_id != synthetic.MEDIA_PAD):
         raise ValueError(f"the synthetic corpus needs vocab_size >= {tok.get_vocab_size()} and "
                          f"media_placeholder_token_id={synthetic.MEDIA_PAD} (the debug-vl preset)")
     run_dir = Path(cfg.out)

@@ -1,6 +1,7 @@
 """The vision tower against the plain reference, packing, merging, splicing, preprocessing."""
 
 import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -169,3 +170,14 @@ def test_resize_limits_and_packing():
     assert packed.tokens_per_image(cfg) == [2, 4]
     a, b = packed.content_hashes()
     assert a != b and pack_images([Image.new("RGB", (56, 28))], cfg).content_hashes() == [a]
+
+
+def test_image_prompt_formats():
+    from openk3.vision.preprocess import image_prompt_ids
+
+    k3 = {"<|media_begin|>": 101, "<|media_content|>": 102, "<|media_end|>": 103}
+    encode = lambda text: [ord(c) for c in text]  # noqa: E731
+    ids = image_prompt_ids(k3.get, encode, [(28, 14)], [2], placeholder_id=105)
+    assert ids == [101] + encode("image 28x14") + [102, 105, 105, 103]
+    demo = {"<|media_begin|>": 4, "<|media_end|>": 5}
+    assert image_prompt_ids(demo.get, encode, [(1, 1), (2, 2)], [1, 2], 3) == [4, 3, 5, 4, 3, 3, 5]
