@@ -88,7 +88,8 @@ def train_vl(cfg: RunConfig) -> dict:
     print(f"held-out accuracy on {EVAL_EXAMPLES} images after {cfg.max_steps} steps "
           f"({minutes:.1f} min):\n{accuracy_table(acc, chance)}", flush=True)
     export(run_dir, t.model, tok)
-    return {"first_loss": losses[0], "last_loss": losses[-1], "losses": losses,
+    return {"start_step": 0, "end_step": cfg.max_steps, "first_loss": losses[0],
+            "last_loss": losses[-1], "losses": losses,
             "accuracy": acc, "chance": chance, "minutes": minutes}
 
 

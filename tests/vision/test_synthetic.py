@@ -33,3 +33,22 @@ def test_held_out_seeds_differ_and_evaluate_reports_every_task():
     acc = synthetic.evaluate(model, synthetic.build_tokenizer(), a)
     assert set(acc) == set(synthetic.TASKS) | {"all"} and all(0 <= v <= 1 for v in acc.values())
     assert abs(synthetic.chance()["all"] - torch.tensor([1 / 10, 1 / 3, 1 / 4, 1 / 5, 1 / 8]).mean()) < 1e-6
+
+
+def test_generate_with_an_image(tmp_path, capsys):
+    """`openk3 generate --image` on a debug-vl export (random weights): the image block goes in,
+    tokens come out; a text-only model refuses --image."""
+    from openk3.cli import main
+    from openk3.vision.train import export
+
+    model = build_model(preset("debug-vl"))
+    export(tmp_path, model, synthetic.build_tokenizer())
+    img = tmp_path / "digit.png"
+    synthetic.examples(1, seed=3)[0].image.save(img)
+    args = ["generate", "--checkpoint", str(tmp_path / "export"), "--image", str(img),
+            "--prompt", "what digit is this ?", "--max-new-tokens", "2", "--temperature", "0"]
+    assert main(args) == 0
+    assert "what digit is this ?" in capsys.readouterr().out
+    assert main(["generate", "--random-init", "--preset", "debug", "--image", str(img),
+                 "--prompt", "x", "--max-new-tokens", "1"]) == 2
+    assert "--image needs a model with a vision tower" in capsys.readouterr().err
