@@ -10,6 +10,7 @@ This module is the only place that knows external tensor names. The mapping, our
   or ``.weight_packed`` (uint8) + ``.weight_scale`` (E8M0) when MXFP4-packed;
 * AttnRes ``X_res.norm.weight`` / ``X_res.proj.weight`` -> ``X_res_norm.weight`` / ``X_res_proj.weight``;
 * KDA ``A_log`` [H] -> [max(H, 128)] zero-padded (K3) or [1, 1, H, 1] (Kimi Linear);
+* vision tower and projector ``vision_tower.*`` / ``mm_projector.*``: the same names, no prefix;
 * MTP layer ``mtp.{k}.`` -> ``model.layers.{L + k}.`` with L = ``num_hidden_layers``, then as any
   layer (``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm``, the block's MLA and MoE names).
   The MTP head and embedding are the main ``lm_head`` / ``embed_tokens``: no copy is written
@@ -38,7 +39,7 @@ from openk3.ops.mx import MX_BLOCK_SIZE, mxfp4_dequantize, mxfp4_quantize
 
 MXFP4_FORMAT = "mxfp4-pack-quantized"
 K3_ALOG_PAD = 128
-SKIPPED_PREFIXES = ("vision_tower.", "mm_projector.")  # the vision part of a K3 release
+VISION_PREFIXES = ("vision_tower.", "mm_projector.")  # the vision part of a K3 release
 
 _EXPERT_RE = re.compile(r"^(model\.layers\.\d+)\.mlp\.experts\.(w[123])$")
 _HF_EXPERT_RE = re.compile(r"^(model\.layers\.\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\."
@@ -82,6 +83,8 @@ def _is_moe_name(cfg: ModelConfig, name: str) -> bool:
 
 def to_hf_name(cfg: ModelConfig, name: str) -> str:
     """Our parameter name -> HF name (not for stacked experts, see ``_hf_tensors``)."""
+    if name.startswith(VISION_PREFIXES):
+        return name
     name = _layer_name(cfg, name)
     hf = re.sub(r"_res\.(norm|proj)\.weight$", r"_res_\1.weight", name)
     if _is_moe_name(cfg, name):
@@ -90,7 +93,9 @@ def to_hf_name(cfg: ModelConfig, name: str) -> str:
 
 
 def from_hf_name(cfg: ModelConfig, hf: str) -> str | None:
-    """HF name -> our name; ``None`` for a name outside the text model's namespace."""
+    """HF name -> our name; ``None`` for a name outside the model's namespace."""
+    if hf.startswith(VISION_PREFIXES):
+        return hf
     prefix = _hf_prefix(cfg)
     if not hf.startswith(prefix):
         return None
@@ -130,20 +135,40 @@ def _shape_error(name: str, file: Path, got, want) -> CheckpointError:
     return CheckpointError(f"{file}: tensor {name} has shape {tuple(got)}, the model expects {tuple(want)}")
 
 
+def _has_vision_tensors(files: list[Path]) -> bool:
+    for file in files:
+        with _open(file) as f:
+            if any(k.startswith(VISION_PREFIXES) for k in f.keys()):
+                return True
+    return False
+
+
 def load_pretrained(path: str | os.PathLike, dtype: torch.dtype | None = None,
-                    device: torch.device | str | None = None) -> KimiForCausalLM:
+                    device: torch.device | str | None = None,
+                    vision: bool | None = None) -> KimiForCausalLM:
     """Load a HF ``kimi_k3`` / ``kimi_linear`` checkpoint directory.
 
     The model is built on the meta device and materialised once on ``device`` (default CPU);
     tensors are then streamed in one at a time, so peak memory is one model plus one tensor.
     ``dtype`` defaults to the checkpoint's floating dtype; routers and KDA decay parameters
     stay fp32. MXFP4-packed experts (``.weight_packed``) are decoded bit-exactly.
+
+    ``vision``: True loads the vision tower and projector (``vision_tower.*``,
+    ``mm_projector.*``; config.json must have a ``vision_config``), False loads the text model
+    only and skips them, saying so; None (default) loads them when config.json describes them
+    and the checkpoint holds them, else loads text only.
     """
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: not a checkpoint directory")
     cfg = from_hf(path)
     files = _shard_files(path)
+    if vision and cfg.vision_config is None:
+        raise CheckpointError(f"{path}: vision=True but config.json has no vision_config")
+    if vision is None:
+        vision = cfg.vision_config is not None and _has_vision_tensors(files)
+    if not vision:
+        cfg = cfg.replace(vision_config=None)  # hf_passthrough still writes it back on save
     if dtype is None:
         dtype = _checkpoint_dtype(files)
     model = build_model(cfg, device="meta")
@@ -162,7 +187,7 @@ def load_pretrained(path: str | os.PathLike, dtype: torch.dtype | None = None,
     for file in files:
         with _open(file) as f:
             for hf in f.keys():
-                if hf.startswith(SKIPPED_PREFIXES):
+                if not vision and hf.startswith(VISION_PREFIXES):
                     skipped += 1
                     continue
                 try:
@@ -173,7 +198,7 @@ def load_pretrained(path: str | os.PathLike, dtype: torch.dtype | None = None,
                        model.stored_dtypes)
     if skipped:
         print(f"openk3: text-only load, skipped {skipped} vision tensor{'s' * (skipped != 1)} "
-              f"({', '.join(SKIPPED_PREFIXES)})", file=sys.stderr)
+              f"({', '.join(VISION_PREFIXES)})", file=sys.stderr)
     for (stack, e, w), parts in packed.items():
         if set(parts) != {"weight_packed", "weight_scale"}:
             raise CheckpointError(f"expert {stack}.{e}.{w}: has {sorted(parts)}, needs both "

@@ -122,6 +122,9 @@ class RunConfig(_DictIO):
 RUN_PRESETS = {
     # the README's main job: CPU, a few minutes, loss clearly falling
     "debug": dict(),
+    # CPU, minutes: tower + language model from scratch on rendered images (openk3/vision)
+    "debug-vl": dict(preset="debug-vl", out="runs/debug-vl", batch_size=32, max_steps=600, lr=3e-3,
+                     warmup_steps=30, log_interval=20, eval_interval=200),
     # one GPU, bf16
     "small": dict(preset="small", out="runs/small", seq_len=4096, batch_size=4, max_steps=2000,
                   lr=2e-3, warmup_steps=100, log_interval=20, eval_interval=250, ckpt_interval=500,

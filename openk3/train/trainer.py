@@ -170,9 +170,10 @@ def _finite(loss: float, mtp_loss: float | None) -> bool:
     return math.isfinite(loss) and (mtp_loss is None or math.isfinite(mtp_loss))
 
 
-def train_step(t: Training, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], cfg: RunConfig,
+def train_step(t: Training, batches: Iterable[tuple], cfg: RunConfig,
                ) -> tuple[float, torch.Tensor, float | None]:
-    """One optimisation step over ``cfg.grad_accum`` micro-batches ``(inputs, targets)`` [B, T]:
+    """One optimisation step over ``cfg.grad_accum`` micro-batches ``(inputs, targets)`` [B, T]
+    (or ``(inputs, targets, images)``, ``openk3.vision.preprocess.PackedImages``):
     forward (the loss comes out of the model: no [B, T, vocab] logits), backward, balancer
     update after each micro-batch, gradient reduction and clipping, the optimiser steps.
 
@@ -182,10 +183,11 @@ def train_step(t: Training, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]
     None without an MTP layer); the losses are averaged over micro-batches and ranks."""
     sums = torch.zeros(2, device=t.env.device)  # [loss (+ aux term), MTP loss]
     has_mtp = False
-    for inputs, targets in batches:
+    for inputs, targets, *images in batches:
         inputs, targets = inputs.to(t.env.device), targets.to(t.env.device)
+        extra = {"images": images[0].to(t.env.device)} if images else {}
         with t.autocast():
-            out = t.model(inputs, labels=targets)
+            out = t.model(inputs, labels=targets, **extra)
         loss = out.loss + cfg.aux_loss_coef * t.balancer.aux_loss()
         sums[0] += loss.detach()
         if out.mtp_loss is not None:
@@ -207,7 +209,13 @@ def train_step(t: Training, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]
 
 
 def train(cfg: RunConfig) -> dict:
-    """Run (or resume) a training run; returns a summary dict. See ``openk3 train --help``."""
+    """Run (or resume) a training run; returns a summary dict. See ``openk3 train --help``.
+    A model with a vision tower trains on the synthetic image-text corpus instead
+    (``openk3.vision.train``)."""
+    if cfg.model_config().vision_config is not None:
+        from openk3.vision.train import train_vl
+
+        return train_vl(cfg)
     env = setup_env(cfg)
     run_dir = Path(cfg.out)
     model_cfg = cfg.model_config()  # validated before anything is allocated
