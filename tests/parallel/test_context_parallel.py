@@ -1,0 +1,255 @@
+"""Context parallelism (``openk3/parallel/context_parallel.py``, ``kcp.py``) equals one process.
+
+Over 2 and 4 gloo processes (CPU, fp32, tiny shapes), each rank computes the one-process
+reference on the whole sequence and its CP result on its shard, then compares: outputs, the
+final KDA state (last rank), the gradients of its own inputs (every rank) and the parameter
+gradients summed over ranks. Cases: the KCP op (both methods), a KDA layer, an MLA layer and
+the whole tiny model (hidden states, loss, all gradients), with an odd length that the ranks do
+not divide, and with packed documents whose boundaries fall inside a rank, on a rank boundary
+and so that a document crosses ranks with a partly masked conv halo. Each process starts once
+per world size and runs every case; a failing case is reported by name.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import socket
+import traceback
+from datetime import timedelta
+from itertools import pairwise
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from openk3.config import preset
+from openk3.model import build_model
+from openk3.model.kda import KDAttention
+from openk3.model.mla import MLAttention
+from openk3.ops.kda import kda
+from openk3.parallel.context_parallel import (
+    ContextParallel,
+    apply_context_parallel,
+    make_context_parallel,
+    split_sizes,
+)
+from openk3.parallel.kcp import kcp_kda, state_scan
+
+TINY = {"num_hidden_layers": 2, "full_attn_layers": [2], "hidden_size": 32,
+        "linear_num_heads": 2, "linear_head_dim": 8, "num_attention_heads": 2,
+        "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8, "kv_lora_rank": 8,
+        "q_lora_rank": 16, "intermediate_size": 48, "moe_intermediate_size": 16,
+        "moe_latent_size": 24, "num_experts": 4, "num_experts_per_token": 2,
+        "attn_res_block_size": 2, "vocab_size": 64}
+T = 23  # not divisible by 2 or 4: shards of 12+11 and 6+6+6+5
+# documents of a packed sequence: a boundary inside rank 0; 6 is rank 1's start on 4 ranks;
+# [10, 13) crosses a rank boundary with its first token inside the next rank's conv halo
+DOCS = [0, 4, 6, 10, 13, 17, 23]
+TOL = {"rtol": 1e-4, "atol": 1e-5}
+
+
+def _cfg():
+    return preset("debug").replace(**TINY)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _close(got, want, what: str) -> None:
+    """Equal up to fp32 rounding: relative, and absolute on the scale of the whole tensor (the
+    model's gradients reach a few hundred; their summation order differs between layouts)."""
+    atol = TOL["atol"] + 1e-6 * float(want.abs().max())
+    torch.testing.assert_close(got, want, rtol=TOL["rtol"], atol=atol,
+                               msg=lambda m: f"{what}: {m} (max |want| {want.abs().max():.3g})")
+
+
+def _summed_param_grads(cp_module, ref_module, what: str) -> None:
+    """Each rank's parameter gradients hold its tokens' part: their sum is the reference's."""
+    for (name, p), (_, p_ref) in zip(cp_module.named_parameters(), ref_module.named_parameters()):
+        if p_ref.grad is None:
+            assert p.grad is None or not p.grad.any(), f"{what}: {name} has a gradient"
+            continue
+        g = p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+        dist.all_reduce(g)
+        _close(g, p_ref.grad, f"{what}: d{name}")
+
+
+def _inputs(B, H, K, V, gen):
+    q, k = (torch.randn(B, T, H, K, generator=gen) for _ in range(2))
+    v, f = torch.randn(B, T, H, V, generator=gen), torch.randn(B, T, H, K, generator=gen)
+    beta = torch.rand(B, T, H, generator=gen)
+    A_log, dt_bias = torch.rand(H, generator=gen), torch.randn(H * K, generator=gen) * 0.1
+    return [t.requires_grad_(True) for t in (q, k, v, f, beta, A_log, dt_bias)]
+
+
+def case_kcp_op(cp, method: str, docs: bool) -> None:
+    """``kcp_kda`` vs ``kda`` on the whole sequence: outputs, final state, every gradient."""
+    gen = torch.Generator().manual_seed(3)
+    B, H, K, V = (1 if docs else 2), 2, 8, 6
+    full = _inputs(B, H, K, V, gen)
+    cot = torch.randn(B, T, H, V, generator=gen)
+    cot_final = torch.randn(B if not docs else 1, H, K, V, generator=gen)
+    if docs:
+        ref = [kda(*(t[:, a:b] for t in full[:5]), *full[5:], output_final_state=True,
+                   backend="torch") for a, b in pairwise(DOCS)]
+        o_ref, S_ref = torch.cat([o for o, _ in ref], 1), ref[-1][1]
+    else:
+        o_ref, S_ref = kda(*full, output_final_state=True, backend="torch")
+    ((o_ref * cot).sum() + (S_ref * cot_final).sum()).backward()
+
+    local = [t.detach().clone().requires_grad_(True) for t in full]
+    q, k, v, f, beta = cp.split(*local[:5], cu_seqlens=torch.tensor(DOCS) if docs else None)
+    sh = cp.shard
+    o, S = kcp_kda(q, k, v, f, beta, *local[5:], cp=cp, lower_bound=-5.0, method=method,
+                   cu_seqlens=sh.cu_seqlens, cu_seqlens_cpu=sh.cu_seqlens_cpu,
+                   continues=sh.continues)
+    last = cp.rank == cp.size - 1
+    ((o * cot[:, sh.start:sh.end]).sum() + (S * cot_final).sum() * last).backward()
+    _close(o, o_ref[:, sh.start:sh.end], "o")
+    if last:
+        _close(S, S_ref, "final state")
+    for name, t, t_ref in zip(["q", "k", "v", "f", "beta"], local[:5], full[:5]):
+        _close(t.grad[:, sh.start:sh.end], t_ref.grad[:, sh.start:sh.end], f"d{name}")
+        assert not t.grad[:, :sh.start].any() and not t.grad[:, sh.end:].any()
+    for name, t, t_ref in zip(("A_log", "dt_bias"), local[5:], full[5:]):
+        g = t.grad.clone()
+        dist.all_reduce(g)
+        _close(g, t_ref.grad, f"d{name}")
+
+
+def _layer(cls, cfg):
+    torch.manual_seed(0)
+    layer = cls(cfg)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0, 0.3)
+    return layer
+
+
+def case_layer(cp, cls, docs: bool) -> None:
+    """A KDA or MLA layer under CP vs the plain layer (per document with ``docs``)."""
+    cfg = _cfg()
+    ref = _layer(cls, cfg)
+    layer = make_context_parallel(copy.deepcopy(ref), cp)
+    gen = torch.Generator().manual_seed(4)
+    B = 1 if docs else 2
+    x = torch.randn(B, T, cfg.hidden_size, generator=gen, requires_grad=True)
+    cot = torch.randn(B, T, cfg.hidden_size, generator=gen)
+    bounds = DOCS if docs else [0, T]
+    y_ref = torch.cat([ref(x[:, a:b]) for a, b in pairwise(bounds)], dim=1)
+    (y_ref * cot).sum().backward()
+
+    x_cp = x.detach().clone().requires_grad_(True)
+    (x_local,) = cp.split(x_cp, cu_seqlens=torch.tensor(DOCS) if docs else None)
+    sh = cp.shard
+    y = layer(x_local)
+    (y * cot[:, sh.start:sh.end]).sum().backward()
+    _close(y, y_ref[:, sh.start:sh.end], "y")
+    _close(x_cp.grad[:, sh.start:sh.end], x.grad[:, sh.start:sh.end], "dx")
+    _summed_param_grads(layer, ref, "param")
+
+
+def case_model(cp, docs: bool) -> None:
+    """The whole tiny model: hidden states, the loss and every gradient."""
+    cfg = _cfg()
+    ref = build_model(cfg, seed=0).train()
+    model = copy.deepcopy(ref)
+    apply_context_parallel(model, cp)
+    gen = torch.Generator().manual_seed(5)
+    B = 1 if docs else 2
+    ids = torch.randint(0, cfg.vocab_size, (B, T), generator=gen)
+    labels = torch.randint(0, cfg.vocab_size, (B, T), generator=gen)
+    cot = torch.randn(B, T, cfg.hidden_size, generator=gen)
+    bounds = DOCS if docs else [0, T]
+    h_ref = torch.cat([ref.model(ids[:, a:b]) for a, b in pairwise(bounds)], dim=1)
+    (h_ref * cot).sum().backward()
+    grads_hidden = {n: p.grad.clone() for n, p in ref.named_parameters() if p.grad is not None}
+    ref.zero_grad()
+    loss_ref = ref(ids, labels=labels).loss if not docs else None
+    if loss_ref is not None:
+        loss_ref.backward()
+
+    ids_l, labels_l, cot_l = cp.split(ids, labels, cot, cu_seqlens=torch.tensor(DOCS) if docs else None)
+    h = model.model(ids_l)
+    (h * cot_l).sum().backward()
+    _close(h, h_ref[:, cp.shard.start:cp.shard.end], "hidden")
+    for name, p in model.named_parameters():
+        want = grads_hidden.get(name)
+        g = torch.zeros_like(p) if p.grad is None else p.grad.clone()
+        dist.all_reduce(g)
+        _close(g, torch.zeros_like(p) if want is None else want, f"hidden: d{name}")
+    if docs:
+        return
+    model.zero_grad()
+    # the mean over this rank's tokens, weighted by its share: the sum over ranks is the mean
+    n_local = cp.shard.end - cp.shard.start
+    loss = model(ids_l, labels=labels_l).loss * (n_local / T)
+    loss.backward()
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    _close(total, loss_ref.detach(), "loss")
+    _summed_param_grads(model, ref, "loss")
+
+
+CASES = {
+    "kcp_op_correct": lambda cp: case_kcp_op(cp, "correct", docs=False),
+    "kcp_op_rerun": lambda cp: case_kcp_op(cp, "rerun", docs=False),
+    "kcp_op_docs_correct": lambda cp: case_kcp_op(cp, "correct", docs=True),
+    "kcp_op_docs_rerun": lambda cp: case_kcp_op(cp, "rerun", docs=True),
+    "kda_layer": lambda cp: case_layer(cp, KDAttention, docs=False),
+    "kda_layer_docs": lambda cp: case_layer(cp, KDAttention, docs=True),
+    "mla_layer": lambda cp: case_layer(cp, MLAttention, docs=False),
+    "mla_layer_docs": lambda cp: case_layer(cp, MLAttention, docs=True),
+    "model": lambda cp: case_model(cp, docs=False),
+    "model_docs": lambda cp: case_model(cp, docs=True),
+}
+
+
+def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    try:
+        torch.set_num_threads(1)
+        cp = ContextParallel()
+        failures = {}
+        for name, case in CASES.items():
+            try:
+                case(cp)
+            except Exception:  # noqa: BLE001 - reported by name; a collective left hanging times out
+                failures[name] = traceback.format_exc(limit=-2)
+        (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(failures))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_context_parallel_equals_one_process(world, tmp_path):
+    mp.start_processes(_worker, args=(world, _free_port(), str(tmp_path)), nprocs=world,
+                       join=True, start_method="spawn")
+    results = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)}
+    failures = {f"rank {r}: {name}": msg for r, f in results.items() for name, msg in f.items()}
+    assert not failures, "\n".join(f"{k}\n{v}" for k, v in failures.items())
+
+
+def test_split_sizes_are_contiguous_and_near_equal():
+    assert split_sizes(23, 4) == [6, 6, 6, 5]
+    assert split_sizes(8, 2) == [4, 4]
+    assert sum(split_sizes(1001, 7)) == 1001
+
+
+def test_state_scan_is_the_affine_composition():
+    """S_in after two shards = M1 (M0 * 0 + S0) + S1, written out by hand."""
+    gen = torch.Generator().manual_seed(0)
+    B, H, K, V = 1, 2, 3, 4
+    S0, S1 = torch.randn(B, H, K, V, generator=gen), torch.randn(B, H, K, V, generator=gen)
+    M0, M1 = torch.randn(B, H, K, K, generator=gen), torch.randn(B, H, K, K, generator=gen)
+    gathered = torch.stack([torch.cat([S0, M0], -1), torch.cat([S1, M1], -1)])
+    torch.testing.assert_close(state_scan(gathered, 2, V), M1 @ S0 + S1)
+    assert not state_scan(gathered, 0, V).any()
