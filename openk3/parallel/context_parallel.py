@@ -154,6 +154,7 @@ class ContextParallel:
                              f"the batch in flight holds {self.shard.end - self.shard.start}")
         return self.shard
 
+    @torch.compiler.disable(reason="a collective with a collective backward, run as it is")
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """[*s] -> [P, *s], differentiable (collective: every rank of the group calls it)."""
         return _AllGather.apply(x, self.group)

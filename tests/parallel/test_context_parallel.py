@@ -25,6 +25,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.tensor import DTensor
 
 from openk3.config import preset
 from openk3.model import build_model
@@ -38,6 +39,10 @@ from openk3.parallel.context_parallel import (
     split_sizes,
 )
 from openk3.parallel.kcp import kcp_kda, state_scan
+from openk3.parallel.parallelize import parallelize
+from openk3.train.config import RunConfig
+from openk3.train.optim import build_optimizers
+from openk3.train.trainer import Env
 
 TINY = {"num_hidden_layers": 2, "full_attn_layers": [2], "hidden_size": 32,
         "linear_num_heads": 2, "linear_head_dim": 8, "num_attention_heads": 2,
@@ -198,6 +203,36 @@ def case_model(cp, docs: bool) -> None:
     _summed_param_grads(model, ref, "loss")
 
 
+def case_parallelize(cp, ep: int) -> None:
+    """``parallelize(cp=2)`` beside FSDP2 (and MoonEP): CP groups of 2 read one batch; one
+    optimiser step gives the gradient norm and weights of one process on the global batch."""
+    world = dist.get_world_size()
+    cfg = _cfg()
+    ref = build_model(cfg, seed=0).train()
+    model = build_model(cfg, seed=0).train()
+    parallel = parallelize(model, Env(dist.get_rank(), world, torch.device("cpu"), torch.float32),
+                           ep=ep, cp=2)
+    assert (parallel.dp_rank, parallel.dp_size) == (dist.get_rank() // 2, world // 2)
+    gen = torch.Generator().manual_seed(6)
+    ids = torch.randint(0, cfg.vocab_size, (parallel.dp_size, T + 1), generator=gen)
+    ref_opts, opts = build_optimizers(ref, 1e-2, 0.1), build_optimizers(model, 1e-2, 0.1)
+    ref(ids[:, :-1], labels=ids[:, 1:]).loss.backward()
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+    mine = ids[parallel.dp_rank:parallel.dp_rank + 1]
+    inputs, targets = parallel.shard_sequence(mine[:, :-1], mine[:, 1:])
+    # T = 23 splits 12 + 11: weight the local mean by its share (the trainer keeps shards equal)
+    n = inputs.shape[1]
+    (model(inputs, labels=targets).loss * (n * 2 / T)).backward()
+    parallel.reduce_gradients()
+    _close(parallel.clip_grad_norm_(0.05), ref_norm, "gradient norm")
+    for opt in [*ref_opts, *opts]:
+        opt.step()
+    state = parallel.state_dict(opts)["model"]
+    for name, want in ref.state_dict().items():
+        got = state[name]
+        _close(got.full_tensor() if isinstance(got, DTensor) else got, want, f"weight {name}")
+
+
 CASES = {
     "kcp_op_correct": lambda cp: case_kcp_op(cp, "correct", docs=False),
     "kcp_op_rerun": lambda cp: case_kcp_op(cp, "rerun", docs=False),
@@ -210,6 +245,9 @@ CASES = {
     "model": lambda cp: case_model(cp, docs=False),
     "model_docs": lambda cp: case_model(cp, docs=True),
 }
+# FSDP2 + CP on 2 ranks (dp = 1); FSDP2 + CP + MoonEP on 4 (dp = 2, cp = 2, ep = 2)
+WORLD_CASES = {2: {"parallelize": lambda cp: case_parallelize(cp, ep=1)},
+               4: {"parallelize_moonep": lambda cp: case_parallelize(cp, ep=2)}}
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
@@ -219,7 +257,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         torch.set_num_threads(1)
         cp = ContextParallel()
         failures = {}
-        for name, case in CASES.items():
+        for name, case in {**CASES, **WORLD_CASES[world]}.items():
             try:
                 case(cp)
             except Exception:  # noqa: BLE001 - reported by name; a collective left hanging times out
@@ -253,3 +291,18 @@ def test_state_scan_is_the_affine_composition():
     gathered = torch.stack([torch.cat([S0, M0], -1), torch.cat([S1, M1], -1)])
     torch.testing.assert_close(state_scan(gathered, 2, V), M1 @ S0 + S1)
     assert not state_scan(gathered, 0, V).any()
+
+
+def test_run_config_cp_and_length_schedule():
+    cfg = RunConfig(seq_len=64, seq_len_schedule=("16:3", "32:2"), cp=2, max_steps=10,
+                    warmup_steps=1)
+    assert [cfg.seq_len_at(s) for s in range(1, 8)] == [16, 16, 16, 32, 32, 64, 64]
+    assert cfg.seq_lens() == [16, 32, 64]
+    with pytest.raises(ValueError, match="entry '16-3' is not SEQ_LEN:STEPS"):
+        RunConfig(seq_len_schedule=("16-3",))
+    with pytest.raises(ValueError, match="entry '0:5' is not SEQ_LEN:STEPS"):
+        RunConfig(seq_len_schedule=("0:5",))
+    with pytest.raises(ValueError, match=r"RunConfig.cp=4: must divide every sequence length .* not 18"):
+        RunConfig(seq_len=64, seq_len_schedule=("18:2",), cp=4)
+    with pytest.raises(ValueError, match="RunConfig.cp=2: context parallelism needs mtp_layers=0"):
+        RunConfig(cp=2, mtp_layers=1)
