@@ -314,8 +314,9 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def _gpu_worker(rank: int, port: int, out_dir: str) -> None:
     """2 GPUs, bf16: openk3's KCP (both methods) and fla's ``cp_context`` against the fp32
-    one-process reference (outputs and the gradients of every input), and a bf16 MLA layer
-    under CP (flash attention with the bottom-right mask) against its fp32 one-process self."""
+    one-process reference (outputs and the gradients of every input), and bf16 MLA and KDA
+    layers under CP (flash attention with the bottom-right mask; fla's conv with the halo as
+    its state) against their fp32 one-process selves."""
     from fla.ops.cp import build_cp_context
     from fla.ops.kda import chunk_kda
 
@@ -353,21 +354,22 @@ def _gpu_worker(rank: int, port: int, out_dir: str) -> None:
             *x, A_log=A_log, dt_bias=dt_bias, use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True,
             safe_gate=True, lower_bound=-5.0, cp_context=context))
 
-        cfg = preset("small").replace(num_attention_heads=4)
-        mla_ref = _layer(MLAttention, cfg).to(dev)
-        with torch.no_grad():
-            for p in mla_ref.parameters():
-                p.mul_(0.1)
-        mla = make_context_parallel(copy.deepcopy(mla_ref).to(torch.bfloat16), cp)
-        x = torch.randn(1, Tg, cfg.hidden_size, device=dev, generator=gen, requires_grad=True)
-        y_ref = mla_ref(x)
-        (y_ref * 1.0).sum().backward()
-        (x_l,) = cp.split(x.detach().to(torch.bfloat16).requires_grad_(True))
-        x_l.retain_grad()
-        y = mla(x_l)
-        y.float().sum().backward()
-        errors["mla y"] = _rel(y, y_ref[:, sh.start:sh.end])
-        errors["mla dx"] = _rel(x_l.grad, x.grad[:, sh.start:sh.end])
+        cfg = preset("small").replace(num_attention_heads=4, linear_num_heads=4)
+        for name, cls in (("mla", MLAttention), ("kda", KDAttention)):  # fla conv + KCP, flash
+            layer_ref = _layer(cls, cfg).to(dev)
+            with torch.no_grad():
+                for p in layer_ref.parameters():
+                    p.mul_(0.1)
+            layer = make_context_parallel(copy.deepcopy(layer_ref).to(torch.bfloat16), cp)
+            x = torch.randn(1, Tg, cfg.hidden_size, device=dev, generator=gen, requires_grad=True)
+            y_ref = layer_ref(x)
+            y_ref.sum().backward()
+            (x_l,) = cp.split(x.detach().to(torch.bfloat16).requires_grad_(True))
+            x_l.retain_grad()
+            y = layer(x_l)
+            y.float().sum().backward()
+            errors[f"{name} y"] = _rel(y, y_ref[:, sh.start:sh.end])
+            errors[f"{name} dx"] = _rel(x_l.grad, x.grad[:, sh.start:sh.end])
     finally:
         (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(errors))
         dist.destroy_process_group()
@@ -381,6 +383,6 @@ def test_kcp_and_fla_cp_context_match_fp32_reference_on_two_gpus(tmp_path):
                        start_method="spawn")
     errors = {f"rank {r} {k}": v for r in range(2)
               for k, v in json.loads((tmp_path / f"rank{r}.json").read_text()).items()}
-    assert len(errors) == 2 * (3 * 6 + 2), errors
+    assert len(errors) == 2 * (3 * 6 + 4), errors
     bad = {k: v for k, v in errors.items() if not v < 2e-2}  # bf16 vs fp32: ~5e-3 measured for KDA
     assert not bad, bad
