@@ -29,6 +29,9 @@ class RunConfig(_DictIO):
     tokenizer: str | None = None  # a tokenizer.json; None trains a byte-level BPE of vocab_size
     vocab_size: int | None = None  # None: the model preset's vocab_size
     seq_len: int = 256
+    # phases at other lengths before seq_len: "SEQ_LEN:STEPS" each, in order, e.g.
+    # ("4096:1000", "65536:200") trains 1000 steps at 4K, 200 at 64K, then seq_len (docs/long_context.md)
+    seq_len_schedule: tuple[str, ...] = ()
     batch_size: int = 8  # sequences per rank per micro-step
     grad_accum: int = 1
     # optimisation
@@ -42,6 +45,7 @@ class RunConfig(_DictIO):
     clip_grad: float = 1.0
     balance: str = "qb"  # "qb", "sign", "aux" or "none"
     ep: int = 1  # expert parallelism (MoonEP): ranks per expert group; divides the process count
+    cp: int = 1  # context parallelism: ranks sharing each sequence; divides the process count
     aux_loss_coef: float = 1e-2
     # multi-token prediction: MTP layers (0 or 1; the model's num_nextn_predict_layers) and the
     # weight of their loss in the training loss (DeepSeek-V3's 0.3, its value for most of pre-training)
@@ -74,7 +78,7 @@ class RunConfig(_DictIO):
 
         if self.preset not in PRESETS:
             raise bad("preset", f"choose one of {sorted(PRESETS)}")
-        for name in ("seq_len", "batch_size", "grad_accum", "max_steps", "log_interval", "ep",
+        for name in ("seq_len", "batch_size", "grad_accum", "max_steps", "log_interval", "ep", "cp",
                      "eval_interval", "eval_batches", "ckpt_interval", "keep_last"):
             if getattr(self, name) <= 0:
                 raise bad(name, "must be positive")
@@ -101,7 +105,41 @@ class RunConfig(_DictIO):
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise bad(name, f"choose one of {allowed}")
+        for length in self.seq_lens():
+            if length % self.cp:
+                raise bad("cp", f"must divide every sequence length (seq_len and "
+                          f"seq_len_schedule), not {length}: ranks hold equal shards")
+        if self.cp > 1 and self.mtp_layers:
+            raise bad("cp", "context parallelism needs mtp_layers=0 (MTP inputs shift across "
+                      "the ranks' boundaries)")
         self.model_config()  # model overrides are validated by ModelConfig itself
+
+    def _phases(self) -> list[tuple[int, int]]:
+        """``seq_len_schedule`` as (seq_len, steps) pairs; raises ValueError on a bad entry."""
+        phases = []
+        for entry in self.seq_len_schedule:
+            try:
+                length, steps = (int(x) for x in str(entry).split(":"))
+            except ValueError:
+                length = steps = 0
+            if length <= 0 or steps <= 0:
+                raise ValueError(f"RunConfig.seq_len_schedule={self.seq_len_schedule!r}: entry "
+                                 f"{entry!r} is not SEQ_LEN:STEPS with both positive, e.g. 4096:1000")
+            phases.append((length, steps))
+        return phases
+
+    def seq_lens(self) -> list[int]:
+        """Every sequence length the run trains at: the schedule's, then seq_len."""
+        return [length for length, _ in self._phases()] + [self.seq_len]
+
+    def seq_len_at(self, step: int) -> int:
+        """The sequence length of (1-based) training step ``step``."""
+        done = 0
+        for length, steps in self._phases():
+            done += steps
+            if step <= done:
+                return length
+        return self.seq_len
 
     def model_config(self) -> ModelConfig:
         cfg = preset(self.preset)
@@ -149,11 +187,12 @@ RUN_CONFIG_FILE = "run_config.json"  # in the run directory: {"run": RunConfig, 
 # Fields that may differ from the saved run when resuming: how long it runs, how often it logs,
 # evaluates and saves, what it prints at the end, and where and how it runs. ``batch_size`` is
 # per rank: resuming on another number of processes changes it, and the data stream refuses any
-# change of the global batch (world size x batch_size). Every other field defines the run itself
+# change of the global batch (world size / cp x batch_size). Every other field defines the run itself
 # (model, data, optimiser, schedule shape, seed) and must match.
 RESUMABLE_FIELDS = ("resume", "out", "max_steps", "log_interval", "eval_interval", "eval_batches",
                     "ckpt_interval", "keep_last", "num_samples", "sample_tokens",
-                    "sample_temperature", "device", "batch_size", "compile", "activation_checkpointing")
+                    "sample_temperature", "device", "batch_size", "compile", "activation_checkpointing",
+                    "cp")
 
 
 def _same(a: Any, b: Any) -> bool:
