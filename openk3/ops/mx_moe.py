@@ -26,7 +26,7 @@ Example::
     >>> y = mxfp4_moe_gemv(torch.randn(N, D), w1, w3, w2, topk_idx, topk_weight,
     ...                    hidden_act="situ", situ_beta1=4.0, situ_beta2=25.0)
     >>> y.shape, y.dtype, w1.shape
-    ((3, 96), torch.float32, (5, 64, 96))
+    (torch.Size([3, 96]), torch.float32, (5, 64, 96))
 """
 
 from __future__ import annotations
