@@ -185,7 +185,8 @@ def load_pretrained(path: str | os.PathLike, dtype: torch.dtype | None = None,
 
     filled: set[str] = set()
     experts_filled: dict[str, set[int]] = defaultdict(set)
-    packed: dict[tuple[str, int, str], dict[str, torch.Tensor]] = defaultdict(dict)
+    # HF stem of a packed expert matrix -> {"weight_packed" / "weight_scale": (tensor, file)}
+    packed: dict[str, dict[str, tuple[torch.Tensor, Path]]] = defaultdict(dict)
     quantized: list[str] = []  # unpacked experts quantised into a packed model
     skipped = 0
     for file in files:
@@ -207,10 +208,12 @@ def load_pretrained(path: str | os.PathLike, dtype: torch.dtype | None = None,
         print(f"openk3: experts='packed': quantised {len(quantized)} unpacked expert matrices to "
               f"MXFP4 on load (mxfp4_quantize, as save_pretrained(experts='mxfp4')), e.g. "
               f"{quantized[0]}", file=sys.stderr)
-    for (stack, e, w), parts in packed.items():
-        if set(parts) != {"weight_packed", "weight_scale"}:
-            raise CheckpointError(f"expert {stack}.{e}.{w}: has {sorted(parts)}, needs both "
-                                  "weight_packed and weight_scale")
+    for stem, parts in packed.items():
+        if len(parts) < 2:
+            (kind, (_, file)), = parts.items()
+            other = "weight_scale" if kind == "weight_packed" else "weight_packed"
+            raise CheckpointError(f"{file}: tensor {stem}.{kind} has no {stem}.{other} in the "
+                                  "checkpoint (MXFP4 experts need both)")
     missing = sorted(n for n in state if n not in filled and _expert_stack_of(cfg, n) is None)
     stacks = {_expert_stack_of(cfg, n): t.shape[0] for n, t in state.items()}
     stacks.pop(None, None)
@@ -280,7 +283,7 @@ def _place_expert(cfg, state, hf, m, tensor, file, experts_filled, packed, quant
             weight_packed, weight_scale = mxfp4_quantize(tensor.float())
             quantized.append(hf)
     else:
-        parts = packed[(stack, e, m.group(3))]
+        parts = packed[hf.rsplit(".", 1)[0]]
         parts[kind] = (tensor, file)
         if len(parts) < 2:
             return

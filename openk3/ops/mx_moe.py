@@ -193,19 +193,22 @@ def mxfp4_moe_gemv(x: torch.Tensor, w1: MXFP4Weight, w3: MXFP4Weight, w2: MXFP4W
 def mxfp4_grouped_experts_ref(xs: torch.Tensor, counts: torch.Tensor, w1: MXFP4Weight,
                               w3: MXFP4Weight, w2: MXFP4Weight, *, hidden_act: str,
                               situ_beta1: float, situ_beta2: float) -> torch.Tensor:
-    """``mxfp4_grouped_experts`` in plain PyTorch, all math fp32: a loop over the experts that
-    received rows, each decoded (``mxfp4_dequantize``) and multiplied as ``run_experts``' loop.
-    Syncs once (``counts.tolist()``): the CPU path and the tests' reference."""
+    """``mxfp4_grouped_experts`` in plain PyTorch, all math fp32: the experts that received rows
+    are decoded (``mxfp4_dequantize``, one call per projection) and multiplied in a loop, as
+    ``run_experts``' loop does. Syncs once (``counts.tolist()``): the CPU path and the tests'
+    reference."""
+    rows = counts.tolist()
+    used = [e for e, n in enumerate(rows) if n]
+    if not used:
+        return xs.new_zeros(xs.shape, dtype=torch.float32)
+    W1, W3, W2 = (mxfp4_dequantize(w.packed[used], w.scale[used], torch.float32) for w in (w1, w3, w2))
     outs, start = [], 0
-    for e, n in enumerate(counts.tolist()):
-        if n:
-            xe = xs[start:start + n].float()
-            gate = xe @ mxfp4_dequantize(w1.packed[e], w1.scale[e], torch.float32).T
-            up = xe @ mxfp4_dequantize(w3.packed[e], w3.scale[e], torch.float32).T
-            h = _glu_fp32(gate, up, hidden_act, situ_beta1, situ_beta2)
-            outs.append(h @ mxfp4_dequantize(w2.packed[e], w2.scale[e], torch.float32).T)
-            start += n
-    return torch.cat(outs) if outs else xs.new_zeros(xs.shape, dtype=torch.float32)
+    for i, e in enumerate(used):
+        xe = xs[start:start + rows[e]].float()
+        h = _glu_fp32(xe @ W1[i].T, xe @ W3[i].T, hidden_act, situ_beta1, situ_beta2)
+        outs.append(h @ W2[i].T)
+        start += rows[e]
+    return torch.cat(outs)
 
 
 def mxfp4_grouped_experts(xs: torch.Tensor, counts: torch.Tensor, w1: MXFP4Weight,
