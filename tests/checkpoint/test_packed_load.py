@@ -13,9 +13,9 @@ from safetensors.torch import load_file, save_file
 import openk3
 from openk3 import build_model, preset
 from openk3.checkpoint import CheckpointError
-from openk3.cli import main
+from openk3.cli import _load_model, build_parser
+from openk3.generate import generate
 from openk3.model.packed_experts import PackedRoutedExperts
-from openk3.ops.mx import mxfp4_quantize
 from openk3.runtime import load_model
 from openk3.serve.config import EngineConfig
 from openk3.serve.engine import LLMEngine
@@ -25,10 +25,13 @@ from openk3.tokenizer import ByteTokenizer
 STEM = "language_model.model.layers.1.block_sparse_moe.experts.3.w2"
 
 
+TINY = preset("debug").replace(num_hidden_layers=4, full_attn_layers=(4,), attn_res_block_size=2)
+
+
 @pytest.fixture(scope="module")
 def model():
-    """debug (K3 format): 7 MoE layers of 8 experts, expert widths 96 (latent) and 64."""
-    return build_model(preset("debug"), seed=1).eval()
+    """debug, 4 layers (K3 format): 3 MoE layers of 8 experts, expert widths 96 (latent) and 64."""
+    return build_model(TINY, seed=1).eval()
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +58,7 @@ def test_packed_load_keeps_the_checkpoint_bytes_and_gives_the_same_logits(mx_dir
     dequantized = openk3.load_pretrained(mx_dir)
     packed = openk3.load_pretrained(mx_dir, experts="packed")
     layers = packed_layers(packed)
-    assert len(layers) == 7 and not any(".experts." in n for n, _ in packed.named_parameters())
+    assert len(layers) == 3 and not any(".experts." in n for n, _ in packed.named_parameters())
     stored = tensors(mx_dir)
     w2 = packed.model.layers[1].mlp.experts.weight("w2")
     assert torch.equal(w2.packed[3], stored[STEM + ".weight_packed"])
@@ -87,13 +90,13 @@ def test_unpacked_checkpoint_is_quantised_on_load_with_a_note(model, mx_dir, tmp
     openk3.save_pretrained(model, tmp_path / "bf16")
     capsys.readouterr()
     quantised = openk3.load_pretrained(tmp_path / "bf16", experts="packed")
-    assert "quantised 168 unpacked expert matrices to MXFP4 on load" in capsys.readouterr().err
+    assert "quantised 72 unpacked expert matrices to MXFP4 on load" in capsys.readouterr().err
     exported = openk3.load_pretrained(mx_dir, experts="packed")
     for a, b in zip(packed_layers(quantised), packed_layers(exported)):
         assert all(torch.equal(x, y) for x, y in zip(a.buffers(), b.buffers()))
 
 
-def test_engine_and_generate_outputs_equal_the_dequantised_load(mx_dir, capsys):
+def test_engine_and_generate_outputs_equal_the_dequantised_load(mx_dir):
     outs = {}
     for experts in ("dequantize", "packed"):
         model, _, _ = load_model(mx_dir, device="cpu", tokenizer="bytes", experts=experts)
@@ -103,18 +106,24 @@ def test_engine_and_generate_outputs_equal_the_dequantised_load(mx_dir, capsys):
         prompts = [[5 + i for i in range(n)] for n in (3, 40)]  # 40 > the 32-token budget
         results = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=3, logprobs=1))
         outs[experts] = [(r.token_ids, [lp.logprob for lp in r.logprobs]) for r in results]
-        capsys.readouterr()
-        assert main(["generate", "--checkpoint", str(mx_dir), "--tokenizer", "bytes", "--device",
-                     "cpu", "--experts", experts, "--prompt", "hi", "--max-new-tokens", "2",
-                     "--temperature", "0"]) == 0
-        outs[experts, "cli"] = capsys.readouterr().out
+        outs[experts, "generate"] = generate(model, [7, 8, 9], 3, temperature=0)
     assert outs["packed"] == outs["dequantize"]
-    assert outs["packed", "cli"] == outs["dequantize", "cli"]
+    assert outs["packed", "generate"] == outs["dequantize", "generate"]
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_cli_experts_flag_reaches_the_loader(mx_dir, command):
+    args = build_parser().parse_args([command, "--checkpoint", str(mx_dir), "--tokenizer", "bytes",
+                                      "--device", "cpu", "--experts", "packed"]
+                                     + ["--prompt", "hi"] * (command == "generate"))
+    model, _, _ = _load_model(args)
+    assert len(packed_layers(model)) == 3
+    assert build_parser().parse_args([command] + ["--prompt", "hi"] * (command == "generate")).experts == "dequantize"
 
 
 def test_random_preset_loads_packed():
     model, _, _ = load_model(preset="debug", random_init=True, device="cpu", experts="packed")
-    assert len(packed_layers(model)) == 7
+    assert len(packed_layers(model)) == 7  # the full debug preset
     with pytest.raises(ValueError, match=r"experts='fp4': choose one of \['dequantize', 'packed'\]"):
         load_model(preset="debug", random_init=True, device="cpu", experts="fp4")
     with pytest.raises(ValueError, match="experts='fp4' must be one of"):
@@ -131,8 +140,9 @@ def _rewrite(src, dst, change):
     (dst / "config.json").write_text(json.dumps(config))
 
 
-@pytest.mark.parametrize("experts", ["dequantize", "packed"])
-@pytest.mark.parametrize("case", ["scale dtype", "scale shape", "packed shape", "no scale"])
+@pytest.mark.parametrize("case,experts", [(case, "packed") for case in
+                                          ("scale dtype", "scale shape", "packed shape", "no scale")]
+                         + [("scale shape", "dequantize"), ("no scale", "dequantize")])
 def test_bad_packed_tensors_are_named(mx_dir, tmp_path, case, experts):
     def change(t):
         if case == "scale dtype":
