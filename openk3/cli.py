@@ -11,6 +11,7 @@ import time
 import types
 import typing
 
+from openk3.checkpoint.hf import EXPERTS_MODES
 from openk3.config import PRESETS, preset
 from openk3.runtime import DTYPES, checkpoint_dir, load_model
 from openk3.serve.config import EngineConfig
@@ -47,6 +48,10 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
     p.add_argument("--dtype", default=None, choices=sorted(DTYPES),
                    help="default: bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--experts", default="dequantize", choices=EXPERTS_MODES,
+                   help="routed experts: 'dequantize' to the model dtype (default), or keep them "
+                        "'packed' as MXFP4 (4.25 bits per weight, kernels that dequantise in "
+                        "registers; quantises unpacked experts on load; docs/mxfp4.md)")
     p.add_argument("--tokenizer", default=None, metavar="DIR|bytes",
                    help="a directory with tokenizer.json or tiktoken.model, or 'bytes' for raw UTF-8 "
                         "(default: the checkpoint's own; with --random-init, one whose every id is visible)")
@@ -56,7 +61,7 @@ def _load_model(args: argparse.Namespace, seed: int = 0):
     """``load_model`` from the flags of ``_add_model_flags``."""
     preset_name = args.preset or ("debug" if args.random_init else None)
     return load_model(args.checkpoint, preset_name, args.random_init, args.device, args.dtype, seed,
-                      args.tokenizer)
+                      args.tokenizer, args.experts)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -14,8 +14,10 @@ from pathlib import Path
 import torch
 
 from openk3.checkpoint import load_pretrained
+from openk3.checkpoint.hf import EXPERTS_MODES
 from openk3.config import preset as model_preset
 from openk3.model import build_model
+from openk3.model.packed_experts import pack_experts
 from openk3.tokenizer import VisibleTokenizer, load_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -68,7 +70,7 @@ def checkpoint_dir(path: str | Path) -> Path:
 
 def load_model(checkpoint: str | Path | None = None, preset: str | None = None, random_init: bool = False,
                device: str | torch.device | None = None, dtype: str | torch.dtype | None = None,
-               seed: int = 0, tokenizer: str | Path | None = None):
+               seed: int = 0, tokenizer: str | Path | None = None, experts: str = "dequantize"):
     """(model in eval mode, tokenizer, name) from a checkpoint directory (or a training run's, see
     ``checkpoint_dir``), or from a preset with random weights (``random_init=True``) for trying
     things without weights.
@@ -78,7 +80,8 @@ def load_model(checkpoint: str | Path | None = None, preset: str | None = None, 
     ``VisibleTokenizer``, whose every id decodes to visible text.
 
     ``device`` and ``dtype`` default as in ``resolve_device`` / ``default_dtype``; ``seed`` seeds
-    random weights. The name is the checkpoint directory's (the run's for a training run), or
+    random weights. ``experts="packed"`` keeps the routed experts MXFP4-packed for serving
+    (``load_pretrained``'s argument; random weights are quantised with ``pack_experts``). The name is the checkpoint directory's (the run's for a training run), or
     ``openk3-PRESET``. Raises ValueError unless exactly one of ``checkpoint`` / ``preset`` is
     given, and ``random_init`` is set exactly when ``preset`` is.
     """
@@ -91,15 +94,19 @@ def load_model(checkpoint: str | Path | None = None, preset: str | None = None, 
         raise ValueError("random_init=True applies to a preset; a checkpoint brings its weights")
     if preset is not None and not random_init:
         raise ValueError(f"preset={preset!r} has no weights: pass random_init=True for random ones")
+    if experts not in EXPERTS_MODES:
+        raise ValueError(f"experts={experts!r}: choose one of {list(EXPERTS_MODES)}")
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     if checkpoint is not None:
         path = checkpoint_dir(checkpoint)
         tok = load_tokenizer(tokenizer if tokenizer is not None else path)  # fails before the weights load
-        model = load_pretrained(path, dtype=dtype, device=device)
+        model = load_pretrained(path, dtype=dtype, device=device, experts=experts)
         return model.eval(), tok, Path(checkpoint).resolve().name
     tok = load_tokenizer(tokenizer) if tokenizer is not None else VisibleTokenizer()
     model = build_model(model_preset(preset), device=device, dtype=dtype, seed=seed)
+    if experts == "packed":
+        pack_experts(model)
     return model.eval(), tok, f"openk3-{preset}"
 
 
