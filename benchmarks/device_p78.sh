@@ -8,16 +8,6 @@
 # (unpack $OUT/autotune.tgz into the repo root before the next phase); .old: the openk3 package
 # as it landed before this work (git archive 5fd265f openk3), for the loss curve before vs after.
 source "$(dirname "$0")/device_common.sh"
-export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-cache
-gpu_tests() { local limit=$1; shift; timeout "$limit" python3 -m pytest -m gpu "$@" -q -p no:cacheprovider \
-  -rfE --tb=short >> "$OUT/gpu_tests.log" 2>&1; echo "== $*: rc $?" >> "$OUT/gpu_tests.log"; }
-train_run() {  # train_run SECONDS NAME NPROC EXTRA...: `openk3 train` from the current directory's
-  local limit=$1 name=$2 n=$3; shift 3  # package (python -m puts the directory first on sys.path)
-  timeout -k 10 "$limit" torchrun --nproc-per-node "$n" -m openk3 train --out "/tmp/runs/$name" \
-    --eval-interval 100000 --ckpt-interval 100000 --num-samples 0 "$@" > "$OUT/$name.log" 2>&1
-  echo "== rc $?" >> "$OUT/$name.log"
-  cp "/tmp/runs/$name/metrics.jsonl" "$OUT/$name.metrics.jsonl" 2>/dev/null
-}
 if [ "${1:-1}" = 1 ]; then
   # GPU tests of every new kernel and path on one GPU; the headline measurements on the other
   ( export CUDA_VISIBLE_DEVICES=0
