@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -15,6 +16,7 @@ import torch
 from openk3.checkpoint import load_pretrained
 from openk3.config import preset as model_preset
 from openk3.model import build_model
+from openk3.model.moe import set_qat
 from openk3.tokenizer import VisibleTokenizer, load_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -65,6 +67,18 @@ def checkpoint_dir(path: str | Path) -> Path:
     return path / "export"
 
 
+def run_qat(path: str | Path) -> str:
+    """The ``qat`` mode of the training run in directory ``path`` (its ``run_config.json``);
+    ``"none"`` for anything else, and for runs saved before QAT existed."""
+    run_file = Path(path) / "run_config.json"
+    if not run_file.exists():
+        return "none"
+    try:
+        return json.loads(run_file.read_text())["run"].get("qat", "none")
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"{run_file}: cannot read the run's configuration ({e})") from e
+
+
 def load_model(checkpoint: str | Path | None = None, preset: str | None = None, random_init: bool = False,
                device: str | torch.device | None = None, dtype: str | torch.dtype | None = None,
                seed: int = 0, tokenizer: str | Path | None = None):
@@ -75,6 +89,10 @@ def load_model(checkpoint: str | Path | None = None, preset: str | None = None, 
     ``tokenizer``: a directory holding one, or ``"bytes"`` (``openk3.tokenizer.load_tokenizer``);
     None means the checkpoint's own (an error if it has none), or for random weights the
     ``VisibleTokenizer``, whose every id decodes to visible text.
+
+    A training run trained with ``qat="mxfp4"`` is loaded from its MXFP4 export and runs the
+    run's quantisation-aware forward (``openk3.model.moe.set_qat``), so that it computes what the
+    run computed; an HF directory runs its experts on the decoded weights with unquantised inputs.
 
     ``device`` and ``dtype`` default as in ``resolve_device`` / ``default_dtype``; ``seed`` seeds
     random weights. The name is the checkpoint directory's (the run's for a training run), or
@@ -96,6 +114,7 @@ def load_model(checkpoint: str | Path | None = None, preset: str | None = None, 
         path = checkpoint_dir(checkpoint)
         tok = load_tokenizer(tokenizer if tokenizer is not None else path)  # fails before the weights load
         model = load_pretrained(path, dtype=dtype, device=device)
+        set_qat(model, run_qat(checkpoint))
         return model.eval(), tok, Path(checkpoint).resolve().name
     tok = load_tokenizer(tokenizer) if tokenizer is not None else VisibleTokenizer()
     model = build_model(model_preset(preset), device=device, dtype=dtype, seed=seed)

@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from openk3.config import PRESETS, ModelConfig, _DictIO, preset
+from openk3.model.moe import check_qat_dims
+from openk3.ops.mx import QAT_MODES
 
 
 @dataclass
@@ -43,6 +45,10 @@ class RunConfig(_DictIO):
     balance: str = "qb"  # "qb", "sign", "aux" or "none"
     ep: int = 1  # expert parallelism (MoonEP): ranks per expert group; divides the process count
     aux_loss_coef: float = 1e-2
+    # quantisation-aware training of the routed experts (docs/mxfp4.md): "mxfp4" trains them on
+    # MXFP4 weights and MXFP8 inputs (fake-quantised, straight-through gradients to the fp32
+    # masters) and exports them packed; "none" keeps them in the training dtype
+    qat: str = "none"
     # multi-token prediction: MTP layers (0 or 1; the model's num_nextn_predict_layers) and the
     # weight of their loss in the training loss (DeepSeek-V3's 0.3, its value for most of pre-training)
     mtp_layers: int = 0
@@ -97,11 +103,16 @@ class RunConfig(_DictIO):
             raise bad("min_lr_ratio", "must be in [0, 1]")
         choices = {"optimizer": ("muon", "adamw"), "schedule": ("cosine", "wsd"),
                    "balance": ("qb", "sign", "aux", "none"), "device": ("auto", "cpu", "cuda"),
-                   "dtype": ("auto", "float32", "bfloat16")}
+                   "dtype": ("auto", "float32", "bfloat16"), "qat": QAT_MODES}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise bad(name, f"choose one of {allowed}")
-        self.model_config()  # model overrides are validated by ModelConfig itself
+        model_cfg = self.model_config()  # model overrides are validated by ModelConfig itself
+        if self.qat != "none":
+            try:
+                check_qat_dims(model_cfg)
+            except ValueError as e:
+                raise bad("qat", str(e)) from None
 
     def model_config(self) -> ModelConfig:
         cfg = preset(self.preset)
