@@ -1,9 +1,9 @@
 """MXFP4 quantisation-aware training vs the same run without it: the final-loss gap.
 
-    python benchmarks/qat_gap.py --preset debug --steps 300 --device cpu          # a few minutes per run on 2 idle CPU cores
-    python benchmarks/qat_gap.py --preset small --steps 600 --device cuda --runs none    # one H200, then
-    python benchmarks/qat_gap.py --preset small --steps 600 --device cuda --runs mxfp4   # (one run per call)
-    python benchmarks/qat_gap.py --preset small --steps 600 --runs                       # the table only
+    python benchmarks/qat_gap.py --preset debug --steps 300 --device cpu --eval-batches 16
+    python benchmarks/qat_gap.py --preset small --steps 600 --device cuda --runs none   # one H200,
+    python benchmarks/qat_gap.py --preset small --steps 600 --device cuda --runs mxfp4  # one run a call
+    python benchmarks/qat_gap.py --preset small --steps 600 --runs                      # the table only
 
 Trains ``openk3 train --preset PRESET`` twice, identical (seed, data order, schedule) except for
 ``--qat none`` and ``--qat mxfp4``, each into OUT/{none,mxfp4} (a run already finished there is
@@ -13,7 +13,7 @@ of the QAT run relative to the baseline (target for ``small``: at most 1%). ``--
 draws both loss curves (``benchmarks/plot_loss_curves.py``, needs matplotlib).
 
 Run presets fix batch and sequence length (``debug``: 8 x 256 tokens per step; ``small``: 4 x
-4096); ``--batch-size`` / ``--seq-len`` override them for both runs.
+4096); ``--batch-size`` / ``--seq-len`` / ``--eval-batches`` override them for both runs.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def train_one(args: argparse.Namespace, qat: str) -> float:
     overrides["warmup_steps"] = min(preset_defaults.warmup_steps, args.steps // 10)
     overrides["eval_interval"] = min(preset_defaults.eval_interval, args.steps)
     overrides["log_interval"] = min(preset_defaults.log_interval, max(args.steps // 50, 1))
-    for name in ("batch_size", "seq_len"):
+    for name in ("batch_size", "seq_len", "eval_batches"):
         if getattr(args, name) is not None:
             overrides[name] = getattr(args, name)
     t0 = time.perf_counter()
@@ -55,8 +55,10 @@ def _rows(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def summarise(run_dir: Path) -> dict | None:
-    rows = [r for r in _rows(run_dir) if "loss" in r]
+def summarise(run_dir: Path, last_step: int | None = None) -> dict | None:
+    """Final validation loss, mean training loss over the last tenth of the logged steps, and
+    throughput of the run in ``run_dir``, counting only steps up to ``last_step``."""
+    rows = [r for r in _rows(run_dir) if "loss" in r and (last_step is None or r["step"] <= last_step)]
     if not rows:
         return None
     tail = rows[-max(len(rows) // 10, 1):]
@@ -77,6 +79,8 @@ def main() -> None:
                    help="which runs to train now (both by default; none: only print the table)")
     p.add_argument("--batch-size", type=int, default=None)
     p.add_argument("--seq-len", type=int, default=None)
+    p.add_argument("--eval-batches", type=int, default=None,
+                   help="validation batches per evaluation (the preset's 4 is noisy for a gap of 1%%)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--plot", default=None, help="write both loss curves to this PNG")
@@ -87,21 +91,25 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     seconds = {qat: train_one(args, qat) for qat in args.runs}
-    stats = {qat: summarise(Path(args.out) / qat) for qat in RUNS}
+    # both runs compared up to the last step both reached (one may still be running elsewhere)
+    reached = [_rows(Path(args.out) / qat)[-1]["step"] for qat in RUNS if _rows(Path(args.out) / qat)]
+    common = min(reached) if len(reached) == len(RUNS) else None
+    stats = {qat: summarise(Path(args.out) / qat, common) for qat in RUNS}
     print(f"\npreset {args.preset}, {args.steps} steps, runs in {args.out}")
-    print("| qat | step | final val loss | train loss (last 10% of logs) | tokens/s | wall s (this call) |")
+    print("| qat | step | val loss (at step) | train loss (last 10% of logs) | tokens/s | wall s (this call) |")
     print("|---|---|---|---|---|---|")
     for qat in RUNS:
         s = stats[qat]
         if s is None:
             print(f"| {qat} | not run | | | | |")
             continue
-        print(f"| {qat} | {s['step']} | {s['val_loss']:.4f} | {s['train_tail']:.4f} "
+        print(f"| {qat} | {s['step']} | {s['val_loss']:.4f} ({s['val_step']}) | {s['train_tail']:.4f} "
               f"({s['tail_steps']} logs) | {s['tokens_per_s']:.0f} | {seconds.get(qat, 0):.0f} |")
     base, qat = stats["none"], stats["mxfp4"]
     if base and qat:
-        if base["step"] != qat["step"]:
-            print(f"warning: the runs stopped at different steps ({base['step']} vs {qat['step']})")
+        if base["step"] != args.steps or base["val_step"] != qat["val_step"]:
+            print(f"note: compared at step {base['step']} (validation at step {base['val_step']} vs "
+                  f"{qat['val_step']}), not the requested {args.steps}")
         val_gap = 100 * (qat["val_loss"] - base["val_loss"]) / base["val_loss"]
         tail_gap = 100 * (qat["train_tail"] - base["train_tail"]) / base["train_tail"]
         print(f"\nQAT gap (mxfp4 vs none): final val loss {val_gap:+.2f}%, "
