@@ -157,11 +157,14 @@ RUN_CONFIG_FILE = "run_config.json"  # in the run directory: {"run": RunConfig, 
 # Fields that may differ from the saved run when resuming: how long it runs, how often it logs,
 # evaluates and saves, what it prints at the end, and where and how it runs. ``batch_size`` is
 # per rank: resuming on another number of processes changes it, and the data stream refuses any
-# change of the global batch (world size x batch_size). Every other field defines the run itself
-# (model, data, optimiser, schedule shape, seed) and must match.
+# change of the global batch (world size x batch_size). ``qat`` may be switched on for the rest
+# of a run: a bf16 run continued with --qat mxfp4 is quantisation-aware fine-tuning, as K3 trains
+# its experts after bf16 pre-training. Every other field defines the run itself (model, data,
+# optimiser, schedule shape, seed) and must match.
 RESUMABLE_FIELDS = ("resume", "out", "max_steps", "log_interval", "eval_interval", "eval_batches",
                     "ckpt_interval", "keep_last", "num_samples", "sample_tokens",
-                    "sample_temperature", "device", "batch_size", "compile", "activation_checkpointing")
+                    "sample_temperature", "device", "batch_size", "compile", "activation_checkpointing",
+                    "qat")
 
 
 def _same(a: Any, b: Any) -> bool:

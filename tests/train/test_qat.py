@@ -173,22 +173,28 @@ def test_export_is_bit_exact_and_reloads_to_the_same_logits(tmp_path, monkeypatc
     torch.testing.assert_close(unquantised_inputs, logits, rtol=0, atol=0.1)
 
 
-def test_qat_run_resumes_with_its_mode_and_exports_packed_experts(corpus, tmp_path):  # noqa: F811
+def test_bf16_run_continued_with_qat_exports_packed_experts(corpus, tmp_path):  # noqa: F811
+    """The path of docs/mxfp4.md: a run without QAT, resumed with ``--qat mxfp4`` (qat may change
+    on resume), exports packed experts; the mode is saved with the run and kept by a later
+    resume; ``load_model`` of the run runs the QAT forward."""
     out = tmp_path / "run"
-    summary = train(tiny(corpus, out, qat="mxfp4", model_overrides={**TINY_MODEL, "moe_latent_size": 64},
-                         max_steps=2, warmup_steps=1, ckpt_interval=2, eval_interval=2))
-    assert summary["end_step"] == 2
-    saved = json.loads((out / RUN_CONFIG_FILE).read_text())["run"]
-    assert saved["qat"] == "mxfp4" and run_qat(out) == "mxfp4"
-    # --resume keeps the run's mode, and refuses to change it
-    resumed, _ = resolve_run_config({"resume": True, "out": str(out), "max_steps": 3})
-    assert resumed.qat == "mxfp4"
-    with pytest.raises(ValueError, match=r"--qat 'none' \(the run has 'mxfp4'\)"):
-        resolve_run_config({"resume": True, "out": str(out), "qat": "none"})
-    # the export packs the experts, and loading the run runs its QAT forward on them
-    index = json.loads((out / "export" / "model.safetensors.index.json").read_text())["weight_map"]
-    assert any(k.endswith("experts.0.w1.weight_packed") for k in index)
-    assert not any(k.endswith("experts.0.w1.weight") for k in index)
+    base = tiny(corpus, out, model_overrides={**TINY_MODEL, "moe_latent_size": 64}, max_steps=2,
+                warmup_steps=1, ckpt_interval=2, eval_interval=2)
+    train(base)
+    index_file = out / "export" / "model.safetensors.index.json"
+    assert any(k.endswith("experts.0.w1.weight") for k in json.loads(index_file.read_text())["weight_map"])
+    assert run_qat(out) == "none"
+
+    cfg, _ = resolve_run_config({"resume": True, "out": str(out), "max_steps": 3, "qat": "mxfp4"})
+    assert cfg.qat == "mxfp4" and cfg.seq_len == base.seq_len  # the rest from the saved run
+    assert train(cfg)["start_step"] == 2
+    assert json.loads((out / RUN_CONFIG_FILE).read_text())["run"]["qat"] == "mxfp4"
+    assert run_qat(out) == "mxfp4"
+    assert resolve_run_config({"resume": True, "out": str(out), "max_steps": 4})[0].qat == "mxfp4"
+    weight_map = json.loads(index_file.read_text())["weight_map"]
+    assert any(k.endswith("experts.0.w1.weight_packed") for k in weight_map)
+    assert not any(k.endswith("experts.0.w1.weight") for k in weight_map)
+
     model, _, _ = load_model(out, device="cpu")
     experts = [m for m in model.modules() if isinstance(m, RoutedExperts)]
     assert experts and {m.qat for m in experts} == {"mxfp4"}
@@ -196,3 +202,95 @@ def test_qat_run_resumes_with_its_mode_and_exports_packed_experts(corpus, tmp_pa
     assert torch.equal(fake_quant_mxfp4(w), w)  # already on the MXFP4 grid
     plain, _, _ = load_model(out / "export", device="cpu")  # an HF directory: no run config
     assert {m.qat for m in plain.modules() if isinstance(m, RoutedExperts)} == {"none"}
+
+
+def test_qat_fast_path_traces_as_one_graph():
+    """The QAT expert forward of the CUDA path (grouped matmuls) traces with ``fullgraph=True``
+    through AOT autograd: the quantisers read nothing on the host and their straight-through
+    autograd functions trace. (Forward only: ``grouped_mm``'s CPU backward is not usable.)"""
+    experts = RoutedExperts(preset("debug"), 64)
+    for w in experts.parameters():
+        torch.nn.init.normal_(w, 0.0, 0.1)
+    experts.qat = "mxfp4"
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(40, 64, generator=gen).bfloat16()
+    topk_idx = torch.randint(0, 8, (40, 2), generator=gen)
+    topk_weight = torch.rand(40, 2, generator=gen)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(moe_module, "use_fast_path", lambda x: True)
+        graph = torch.compile(experts.forward, backend="aot_eager", fullgraph=True)
+        assert torch.equal(graph(x, topk_idx, topk_weight), experts(x, topk_idx, topk_weight))
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_qat_grouped_mm_matches_fp32_reference_loop_on_gpu(monkeypatch):
+    """CUDA, fp32 master weights, bf16 rows (as under autocast): the grouped-matmul QAT path
+    against the fp32 loop reference on the same rows. The quantised weights are identical (MXFP4
+    values are exact in bf16); the GLU output is bf16 on one side and fp32 on the other, so a few
+    of its MXFP8 roundings differ: 1e-2 relative, as the unquantised grouped path's test."""
+    cfg = preset("debug").replace(num_experts=16, moe_intermediate_size=128)
+    E, F, D, P = 16, 128, 256, 2000
+    g = torch.Generator(device="cuda").manual_seed(0)
+    ws = [torch.randn(E, F, D, device="cuda", generator=g) * 0.05,
+          torch.randn(E, F, D, device="cuda", generator=g) * 0.05,
+          torch.randn(E, D, F, device="cuda", generator=g) * 0.05]
+    xs = torch.randn(P, D, device="cuda", generator=g).bfloat16()
+    counts = torch.bincount(torch.randint(0, E - 1, (P,), device="cuda", generator=g).sort().values,
+                            minlength=E)  # the last expert gets no rows
+    upstream = torch.randn(P, D, device="cuda", generator=g)
+
+    def run(reference: bool):
+        monkeypatch.setenv("OPENK3_REFERENCE", "1" if reference else "0")
+        leaves = [w.clone().requires_grad_() for w in ws]
+        x = (xs.float() if reference else xs).clone().requires_grad_()
+        out = run_experts(cfg, *leaves, x, counts, qat="mxfp4")
+        out.float().backward(upstream)
+        return out, [t.grad for t in (*leaves, x)]
+
+    fast, fast_grads = run(False)
+    ref, ref_grads = run(True)
+    assert fast.dtype == torch.bfloat16 and ref.dtype == torch.float32
+    assert _rel(fast, ref) < 1e-2
+    for got, want in zip(fast_grads, ref_grads):
+        assert _rel(got, want) < 1e-2
+    plain = run_experts(cfg, *ws, xs.float(), counts)
+    assert _rel(plain, ref) > 3e-2  # and the comparison can tell QAT from no QAT
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_qat_decode_takes_the_sorted_path_on_gpu():
+    """A few tokens without autograd would take the GEMV kernels, which do not quantise the GLU
+    output: under QAT the layer runs the sorted (quantising) path, and equals it exactly."""
+    experts = RoutedExperts(preset("debug"), 64).cuda()
+    for w in experts.parameters():
+        torch.nn.init.normal_(w, 0.0, 0.1)
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(4, 64, device="cuda", generator=gen).bfloat16()
+    topk_idx = torch.randint(0, 8, (4, 2), device="cuda", generator=gen)
+    topk_weight = torch.rand(4, 2, device="cuda", generator=gen)
+    with torch.no_grad():
+        gemv = experts(x, topk_idx, topk_weight)
+        experts.qat = "mxfp4"
+        qat = experts(x, topk_idx, topk_weight)
+        assert torch.equal(qat, experts.forward_sorted(x, topk_idx, topk_weight))
+    assert _rel(gemv, qat) > 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_quantisers_compiled_by_inductor_are_bit_exact_on_gpu():
+    """The training forward is compiled on CUDA: inductor's kernels of both fake quantisers give
+    the eager (and so the exported) values bit for bit, for blocks at scales 2^-100..2^100."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    scales = torch.exp2(torch.randint(-100, 100, (256, 64, 1), device="cuda", generator=g).float())
+    x = (torch.randn(256, 64, 32, device="cuda", generator=g) * scales).reshape(256, 2048)
+    for quantiser in (fake_quant_mxfp4, fake_quant_mxfp8_e4m3):
+        torch._dynamo.reset()
+        compiled = torch.compile(quantiser, backend="inductor", fullgraph=True)
+        assert torch.equal(compiled(x), quantiser(x)), quantiser.__name__
