@@ -38,8 +38,9 @@ def train_one(args: argparse.Namespace, qat: str) -> float:
                  "num_samples": 0, "resume": out.exists(), "seed": args.seed}
     preset_defaults = run_preset(args.preset)
     overrides["warmup_steps"] = min(preset_defaults.warmup_steps, args.steps // 10)
-    overrides["eval_interval"] = min(preset_defaults.eval_interval, args.steps)
-    overrides["log_interval"] = min(preset_defaults.log_interval, max(args.steps // 50, 1))
+    log = min(preset_defaults.log_interval, max(args.steps // 50, 1))
+    # validation on logging steps only: four times per run, and always at the last step
+    overrides.update(log_interval=log, eval_interval=log * max(args.steps // 4 // log, 1))
     for name in ("batch_size", "seq_len", "eval_batches"):
         if getattr(args, name) is not None:
             overrides[name] = getattr(args, name)
