@@ -249,15 +249,37 @@ def part_peer() -> None:
         record(peer)
 
 
+def _client_process(port: int, prompts: list[list[int]], new: int, conn) -> None:
+    """The clients, in their own process (as users run them): one thread per stream of the official
+    ``openai`` client. Sends back (seconds for all streams, chunks received)."""
+    import concurrent.futures
+
+    import openai
+
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0,
+                           timeout=600)
+
+    def one(ids: list[int], max_tokens: int) -> int:
+        stream = client.completions.create(model="bench", prompt=ids, max_tokens=max_tokens,
+                                           temperature=0, stream=True)
+        return sum(1 for chunk in stream if chunk.choices and chunk.choices[0].text is not None)
+
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        list(pool.map(lambda ids: one(ids, 8), prompts))  # warm-up
+        t = time.perf_counter()
+        chunks = sum(pool.map(lambda ids: one(ids, new), prompts))
+        conn.send((time.perf_counter() - t, chunks))
+
+
 def part_server(model, streams: int = 64, new: int = 128, prompt_len: int = 128) -> None:
     """What the OpenAI server adds over the engine: the same 64 requests (128-token prompts, 128
     greedy tokens each) through ``LLMEngine.generate``, then as 64 concurrent streams through the
-    official ``openai`` client against ``openk3 serve``'s app in this process."""
-    import concurrent.futures
+    official ``openai`` client against ``openk3 serve``'s app (uvicorn in this process, the
+    clients in another, so that their JSON parsing does not share this interpreter's GIL)."""
+    import multiprocessing
     import socket
     import threading
 
-    import openai
     import uvicorn
 
     from openk3.serve.engine import AsyncEngine
@@ -278,19 +300,12 @@ def part_server(model, streams: int = 64, new: int = 128, prompt_len: int = 128)
     threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True).start()
     while not server.started:
         time.sleep(0.05)
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}/v1", api_key="none",
-                           max_retries=0, timeout=600)
-
-    def one(ids: list[int], max_tokens: int) -> int:
-        stream = client.completions.create(model="bench", prompt=ids, max_tokens=max_tokens,
-                                           temperature=0, stream=True)
-        return sum(1 for chunk in stream if chunk.choices and chunk.choices[0].text is not None)
-
-    with concurrent.futures.ThreadPoolExecutor(streams) as pool:
-        list(pool.map(lambda ids: one(ids, 8), prompts))  # warm-up
-        t = time.perf_counter()
-        chunks = sum(pool.map(lambda ids: one(ids, new), prompts))
-        server_s = time.perf_counter() - t
+    ctx = multiprocessing.get_context("spawn")
+    receive, send = ctx.Pipe(duplex=False)
+    clients = ctx.Process(target=_client_process, args=(sock.getsockname()[1], prompts, new, send))
+    clients.start()
+    server_s, chunks = receive.recv()
+    clients.join()
     server.should_exit = True
     async_engine.shutdown()
     record({"part": "server", "streams": streams, "new_tokens": new, "engine_s": engine_s,
@@ -302,9 +317,12 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--parts", nargs="+", default=["decode", "ttft", "long", "peer", "eager"],
                     help="run in this order; 'eager' is decode without CUDA graphs")
+    ap.add_argument("--preset", default="small", help="the random model served (debug: a CPU check)")
+    ap.add_argument("--device", default="cuda")
     args = ap.parse_args()
     print(environment())
-    model = build_model(preset("small"), device="cuda", dtype=torch.bfloat16)
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    model = build_model(preset(args.preset), device=args.device, dtype=dtype)
     for part in args.parts:
         if part in ("decode", "eager"):
             rows = part_decode(model, "small", modes=(part == "decode",))

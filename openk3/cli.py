@@ -11,6 +11,7 @@ import time
 import types
 import typing
 
+from openk3.checkpoint.hf import EXPERTS_MODES
 from openk3.config import PRESETS, preset
 from openk3.runtime import DTYPES, checkpoint_dir, load_model
 from openk3.serve.config import EngineConfig
@@ -47,6 +48,10 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
     p.add_argument("--dtype", default=None, choices=sorted(DTYPES),
                    help="default: bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--experts", default="dequantize", choices=EXPERTS_MODES,
+                   help="routed experts: 'dequantize' to the model dtype (default), or keep them "
+                        "'packed' as MXFP4 (4.25 bits per weight, kernels that dequantise in "
+                        "registers; quantises unpacked experts on load; docs/mxfp4.md)")
     p.add_argument("--tokenizer", default=None, metavar="DIR|bytes",
                    help="a directory with tokenizer.json or tiktoken.model, or 'bytes' for raw UTF-8 "
                         "(default: the checkpoint's own; with --random-init, one whose every id is visible)")
@@ -56,7 +61,7 @@ def _load_model(args: argparse.Namespace, seed: int = 0):
     """``load_model`` from the flags of ``_add_model_flags``."""
     preset_name = args.preset or ("debug" if args.random_init else None)
     return load_model(args.checkpoint, preset_name, args.random_init, args.device, args.dtype, seed,
-                      args.tokenizer)
+                      args.tokenizer, args.experts)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -65,6 +70,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
     model, tok, _ = _load_model(args, seed=args.seed or 0)
     device = next(model.parameters()).device
     ids = tok.encode(args.prompt)
+    images = None
+    if args.image:
+        from openk3.vision.preprocess import image_prompt_ids, load_image, pack_images
+
+        if model.cfg.vision_config is None:
+            print("openk3 generate: --image needs a model with a vision tower", file=sys.stderr)
+            return 2
+        pics = [load_image(p) for p in args.image]
+        images = pack_images(pics, model.cfg.vision_config)
+        special = getattr(getattr(tok, "tok", None), "token_to_id", lambda _: None)
+        bos = [model.cfg.bos_token_id] if model.cfg.bos_token_id is not None else []
+        ids = bos + image_prompt_ids(special, tok.encode, [p.size for p in pics],
+                                     images.tokens_per_image(model.cfg.vision_config),
+                                     model.cfg.vision_config.media_placeholder_token_id) + ids
     if not ids:
         print("openk3 generate: --prompt is empty after tokenisation", file=sys.stderr)
         return 2
@@ -75,6 +94,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return 2
     print(args.prompt, end="", flush=True)
     if args.num_speculative_tokens:
+        if images is not None:
+            print("openk3 generate: --image with speculative decoding is not supported",
+                  file=sys.stderr)
+            return 2
         return _generate_speculative(args, model, tok, ids)
     new: list[int] = []
     shown = ""
@@ -89,7 +112,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     generate(model, ids, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-             seed=args.seed, eos_token_id=model.cfg.eos_token_id, on_token=stream)
+             seed=args.seed, eos_token_id=model.cfg.eos_token_id, on_token=stream, images=images)
     dt = time.perf_counter() - t0
     print(f"\n[{len(new)} tokens in {dt:.2f}s, {len(new) / max(dt, 1e-9):.1f} tok/s on {device}]",
           file=sys.stderr)
@@ -218,12 +241,15 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text from a checkpoint or a random-init preset")
     _add_model_flags(g)
     g.add_argument("--prompt", required=True)
+    g.add_argument("--image", action="append", default=None, metavar="PATH",
+                   help="an image placed before the prompt (repeatable; needs a vision tower)")
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.8)
     g.add_argument("--top-p", type=float, default=0.95)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--draft", default=None, metavar="DIR",
-                   help="draft model directory for speculative decoding (shares the tokenizer)")
+                   help="draft for speculative decoding: a draft model directory (shares the tokenizer), "
+                        "an EAGLE-3 draft directory (openk3 train-draft) or 'mtp' (the target's MTP layer)")
     g.add_argument("--num-speculative-tokens", type=int, default=0, metavar="K",
                    help="draft tokens verified per step (needs --draft; 0: off)")
     g.set_defaults(fn=cmd_generate)

@@ -61,6 +61,87 @@ def _type_name(want: Any) -> str:
     return str(want).replace("typing.", "") if typing.get_args(want) else want.__name__
 
 
+def _check_field_types(obj: Any) -> None:
+    """Every field's value has its annotated type (an int is a valid float; bool is not an
+    int), so a config.json with ``"num_attention_heads": "eight"`` fails here, naming it."""
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        value, want = getattr(obj, f.name), hints[f.name]
+        if not _has_type(value, want):
+            raise ValueError(f"{type(obj).__name__}.{f.name}={value!r}: expected {_type_name(want)}")
+
+
+@dataclass
+class VisionConfig(_DictIO):
+    """The MoonViT-V2 vision tower and its projector (K3_SPEC §6; docs/vision.md gives the
+    source of every value). The defaults are the K3 release's ``vision_config``.
+
+    An image is cut into ``patch_size`` x ``patch_size`` patches at its native resolution (a
+    grid of h x w patches); each patch is embedded (``patch_embed.proj``, no bias), a learned
+    ``[init_pos_emb_height, init_pos_emb_width, vt_hidden_size]`` position table resampled to
+    the grid (``pos_emb_interpolation_mode``) is added, and ``vt_num_hidden_layers`` pre-norm
+    blocks (RMSNorm, attention with 2D RoPE inside each image, GELU-tanh MLP) run over all
+    images packed into one variable-length batch. ``merge_kernel_size`` neighbours are then
+    concatenated (2 x 2 -> 4 * vt_hidden_size) and the projector (Linear, GELU, Linear,
+    RMSNorm) maps each merged token to the language model's ``hidden_size``. Those tokens
+    replace the ``media_placeholder_token_id`` positions of the prompt.
+    """
+
+    vt_hidden_size: int = 1024  # the residual stream of the tower
+    vt_num_hidden_layers: int = 27
+    vt_num_attention_heads: int = 12
+    qkv_hidden_size: int = 1536  # heads x head_dim (12 x 128): wider than the residual stream
+    vt_intermediate_size: int = 4096  # MLP width
+    patch_size: int = 14
+    init_pos_emb_height: int = 64
+    init_pos_emb_width: int = 64
+    pos_emb_interpolation_mode: str = "bilinear"  # or "bicubic" (Kimi-VL / K2.5's choice)
+    merge_kernel_size: tuple[int, ...] = (2, 2)  # (rows, columns) of patches per LM token
+    rope_theta: float = 10000.0
+    rope_max_grid: int = 512  # the largest grid side the 2D RoPE (and the preprocessor) allow
+    # the tower's RMSNorm eps; None: torch.finfo(dtype).eps, torch.nn.RMSNorm's default, which
+    # the release's reference code uses (so it depends on the compute dtype)
+    norm_eps: float | None = None
+    projector_ln_eps: float = 1e-5  # the projector's post_norm (an RMSNorm despite the name)
+    media_placeholder_token_id: int = 163605  # <|media_pad|>
+
+    def __post_init__(self) -> None:
+        _check_field_types(self)
+        self.merge_kernel_size = tuple(self.merge_kernel_size)
+        self.validate()
+
+    def validate(self) -> None:
+        def bad(name: str, why: str) -> ValueError:
+            return ValueError(f"VisionConfig.{name}={getattr(self, name)!r}: {why}")
+
+        for name in ("vt_hidden_size", "vt_num_hidden_layers", "vt_num_attention_heads",
+                     "qkv_hidden_size", "vt_intermediate_size", "patch_size", "init_pos_emb_height",
+                     "init_pos_emb_width", "rope_max_grid", "media_placeholder_token_id"):
+            if getattr(self, name) <= 0:
+                raise bad(name, "must be positive")
+        if self.qkv_hidden_size % self.vt_num_attention_heads:
+            raise bad("qkv_hidden_size", f"must be divisible by vt_num_attention_heads="
+                      f"{self.vt_num_attention_heads}")
+        if self.head_dim % 4:
+            raise bad("qkv_hidden_size", f"gives a head_dim of {self.head_dim}; the 2D RoPE needs a "
+                      "multiple of 4 (a rotated pair per axis per frequency)")
+        if len(self.merge_kernel_size) != 2 or min(self.merge_kernel_size) <= 0:
+            raise bad("merge_kernel_size", "must be two positive integers (rows, columns)")
+        if self.pos_emb_interpolation_mode not in ("bilinear", "bicubic"):
+            raise bad("pos_emb_interpolation_mode", "must be 'bilinear' or 'bicubic'")
+        if self.norm_eps is not None and self.norm_eps < 0:
+            raise bad("norm_eps", "must be >= 0 or None")
+
+    @property
+    def head_dim(self) -> int:
+        return self.qkv_hidden_size // self.vt_num_attention_heads
+
+    @property
+    def merged_size(self) -> int:
+        """Width of a merged token: the projector's input."""
+        return self.vt_hidden_size * self.merge_kernel_size[0] * self.merge_kernel_size[1]
+
+
 @dataclass
 class ModelConfig(_DictIO):
     """Every field of the K3 / Kimi Linear text backbone (K3_SPEC §1, §2).
@@ -125,22 +206,21 @@ class ModelConfig(_DictIO):
     eos_token_id: int | None = 163586
     pad_token_id: int | None = 163839
 
+    # the vision tower and projector (openk3/vision); None: a text-only model
+    vision_config: VisionConfig | None = None
+
     hf_passthrough: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
+        if isinstance(self.vision_config, dict):  # from_dict / JSON: the nested section
+            self.vision_config = VisionConfig.from_dict(self.vision_config)
         self._check_types()
         self.full_attn_layers = tuple(self.full_attn_layers)
         self.dense_mlp_layers = tuple(self.dense_mlp_layers)
         self.validate()
 
     def _check_types(self) -> None:
-        """Every field's value has its annotated type (an int is a valid float; bool is not an
-        int), so a config.json with ``"num_attention_heads": "eight"`` fails here, naming it."""
-        hints = typing.get_type_hints(type(self))
-        for f in dataclasses.fields(self):
-            value, want = getattr(self, f.name), hints[f.name]
-            if not _has_type(value, want):
-                raise ValueError(f"ModelConfig.{f.name}={value!r}: expected {_type_name(want)}")
+        _check_field_types(self)
 
     # ---- validation -----------------------------------------------------------------
     def validate(self) -> None:
@@ -190,6 +270,14 @@ class ModelConfig(_DictIO):
                                            or self.moe_latent_size is not None):
             raise ValueError("ModelConfig: arch='kimi_linear' has no AttnRes and no latent MoE; "
                              "set attn_res_block_size=None and moe_latent_size=None")
+        if self.vision_config is not None:
+            if self.arch != "kimi_k3":
+                raise bad("arch", "a vision_config needs arch='kimi_k3' (Kimi Linear's HF format "
+                          "has no vision part)")
+            if not 0 <= self.vision_config.media_placeholder_token_id < self.vocab_size:
+                raise ValueError(f"VisionConfig.media_placeholder_token_id="
+                                 f"{self.vision_config.media_placeholder_token_id} is outside the "
+                                 f"vocabulary (vocab_size={self.vocab_size})")
 
     # ---- derived ----------------------------------------------------------------------
     @property
@@ -220,7 +308,7 @@ class ModelConfig(_DictIO):
 # ---- presets ---------------------------------------------------------------------------
 
 def _k3() -> ModelConfig:
-    return ModelConfig()
+    return ModelConfig(vision_config=VisionConfig())  # the release is natively multimodal
 
 
 def _debug() -> ModelConfig:
@@ -234,6 +322,17 @@ def _debug() -> ModelConfig:
         num_shared_experts=1, moe_latent_size=96, attn_res_block_size=4,
         max_position_embeddings=8192, bos_token_id=1, eos_token_id=2, pad_token_id=0,
     )
+
+
+def _debug_vl() -> ModelConfig:
+    # `debug` with a tiny tower: learns the synthetic image-text corpus on a CPU in minutes
+    # (openk3/vision/synthetic.py). 56-112 pixel images: 4x4 to 8x8 patches, 4 to 16 LM tokens.
+    return _debug().replace(
+        vocab_size=64, num_hidden_layers=4, full_attn_layers=(4,), attn_res_block_size=2,
+        max_position_embeddings=512, vision_config=VisionConfig(
+            vt_hidden_size=64, vt_num_hidden_layers=2, vt_num_attention_heads=2, qkv_hidden_size=64,
+            vt_intermediate_size=256, init_pos_emb_height=8, init_pos_emb_width=8,
+            media_placeholder_token_id=3))
 
 
 def _small() -> ModelConfig:
@@ -282,6 +381,7 @@ def _kimi_linear_48b() -> ModelConfig:
 
 PRESETS = {
     "debug": _debug,
+    "debug-vl": _debug_vl,
     "small": _small,
     "medium": _medium,
     "k3": _k3,

@@ -11,6 +11,7 @@ import torch
 
 from openk3.model.model import KimiForCausalLM
 from openk3.serve.sampler import SamplingParams, sample
+from openk3.vision.preprocess import PackedImages
 
 
 def sample_next(logits: torch.Tensor, temperature: float, top_p: float,
@@ -24,8 +25,11 @@ def sample_next(logits: torch.Tensor, temperature: float, top_p: float,
 def generate_batch(model: KimiForCausalLM, prompts: list[list[int]], max_new_tokens: int,
                    temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
                    eos_token_id: int | None = None,
-                   on_token: Callable[[int, int], None] | None = None) -> list[list[int]]:
+                   on_token: Callable[[int, int], None] | None = None,
+                   images: PackedImages | None = None) -> list[list[int]]:
     """Generate for equal-length prompts in one batch; returns the new tokens of each.
+
+    ``images``: the prompts' images, whose features fill their placeholder tokens (prefill only).
 
     ``on_token(sequence_index, token_id)`` is called as tokens appear (streaming). A sequence
     stops at ``eos_token_id`` (which is included) or after ``max_new_tokens``.
@@ -40,7 +44,8 @@ def generate_batch(model: KimiForCausalLM, prompts: list[list[int]], max_new_tok
         gen = torch.Generator(device=device).manual_seed(seed)
     cache = model.new_cache()
     ids = torch.tensor(prompts, device=device)
-    logits = model(ids, cache, logits_to_keep=1).logits[:, -1]
+    logits = model(ids, cache, logits_to_keep=1,
+                   images=None if images is None else images.to(device)).logits[:, -1]
     out: list[list[int]] = [[] for _ in prompts]
     done = [False] * len(prompts)
     for _ in range(max_new_tokens):

@@ -9,6 +9,10 @@ from openk3.model.model import build_model
 
 
 def _component(name: str) -> str:
+    if name.startswith("vision_tower."):
+        return "vision tower"
+    if name.startswith("mm_projector."):
+        return "vision projector"
     if name.startswith("model.embed_tokens"):
         return "embedding"
     if name.startswith("lm_head"):

@@ -14,9 +14,11 @@ from pathlib import Path
 import torch
 
 from openk3.checkpoint import load_pretrained
+from openk3.checkpoint.hf import EXPERTS_MODES
 from openk3.config import preset as model_preset
 from openk3.model import build_model
 from openk3.model.moe import set_qat
+from openk3.model.packed_experts import pack_experts
 from openk3.tokenizer import VisibleTokenizer, load_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -81,7 +83,7 @@ def run_qat(path: str | Path) -> str:
 
 def load_model(checkpoint: str | Path | None = None, preset: str | None = None, random_init: bool = False,
                device: str | torch.device | None = None, dtype: str | torch.dtype | None = None,
-               seed: int = 0, tokenizer: str | Path | None = None):
+               seed: int = 0, tokenizer: str | Path | None = None, experts: str = "dequantize"):
     """(model in eval mode, tokenizer, name) from a checkpoint directory (or a training run's, see
     ``checkpoint_dir``), or from a preset with random weights (``random_init=True``) for trying
     things without weights.
@@ -92,10 +94,12 @@ def load_model(checkpoint: str | Path | None = None, preset: str | None = None, 
 
     A training run trained with ``qat="mxfp4"`` is loaded from its MXFP4 export and runs the
     run's quantisation-aware forward (``openk3.model.moe.set_qat``), so that it computes what the
-    run computed; an HF directory runs its experts on the decoded weights with unquantised inputs.
+    run computed; an HF directory, or ``experts="packed"`` (whose kernels take unquantised
+    inputs), runs the experts on the same MXFP4 weights with unquantised inputs.
 
     ``device`` and ``dtype`` default as in ``resolve_device`` / ``default_dtype``; ``seed`` seeds
-    random weights. The name is the checkpoint directory's (the run's for a training run), or
+    random weights. ``experts="packed"`` keeps the routed experts MXFP4-packed for serving
+    (``load_pretrained``'s argument; random weights are quantised with ``pack_experts``). The name is the checkpoint directory's (the run's for a training run), or
     ``openk3-PRESET``. Raises ValueError unless exactly one of ``checkpoint`` / ``preset`` is
     given, and ``random_init`` is set exactly when ``preset`` is.
     """
@@ -108,20 +112,48 @@ def load_model(checkpoint: str | Path | None = None, preset: str | None = None, 
         raise ValueError("random_init=True applies to a preset; a checkpoint brings its weights")
     if preset is not None and not random_init:
         raise ValueError(f"preset={preset!r} has no weights: pass random_init=True for random ones")
+    if experts not in EXPERTS_MODES:
+        raise ValueError(f"experts={experts!r}: choose one of {list(EXPERTS_MODES)}")
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     if checkpoint is not None:
         path = checkpoint_dir(checkpoint)
         tok = load_tokenizer(tokenizer if tokenizer is not None else path)  # fails before the weights load
-        model = load_pretrained(path, dtype=dtype, device=device)
+        model = load_pretrained(path, dtype=dtype, device=device, experts=experts)
         set_qat(model, run_qat(checkpoint))
         return model.eval(), tok, Path(checkpoint).resolve().name
     tok = load_tokenizer(tokenizer) if tokenizer is not None else VisibleTokenizer()
     model = build_model(model_preset(preset), device=device, dtype=dtype, seed=seed)
+    if experts == "packed":
+        pack_experts(model)
     return model.eval(), tok, f"openk3-{preset}"
 
 
-def load_draft_model(checkpoint: str | Path, device: torch.device, dtype: torch.dtype):
-    """A speculative-decoding draft model (in eval mode) from a checkpoint directory, as
-    ``load_model`` loads one but without a tokenizer: the draft uses the target's."""
-    return load_pretrained(checkpoint_dir(checkpoint), dtype=dtype, device=device).eval()
+def load_draft_model(checkpoint: str | Path, device: torch.device, dtype: torch.dtype, target=None):
+    """A speculative-decoding draft (in eval mode; the draft uses the target's tokenizer):
+
+    * ``"mtp"``: the MTP layer of ``target`` (one trained with ``--mtp-layers 1``) as an EAGLE-3
+      draft (``Eagle3Draft.from_mtp``: the fusion picks h, so it is the MTP layer as trained);
+    * an EAGLE-3 draft directory (``openk3 train-draft``; its ``config.json`` has ``model_type``
+      ``openk3_eagle3_draft``): ``load_draft(dir, target)``, fp32 (the engine casts it);
+    * any other checkpoint directory (or training run): a separate draft model, loaded as
+      ``load_model`` loads one, in ``dtype``.
+    """
+    from openk3.checkpoint.draft import DRAFT_CONFIG_FILE, load_draft
+    from openk3.model.draft import DRAFT_MODEL_TYPE, DraftConfig, Eagle3Draft
+
+    if str(checkpoint) == "mtp":
+        if target is None or not len(target.mtp):
+            raise ValueError("draft='mtp' uses the target's MTP layer, but the target has none "
+                             "(num_nextn_predict_layers 0; train it with --mtp-layers 1)")
+        with torch.device(target.lm_head.weight.device):
+            draft = Eagle3Draft(DraftConfig.for_target(target.cfg, "mtp", init="mtp"))
+        draft.from_mtp(target.mtp[0])
+        return draft.eval()
+    path = checkpoint_dir(checkpoint)
+    config = path / DRAFT_CONFIG_FILE
+    if config.is_file() and json.loads(config.read_text()).get("model_type") == DRAFT_MODEL_TYPE:
+        if target is None:
+            raise ValueError(f"draft {str(path)!r} is an EAGLE-3 draft: loading it needs its target model")
+        return load_draft(path, target)
+    return load_pretrained(path, dtype=dtype, device=device).eval()

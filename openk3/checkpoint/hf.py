@@ -7,9 +7,12 @@ This module is the only place that knows external tensor names. The mapping, our
 * MoE layers ``layers.{i}.mlp.`` -> ``layers.{i}.block_sparse_moe.`` (dense layers stay ``mlp.``;
   transformers writes them under ``block_sparse_moe.`` too, which loading accepts);
 * stacked experts ``mlp.experts.w{1,2,3}`` [E, ...] -> ``experts.{e}.w{1,2,3}.weight`` per expert,
-  or ``.weight_packed`` (uint8) + ``.weight_scale`` (E8M0) when MXFP4-packed;
+  or ``.weight_packed`` (uint8) + ``.weight_scale`` (E8M0) when MXFP4-packed; a model loaded with
+  ``experts="packed"`` holds them as ``mlp.experts.w{1,2,3}_packed`` / ``_scale`` [E, ...] buffers
+  (``openk3.model.packed_experts``);
 * AttnRes ``X_res.norm.weight`` / ``X_res.proj.weight`` -> ``X_res_norm.weight`` / ``X_res_proj.weight``;
 * KDA ``A_log`` [H] -> [max(H, 128)] zero-padded (K3) or [1, 1, H, 1] (Kimi Linear);
+* vision tower and projector ``vision_tower.*`` / ``mm_projector.*``: the same names, no prefix;
 * MTP layer ``mtp.{k}.`` -> ``model.layers.{L + k}.`` with L = ``num_hidden_layers``, then as any
   layer (``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm``, the block's MLA and MoE names).
   The MTP head and embedding are the main ``lm_head`` / ``embed_tokens``: no copy is written
@@ -34,11 +37,12 @@ from openk3.checkpoint.atomic import atomic_directory
 from openk3.checkpoint.hf_config import from_hf, to_hf
 from openk3.config import ModelConfig
 from openk3.model.model import KimiForCausalLM, _keep_fp32, build_model
+from openk3.model.packed_experts import pack_experts
 from openk3.ops.mx import MX_BLOCK_SIZE, mxfp4_dequantize, mxfp4_quantize
 
 MXFP4_FORMAT = "mxfp4-pack-quantized"
 K3_ALOG_PAD = 128
-SKIPPED_PREFIXES = ("vision_tower.", "mm_projector.")  # the vision part of a K3 release
+VISION_PREFIXES = ("vision_tower.", "mm_projector.")  # the vision part of a K3 release
 
 _EXPERT_RE = re.compile(r"^(model\.layers\.\d+)\.mlp\.experts\.(w[123])$")
 _HF_EXPERT_RE = re.compile(r"^(model\.layers\.\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\."
@@ -74,6 +78,13 @@ def _is_expert_stack(cfg: ModelConfig, name: str) -> bool:
     return bool(_EXPERT_RE.match(_layer_name(cfg, name)))
 
 
+def _expert_stack_of(cfg: ModelConfig, name: str) -> str | None:
+    """The stack (``...mlp.experts.w1``) that our ``name`` holds: the stack itself, or one of its
+    MXFP4 buffers (``..._packed``, ``..._scale``) in a packed model; None for other tensors."""
+    stack = re.sub(r"_(packed|scale)$", "", name)
+    return stack if _is_expert_stack(cfg, stack) else None
+
+
 def _is_moe_name(cfg: ModelConfig, name: str) -> bool:
     # the MTP layers (index >= num_hidden_layers) are MoE: no dense_mlp_layers entry reaches them
     m = re.match(r"^model\.layers\.(\d+)\.", name)
@@ -82,6 +93,8 @@ def _is_moe_name(cfg: ModelConfig, name: str) -> bool:
 
 def to_hf_name(cfg: ModelConfig, name: str) -> str:
     """Our parameter name -> HF name (not for stacked experts, see ``_hf_tensors``)."""
+    if name.startswith(VISION_PREFIXES):
+        return name
     name = _layer_name(cfg, name)
     hf = re.sub(r"_res\.(norm|proj)\.weight$", r"_res_\1.weight", name)
     if _is_moe_name(cfg, name):
@@ -90,7 +103,9 @@ def to_hf_name(cfg: ModelConfig, name: str) -> str:
 
 
 def from_hf_name(cfg: ModelConfig, hf: str) -> str | None:
-    """HF name -> our name; ``None`` for a name outside the text model's namespace."""
+    """HF name -> our name; ``None`` for a name outside the model's namespace."""
+    if hf.startswith(VISION_PREFIXES):
+        return hf
     prefix = _hf_prefix(cfg)
     if not hf.startswith(prefix):
         return None
@@ -130,23 +145,61 @@ def _shape_error(name: str, file: Path, got, want) -> CheckpointError:
     return CheckpointError(f"{file}: tensor {name} has shape {tuple(got)}, the model expects {tuple(want)}")
 
 
+def _has_vision_tensors(files: list[Path]) -> bool:
+    for file in files:
+        with _open(file) as f:
+            if any(k.startswith(VISION_PREFIXES) for k in f.keys()):
+                return True
+    return False
+
+
+EXPERTS_MODES = ("dequantize", "packed")
+
+
 def load_pretrained(path: str | os.PathLike, dtype: torch.dtype | None = None,
-                    device: torch.device | str | None = None) -> KimiForCausalLM:
+                    device: torch.device | str | None = None,
+                    vision: bool | None = None,
+                    experts: str = "dequantize") -> KimiForCausalLM:
     """Load a HF ``kimi_k3`` / ``kimi_linear`` checkpoint directory.
 
     The model is built on the meta device and materialised once on ``device`` (default CPU);
     tensors are then streamed in one at a time, so peak memory is one model plus one tensor.
     ``dtype`` defaults to the checkpoint's floating dtype; routers and KDA decay parameters
-    stay fp32. MXFP4-packed experts (``.weight_packed``) are decoded bit-exactly.
+    stay fp32.
+
+    ``experts`` says how routed experts are held:
+
+    * ``"dequantize"`` (default): as ``dtype`` parameters; MXFP4-packed experts
+      (``.weight_packed``) are decoded bit-exactly. Trainable.
+    * ``"packed"``: as MXFP4 buffers (``openk3.model.packed_experts.PackedRoutedExperts``,
+      4.25 bits per weight), run by kernels that dequantise in registers; inference only.
+      Packed checkpoint tensors are copied byte for byte; experts stored unpacked
+      (``.weight``, e.g. a bf16 export) are quantised on load with ``mxfp4_quantize``, the
+      quantiser of ``save_pretrained(experts="mxfp4")`` and of QAT, with a note on stderr.
+
+    ``vision``: True loads the vision tower and projector (``vision_tower.*``,
+    ``mm_projector.*``; config.json must have a ``vision_config``), False loads the text model
+    only and skips them, saying so; None (default) loads them when config.json describes them
+    and the checkpoint holds them, else loads text only.
     """
+    if experts not in EXPERTS_MODES:
+        raise ValueError(f"load_pretrained: experts={experts!r} must be one of {EXPERTS_MODES}")
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: not a checkpoint directory")
     cfg = from_hf(path)
     files = _shard_files(path)
+    if vision and cfg.vision_config is None:
+        raise CheckpointError(f"{path}: vision=True but config.json has no vision_config")
+    if vision is None:
+        vision = cfg.vision_config is not None and _has_vision_tensors(files)
+    if not vision:
+        cfg = cfg.replace(vision_config=None)  # hf_passthrough still writes it back on save
     if dtype is None:
         dtype = _checkpoint_dtype(files)
     model = build_model(cfg, device="meta")
+    if experts == "packed":
+        pack_experts(model)  # empty meta modules, filled below
     model.to_empty(device=device or "cpu")
     model.to(dtype)
     _keep_fp32(model)
@@ -157,12 +210,14 @@ def load_pretrained(path: str | os.PathLike, dtype: torch.dtype | None = None,
 
     filled: set[str] = set()
     experts_filled: dict[str, set[int]] = defaultdict(set)
-    packed: dict[tuple[str, int, str], dict[str, torch.Tensor]] = defaultdict(dict)
+    # HF stem of a packed expert matrix -> {"weight_packed" / "weight_scale": (tensor, file)}
+    packed: dict[str, dict[str, tuple[torch.Tensor, Path]]] = defaultdict(dict)
+    quantized: list[str] = []  # unpacked experts quantised into a packed model
     skipped = 0
     for file in files:
         with _open(file) as f:
             for hf in f.keys():
-                if hf.startswith(SKIPPED_PREFIXES):
+                if not vision and hf.startswith(VISION_PREFIXES):
                     skipped += 1
                     continue
                 try:
@@ -170,18 +225,26 @@ def load_pretrained(path: str | os.PathLike, dtype: torch.dtype | None = None,
                 except (SafetensorError, OSError, ValueError) as e:
                     raise CheckpointError(f"{file}: cannot read tensor {hf}: {e}") from e
                 _place(cfg, state, hf, tensor, file, filled, experts_filled, packed,
-                       model.stored_dtypes)
+                       model.stored_dtypes, quantized)
     if skipped:
         print(f"openk3: text-only load, skipped {skipped} vision tensor{'s' * (skipped != 1)} "
-              f"({', '.join(SKIPPED_PREFIXES)})", file=sys.stderr)
-    for (stack, e, w), parts in packed.items():
-        if set(parts) != {"weight_packed", "weight_scale"}:
-            raise CheckpointError(f"expert {stack}.{e}.{w}: has {sorted(parts)}, needs both "
-                                  "weight_packed and weight_scale")
-    missing = sorted(n for n in state if n not in filled and not _is_expert_stack(cfg, n))
-    for n, p in state.items():
-        if _is_expert_stack(cfg, n) and len(experts_filled[n]) != p.shape[0]:
-            absent = sorted(set(range(p.shape[0])) - experts_filled[n])
+              f"({', '.join(VISION_PREFIXES)})", file=sys.stderr)
+    if quantized:
+        print(f"openk3: experts='packed': quantised {len(quantized)} unpacked expert matrices to "
+              f"MXFP4 on load (mxfp4_quantize, as save_pretrained(experts='mxfp4')), e.g. "
+              f"{quantized[0]}", file=sys.stderr)
+    for stem, parts in packed.items():
+        if len(parts) < 2:
+            (kind, (_, file)), = parts.items()
+            other = "weight_scale" if kind == "weight_packed" else "weight_packed"
+            raise CheckpointError(f"{file}: tensor {stem}.{kind} has no {stem}.{other} in the "
+                                  "checkpoint (MXFP4 experts need both)")
+    missing = sorted(n for n in state if n not in filled and _expert_stack_of(cfg, n) is None)
+    stacks = {_expert_stack_of(cfg, n): t.shape[0] for n, t in state.items()}
+    stacks.pop(None, None)
+    for n, num_experts in sorted(stacks.items()):
+        if len(experts_filled[n]) != num_experts:
+            absent = sorted(set(range(num_experts)) - experts_filled[n])
             missing.append(f"{n} (experts {absent[:8]}{'...' if len(absent) > 8 else ''})")
     if missing:
         raise CheckpointError(f"{path}: checkpoint lacks tensors the model needs: "
@@ -209,36 +272,64 @@ def _checkpoint_dtype(files: list[Path]) -> torch.dtype:
     return torch.bfloat16
 
 
-def _place(cfg, state, hf, tensor, file, filled, experts_filled, packed, stored_dtypes) -> None:
+def _check_packed(stem: str, parts: dict, rows: int, cols: int) -> None:
+    """The checkpoint's ``stem.weight_packed`` / ``.weight_scale`` (tensor, file) are uint8 of
+    ``[rows, cols/2]`` / ``[rows, cols/32]``."""
+    for kind, shape in (("weight_packed", (rows, cols // 2)), ("weight_scale", (rows, cols // MX_BLOCK_SIZE))):
+        t, file = parts[kind]
+        if t.dtype != torch.uint8:
+            raise CheckpointError(f"{file}: tensor {stem}.{kind} is {t.dtype}, MXFP4 experts store uint8")
+        if tuple(t.shape) != shape:
+            raise _shape_error(f"{stem}.{kind}", file, t.shape, shape)
+
+
+def _place_expert(cfg, state, hf, m, tensor, file, experts_filled, packed, quantized) -> None:
+    """Copy one checkpoint tensor of routed expert ``m`` (an ``_HF_EXPERT_RE`` match) into its
+    stack: a parameter ``[E, rows, cols]`` or, in a packed model, ``_packed`` / ``_scale`` buffers."""
+    stack = _our_name(cfg, f"{m.group(1)}.mlp.experts.{m.group(3)}")
+    e, kind = int(m.group(2)), m.group(4)
+    to_packed = stack + "_packed" in state
+    if stack not in state and not to_packed:
+        raise CheckpointError(f"{file}: unexpected tensor {hf} (no routed experts there in this "
+                              "config: a dense layer, or a layer past num_hidden_layers + "
+                              "num_nextn_predict_layers)")
+    if to_packed:
+        num_experts, rows, half = state[stack + "_packed"].shape
+        cols = 2 * half
+    else:
+        num_experts, rows, cols = state[stack].shape
+    if e >= num_experts:
+        raise CheckpointError(f"{file}: unexpected tensor {hf}: expert {e} >= num_experts {num_experts}")
+    if kind == "weight":
+        if tuple(tensor.shape) != (rows, cols):
+            raise _shape_error(hf, file, tensor.shape, (rows, cols))
+        value = tensor
+        if to_packed:
+            weight_packed, weight_scale = mxfp4_quantize(tensor.float())
+            quantized.append(hf)
+    else:
+        parts = packed[hf.rsplit(".", 1)[0]]
+        parts[kind] = (tensor, file)
+        if len(parts) < 2:
+            return
+        _check_packed(hf.rsplit(".", 1)[0], parts, rows, cols)
+        weight_packed, weight_scale = parts["weight_packed"][0], parts["weight_scale"][0]
+        if not to_packed:
+            value = mxfp4_dequantize(weight_packed, weight_scale, dtype=torch.float32)
+    with torch.no_grad():
+        if to_packed:
+            state[stack + "_packed"][e].copy_(weight_packed)
+            state[stack + "_scale"][e].copy_(weight_scale)
+        else:
+            state[stack][e].copy_(value)
+    experts_filled[stack].add(e)
+
+
+def _place(cfg, state, hf, tensor, file, filled, experts_filled, packed, stored_dtypes,
+           quantized) -> None:
     m = _HF_EXPERT_RE.match(hf[len(_hf_prefix(cfg)):]) if hf.startswith(_hf_prefix(cfg)) else None
     if m:
-        stack = _our_name(cfg, f"{m.group(1)}.mlp.experts.{m.group(3)}")
-        e, kind = int(m.group(2)), m.group(4)
-        if stack not in state:
-            raise CheckpointError(f"{file}: unexpected tensor {hf} (no routed experts there in this "
-                                  "config: a dense layer, or a layer past num_hidden_layers + "
-                                  "num_nextn_predict_layers)")
-        param = state[stack]
-        if e >= param.shape[0]:
-            raise CheckpointError(f"{file}: unexpected tensor {hf}: expert {e} >= num_experts "
-                                  f"{param.shape[0]}")
-        if kind == "weight":
-            value = tensor
-        else:
-            parts = packed[(stack, e, m.group(3))]
-            parts[kind] = tensor
-            if len(parts) < 2:
-                return
-            want_packed = (param.shape[1], param.shape[2] // 2)
-            if tuple(parts["weight_packed"].shape) != want_packed:
-                raise _shape_error(hf.rsplit(".", 1)[0] + ".weight_packed", file,
-                                   parts["weight_packed"].shape, want_packed)
-            value = mxfp4_dequantize(parts["weight_packed"], parts["weight_scale"], dtype=torch.float32)
-        if tuple(value.shape) != tuple(param.shape[1:]):
-            raise _shape_error(hf, file, value.shape, param.shape[1:])
-        with torch.no_grad():
-            param[e].copy_(value)
-        experts_filled[stack].add(e)
+        _place_expert(cfg, state, hf, m, tensor, file, experts_filled, packed, quantized)
         return
     name = from_hf_name(cfg, hf)
     if name is None or name not in state:
@@ -274,10 +365,17 @@ def _unpad_a_log(t: torch.Tensor, heads: int, hf: str, file: Path) -> torch.Tens
 def _hf_tensors(model: KimiForCausalLM, experts: str):
     """Yield (hf_name, tensor) in checkpoint layout."""
     cfg = model.cfg
-    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+    tensors = dict(list(model.named_parameters()) + list(model.named_buffers()))
+    dtype = model.model.embed_tokens.weight.dtype
+    for name, t in tensors.items():
         if cfg.tie_word_embeddings and name == "lm_head.weight":
             continue
         t = t.detach()
+        stack = _expert_stack_of(cfg, name)
+        if stack is not None and stack != name:  # a packed model's buffers: written as they are
+            if name.endswith("_packed"):
+                yield from _packed_hf_tensors(cfg, stack, t, tensors[stack + "_scale"], experts, dtype)
+            continue
         m = _EXPERT_RE.match(_layer_name(cfg, name))
         if m:
             base = _hf_prefix(cfg) + f"{m.group(1)}.block_sparse_moe.experts"
@@ -295,6 +393,21 @@ def _hf_tensors(model: KimiForCausalLM, experts: str):
                  else t.view(1, 1, -1, 1))
         hf = to_hf_name(cfg, name)
         yield hf, t.to(model.stored_dtypes.get(hf, t.dtype))
+
+
+def _packed_hf_tensors(cfg, stack: str, weight_packed: torch.Tensor, weight_scale: torch.Tensor,
+                       experts: str, dtype: torch.dtype):
+    """A packed stack's per-expert tensors: its bytes unchanged (``experts="mxfp4"``), or decoded
+    to the model's ``dtype`` (``"bf16"``)."""
+    m = _EXPERT_RE.match(_layer_name(cfg, stack))
+    stem = _hf_prefix(cfg) + f"{m.group(1)}.block_sparse_moe.experts"
+    for e in range(weight_packed.shape[0]):
+        name = f"{stem}.{e}.{m.group(2)}"
+        if experts == "mxfp4":
+            yield name + ".weight_packed", weight_packed[e]
+            yield name + ".weight_scale", weight_scale[e]
+        else:
+            yield name + ".weight", mxfp4_dequantize(weight_packed[e], weight_scale[e], dtype)
 
 
 def mxfp4_quantization_config() -> dict:

@@ -20,7 +20,7 @@ import json
 import os
 from typing import Any
 
-from openk3.config import ModelConfig
+from openk3.config import ModelConfig, VisionConfig
 
 _HF_ALIASES = {  # alias -> our field
     "num_local_experts": "num_experts",
@@ -63,6 +63,21 @@ _K3_TOP_KEYS = {"model_type", "architectures", "text_config", "bos_token_id", "e
                 "pad_token_id", "tie_word_embeddings"}
 
 _DTYPE_NAMES = ("float32", "bfloat16", "float16")
+
+# ``vision_config``: the keys that are VisionConfig fields of the same name ...
+_VISION_FIELDS = ("vt_hidden_size", "vt_num_hidden_layers", "vt_num_attention_heads",
+                  "qkv_hidden_size", "vt_intermediate_size", "patch_size", "init_pos_emb_height",
+                  "init_pos_emb_width", "pos_emb_interpolation_mode", "merge_kernel_size",
+                  "projector_ln_eps")
+# ... fields the release does not write: written only when they differ from the default ...
+_VISION_OPTIONAL = ("rope_theta", "rope_max_grid", "norm_eps")
+# ... and the release's fixed choices, which are the only ones openk3 implements
+_VISION_FIXED = {
+    "activation_func": "gelu_pytorch_tanh", "attn_bias": False, "linear_bias": False,
+    "patch_embed_proj_bias": False, "merge_type": "sd2_tpool", "mlp_type": "mlp2",
+    "mm_projector_type": "patchmergerv2", "norm_type": "rmsnorm", "pos_emb_type": "divided_fixed",
+    "projector_hidden_act": "gelu", "video_attn_type": "spatial_temporal",
+}
 
 
 def _first_int(x: Any) -> Any:
@@ -123,6 +138,41 @@ def _full_attn_layers(text: dict, lac: dict, n_layers: int, where: str) -> tuple
                              f"'linear_attention' for each of the {n_layers} layers")
         return tuple(i + 1 for i, t in enumerate(kinds) if t == "full_attention")
     raise ValueError(f"{where}: no layer pattern (linear_attn_config.full_attn_layers or layer_types)")
+
+
+def _vision_from_hf(raw: dict, hidden_size: int, where: str) -> VisionConfig | None:
+    """The top-level ``vision_config`` (and ``media_placeholder_token_id``) -> VisionConfig."""
+    vc = raw.get("vision_config")
+    if vc is None:
+        return None
+    if not isinstance(vc, dict):
+        raise ValueError(f"{where}: vision_config must be an object")
+    for key, want in _VISION_FIXED.items():
+        if vc.get(key, want) != want:
+            raise ValueError(f"{where}: vision_config.{key}={vc[key]!r} is not supported (K3's "
+                             f"MoonViT-V2 uses {want!r}; docs/vision.md)")
+    for key, want, source in (("text_hidden_size", hidden_size, "text_config.hidden_size"),
+                              ("mm_hidden_size", vc.get("vt_hidden_size"), "vt_hidden_size")):
+        if key in vc and want is not None and vc[key] != want:
+            raise ValueError(f"{where}: vision_config.{key}={vc[key]!r} must equal {want} ({source})")
+    kw = {k: vc[k] for k in _VISION_FIELDS + _VISION_OPTIONAL if k in vc}
+    if "media_placeholder_token_id" in raw:
+        kw["media_placeholder_token_id"] = raw["media_placeholder_token_id"]
+    try:
+        return VisionConfig(**kw)
+    except ValueError as e:
+        raise ValueError(f"{where}: vision_config: {e}") from e
+
+
+def _vision_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    """The release's top-level vision keys for ``cfg.vision_config``."""
+    v = cfg.vision_config
+    section: dict[str, Any] = {k: getattr(v, k) for k in _VISION_FIELDS}
+    section["merge_kernel_size"] = list(v.merge_kernel_size)
+    section.update(_VISION_FIXED, mm_hidden_size=v.vt_hidden_size, text_hidden_size=cfg.hidden_size)
+    default = VisionConfig()
+    section.update({k: getattr(v, k) for k in _VISION_OPTIONAL if getattr(v, k) != getattr(default, k)})
+    return {"vision_config": section, "media_placeholder_token_id": v.media_placeholder_token_id}
 
 
 def from_hf(path_or_dict: str | os.PathLike | dict) -> ModelConfig:
@@ -195,9 +245,14 @@ def from_hf(path_or_dict: str | os.PathLike | dict) -> ModelConfig:
         passthrough = {**{k: v for k, v in raw.items() if k not in _K3_TOP_KEYS},
                        "text_config": passthrough}
     try:
-        return ModelConfig(**kw, hf_passthrough=passthrough)
+        cfg = ModelConfig(**kw, hf_passthrough=passthrough)
+        if model_type == "kimi_k3":
+            # the vision keys are parsed *and* passed through: a text-only load (vision_config
+            # None) writes the release's back unchanged; a model with vision overwrites them
+            cfg = cfg.replace(vision_config=_vision_from_hf(raw, cfg.hidden_size, where))
+        return cfg
     except ValueError as e:
-        raise ValueError(f"{where}: {e}") from e
+        raise ValueError(e if str(e).startswith(where) else f"{where}: {e}") from e
 
 
 def _layer_patterns(cfg: ModelConfig) -> dict[str, Any]:
@@ -267,6 +322,8 @@ def to_hf(cfg: ModelConfig, quantization_config: dict | None = None,
         "pad_token_id": cfg.pad_token_id,
         "tie_word_embeddings": cfg.tie_word_embeddings,
     }
+    if cfg.vision_config is not None:
+        top.update(_vision_to_hf(cfg))
     # a top-level dtype key is the release's business (passed through), but its value is ours
     top.update({k: dtype for k in ("dtype", "torch_dtype") if k in cfg.hf_passthrough})
     return _with_passthrough(top, cfg.hf_passthrough)

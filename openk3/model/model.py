@@ -20,6 +20,8 @@ from openk3.model.moe import MLP, MoE
 from openk3.model.mtp import MTPLayer, shift_for_mtp
 from openk3.ops.attnres import attn_res_agg
 from openk3.ops.loss import IGNORE_INDEX, linear_cross_entropy
+from openk3.vision.preprocess import PackedImages
+from openk3.vision.tower import MoonViT, Projector, splice_image_features
 
 
 class AttnResQuery(nn.Module):
@@ -97,17 +99,21 @@ class KimiModel(nn.Module):
         if cfg.attn_res_block_size is not None:
             self.output_attn_res = AttnResQuery(d)
 
-    def forward(self, input_ids: torch.Tensor, cache: ModelCache | None = None) -> torch.Tensor:
-        """The final hidden states [B, T, d] (after ``norm``: what ``lm_head`` reads)."""
-        return self.hidden_and_blocks(input_ids, cache)[0]
+    def forward(self, input_ids: torch.Tensor, cache: ModelCache | None = None,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """The final hidden states [B, T, d] (after ``norm``: what ``lm_head`` reads).
+        ``inputs_embeds`` [B, T, d], when given, replaces ``embed_tokens(input_ids)`` (images
+        spliced in: ``KimiForCausalLM.embed``)."""
+        return self.hidden_and_blocks(input_ids, cache, inputs_embeds)[0]
 
     def hidden_and_blocks(self, input_ids: torch.Tensor, cache: ModelCache | None = None,
+                          inputs_embeds: torch.Tensor | None = None,
                           ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """(final hidden states [B, T, d], the AttnRes bank): ``bank[0]`` is the embedding and
         ``bank[k]`` the output of block k (the running sum sealed when block k + 1 starts), each
         [B, T, d]; the last, unsealed block is read only through the hidden states. The bank is
         empty without AttnRes. The EAGLE-3 draft reads it (``openk3/model/draft.py``)."""
-        p = self.embed_tokens(input_ids)
+        p = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         bank: list[torch.Tensor] = []
         for i, layer in enumerate(self.layers):
             p_next = layer(p, bank, None if cache is None else cache.layers[i])
@@ -120,11 +126,14 @@ class KimiModel(nn.Module):
 
 
 class KimiForCausalLM(nn.Module):
-    """``forward(input_ids, cache=None, logits_to_keep=0, labels=None)``.
+    """``forward(input_ids, cache=None, logits_to_keep=0, labels=None, images=None,
+    image_embeds=None)``.
 
     With a ``ModelCache``, the call continues the cached sequences and updates the cache, so
     feeding a sequence token by token reproduces the full-sequence logits. With ``labels`` it
-    returns the training loss instead of logits.
+    returns the training loss instead of logits. With a ``vision_config`` the model also holds
+    the vision tower (``vision_tower``) and projector (``mm_projector``): ``images`` feed
+    their features into the placeholder positions (``openk3/vision``).
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -136,13 +145,44 @@ class KimiForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         # multi-token prediction (openk3/model/mtp.py): empty unless num_nextn_predict_layers
         self.mtp = nn.ModuleList(MTPLayer(cfg) for _ in range(cfg.num_nextn_predict_layers))
+        if cfg.vision_config is not None:
+            self.vision_tower = MoonViT(cfg.vision_config)
+            self.mm_projector = Projector(cfg.vision_config, cfg.hidden_size)
         # HF tensor name -> the dtype a loaded checkpoint stored it in, where that is below the
         # fp32 this model keeps it in (router, KDA decay); save_pretrained writes it back in it
         self.stored_dtypes: dict[str, torch.dtype] = {}
 
+    def encode_images(self, images: PackedImages) -> torch.Tensor:
+        """The language-model embeddings of packed images: [sum of tokens per image, d]."""
+        if self.cfg.vision_config is None:
+            raise ValueError("this model has no vision tower (ModelConfig.vision_config is None)")
+        return self.mm_projector(self.vision_tower(images.pixel_values, images.grid_hws))
+
+    def embed(self, input_ids: torch.Tensor, images: PackedImages | None = None,
+              image_embeds: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The input embeddings [B, T, d] with image features at the placeholder positions, or
+        None without images (the decoder then embeds ``input_ids`` itself)."""
+        if images is not None and image_embeds is not None:
+            raise ValueError("give images or image_embeds, not both")
+        if images is not None:
+            image_embeds = self.encode_images(images)
+        if image_embeds is None:
+            return None
+        if self.cfg.vision_config is None:
+            raise ValueError("image_embeds given to a model without vision_config")
+        return splice_image_features(self.model.embed_tokens(input_ids), input_ids, image_embeds,
+                                     self.cfg.vision_config.media_placeholder_token_id)
+
     def forward(self, input_ids: torch.Tensor, cache: ModelCache | None = None,
-                logits_to_keep: int = 0, labels: torch.Tensor | None = None) -> CausalLMOutput:
+                logits_to_keep: int = 0, labels: torch.Tensor | None = None,
+                images: PackedImages | None = None,
+                image_embeds: torch.Tensor | None = None) -> CausalLMOutput:
         """input_ids: [B, T]. ``logits_to_keep=n`` computes logits of the last n positions only.
+
+        ``images`` (``openk3.vision.preprocess.PackedImages``) run through the tower and
+        projector, and their features replace the ``media_placeholder_token_id`` positions of
+        ``input_ids``, image after image in row-major order; ``image_embeds`` [N, d] are such
+        features computed beforehand (``encode_images``). The counts must match.
 
         ``labels`` [B, T] int64: the token each position should predict, already shifted
         (``labels[:, t]`` follows ``input_ids[:, :t+1]``; unlike transformers' labels, which
@@ -163,7 +203,7 @@ class KimiForCausalLM(nn.Module):
             if logits_to_keep:
                 raise ValueError(f"logits_to_keep={logits_to_keep} with labels: a forward "
                                  "with labels returns the loss and no logits")
-        hidden = self.model(input_ids, cache)
+        hidden = self.model(input_ids, cache, self.embed(input_ids, images, image_embeds))
         if labels is not None:
             loss = linear_cross_entropy(hidden.flatten(0, 1), self.lm_head.weight, labels.flatten(),
                                         IGNORE_INDEX)
@@ -191,12 +231,18 @@ class KimiForCausalLM(nn.Module):
     def init_weights(self, seed: int) -> None:
         """Training-from-scratch init: normal(0, initializer_range) matrices, output projections
         scaled by 1/sqrt(2 * layers), unit norms, zero AttnRes queries and router biases. Seeds
-        torch's global generator with ``seed`` first."""
+        torch's global generator with ``seed`` first. The vision tower: the same normal init for
+        its matrices and position table, its output projections scaled by its own depth."""
         torch.manual_seed(seed)
         std = self.cfg.initializer_range
         out_std = std / math.sqrt(2 * self.cfg.num_hidden_layers)
+        vision = self.cfg.vision_config
+        vision_out_std = std / math.sqrt(2 * vision.vt_num_hidden_layers) if vision else std
         for name, p in self.named_parameters():
-            if p.dim() >= 2:
+            if name.startswith("vision_tower.") and p.dim() >= 2:
+                is_out = name.endswith(("wo.weight", "mlp.fc1.weight"))
+                nn.init.normal_(p, 0.0, vision_out_std if is_out else std)
+            elif p.dim() >= 2:
                 is_out = name.endswith(("o_proj.weight", "down_proj.weight", "experts.w2",
                                         "routed_expert_up_proj.weight"))
                 nn.init.normal_(p, 0.0, out_std if is_out else std)

@@ -1,9 +1,10 @@
-"""Causal attention over packed sequences whose queries are the last tokens of their keys.
+"""Attention over packed sequences whose queries are the last tokens of their keys.
 
 Sequence ``i`` has ``Tq_i`` queries (rows ``cu_seqlens_q[i] : cu_seqlens_q[i+1]``) and ``Tk_i >=
 Tq_i`` keys and values (rows ``cu_seqlens_k[i] : cu_seqlens_k[i+1]``); its query ``j`` sits at key
 position ``Tk_i - Tq_i + j`` and attends to keys ``0 ..`` that position (the causal mask aligned
-to the bottom right: a prefill chunk over its cached prefix plus itself).
+to the bottom right: a prefill chunk over its cached prefix plus itself). With ``causal=False``
+every query sees all keys of its own sequence (the vision tower: the patches of one image).
 
 * ``varlen_causal_attention_ref``: plain PyTorch, the reference: one
   ``scaled_dot_product_attention`` per sequence, the same call the MLA layer makes.
@@ -23,15 +24,15 @@ from openk3.ops.fast import use_fast_path
 
 def varlen_causal_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                 cu_seqlens_q_cpu: torch.Tensor, cu_seqlens_k_cpu: torch.Tensor,
-                                scale: float) -> torch.Tensor:
+                                scale: float, causal: bool = True) -> torch.Tensor:
     """The reference: a loop over sequences (offsets read from the host copies)."""
     out = []
     for qa, qb, ka, kb in zip(cu_seqlens_q_cpu[:-1].tolist(), cu_seqlens_q_cpu[1:].tolist(),
                               cu_seqlens_k_cpu[:-1].tolist(), cu_seqlens_k_cpu[1:].tolist()):
         Tq, Tk = qb - qa, kb - ka
         qi, ki, vi = (t.transpose(0, 1) for t in (q[qa:qb], k[ka:kb], v[ka:kb]))  # [H, T, dim]
-        if Tq == Tk:
-            o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale)
+        if Tq == Tk or not causal:
+            o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=causal, scale=scale)
         else:
             mask = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril(diagonal=Tk - Tq)
             o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale)
@@ -61,14 +62,15 @@ def _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, cu_seqlens_q_cpu, cu_seqlens_
 def varlen_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
                             cu_seqlens_q_cpu: torch.Tensor, cu_seqlens_k_cpu: torch.Tensor,
-                            scale: float) -> torch.Tensor:
-    """Bottom-right causal attention over packed sequences.
+                            scale: float, causal: bool = True) -> torch.Tensor:
+    """Bottom-right causal (or, with ``causal=False``, full) attention over packed sequences.
 
     Args:
         q: [Tq, H, D] packed queries; k: [Tk, H, D] and v: [Tk, H, Dv] packed keys and values.
         cu_seqlens_q, cu_seqlens_k: [N+1] offsets on q's device; ``*_cpu``: the same on the host
             (the kernel's maximum lengths and the reference's loop come from them, no sync).
         scale: softmax scale.
+        causal: False lets every query see every key of its sequence.
 
     Returns:
         [Tq, H, Dv].
@@ -82,15 +84,17 @@ def varlen_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, cu_seqlens_q_cpu, cu_seqlens_k_cpu)
     D, Dv = q.shape[-1], v.shape[-1]
     if use_fast_path(q) and q.dtype in (torch.bfloat16, torch.float16) and Dv <= D <= 256 and D % 8 == 0:
-        return _flash_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, cu_seqlens_q_cpu, cu_seqlens_k_cpu, scale)
-    return varlen_causal_attention_ref(q, k, v, cu_seqlens_q_cpu, cu_seqlens_k_cpu, scale)
+        return _flash_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, cu_seqlens_q_cpu, cu_seqlens_k_cpu,
+                             scale, causal)
+    return varlen_causal_attention_ref(q, k, v, cu_seqlens_q_cpu, cu_seqlens_k_cpu, scale, causal)
 
 
-def _flash_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, cu_seqlens_q_cpu, cu_seqlens_k_cpu, scale):
+def _flash_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, cu_seqlens_q_cpu, cu_seqlens_k_cpu, scale,
+                  causal):
     Dv = v.shape[-1]
     v = F.pad(v, (0, q.shape[-1] - Dv)).contiguous()  # FlashAttention-2: one head dim for q, k and v
     out = torch.ops.aten._flash_attention_forward(
         q.contiguous(), k.contiguous(), v, cu_seqlens_q.int(), cu_seqlens_k.int(),
         int(cu_seqlens_q_cpu.diff().max()), int(cu_seqlens_k_cpu.diff().max()),
-        0.0, True, False, scale=scale)[0]  # dropout 0, causal (bottom-right), no debug mask
+        0.0, causal, False, scale=scale)[0]  # dropout 0, causal (bottom-right), no debug mask
     return out[..., :Dv]

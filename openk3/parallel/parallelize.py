@@ -16,13 +16,16 @@ Layout over W = ``env.world_size`` processes, each reading its own data:
 Before FSDP wraps the layers, each decoder layer may be activation-checkpointed and its
 attention and MLPs compiled (``compile.py``), as torchtitan orders them.
 
-Context parallelism (a later issue) is another size beside ``ep``: its groups are made here and
-the sequence split joins the data path; the trainer's calls stay as they are.
+- ``cp`` > 1 (dividing W): context parallelism (``context_parallel.py``) splits every sequence
+  over groups of ``cp`` consecutive ranks, which read the same batch (``dp_rank``) and each
+  keep their shard of it (``shard_sequence``); W / cp groups are data parallel. FSDP's mean of
+  the per-rank gradients stays the gradient of the global mean loss (equal shards).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_state_dict, set_state_dict)
@@ -30,25 +33,34 @@ from torch.distributed.tensor import DTensor
 
 from openk3.model import build_model
 from openk3.parallel.compile import checkpoint_layers, compile_layers
+from openk3.parallel.context_parallel import ContextParallel, apply_context_parallel
 from openk3.parallel.expert_shares import ExpertShares
 from openk3.parallel.fsdp import apply_fsdp
 
 
 def parallelize(model: nn.Module, env, ep: int = 1, compile: bool | None = None,
-                activation_checkpointing: bool = False) -> Parallel:
+                activation_checkpointing: bool = False, cp: int = 1) -> Parallel:
     """Apply the parallel layout to ``model`` in place and return its ``Parallel``.
 
     env: the trainer's ``Env`` (``rank``, ``world_size``, ``device``, ``dtype``); the process
     group is already initialised when ``world_size > 1``. ep: expert-parallel size
     (``RunConfig.ep``); 1 keeps every expert on every rank. compile, activation_checkpointing:
     as ``RunConfig``'s fields (``compile.py``); MoonEP's experts stay eager (their dispatch
-    reads split sizes on the host). Collective when ``world_size > 1``.
+    reads split sizes on the host). cp: context-parallel size (``RunConfig.cp``). Collective
+    when ``world_size > 1``.
     """
     if env.world_size % ep:
         raise ValueError(f"RunConfig.ep={ep}: must divide the number of processes "
                          f"({env.world_size}); each group of ep ranks holds the experts once")
     if model.cfg.num_experts % ep:
         raise ValueError(f"RunConfig.ep={ep}: must divide num_experts={model.cfg.num_experts}")
+    if env.world_size % cp:
+        raise ValueError(f"RunConfig.cp={cp}: must divide the number of processes "
+                         f"({env.world_size}); each group of cp ranks shares its sequences")
+    context = None
+    if cp > 1:
+        context = ContextParallel(dist.new_subgroups(group_size=cp)[0])
+        apply_context_parallel(model, context)
     experts = ExpertShares(model, ep) if ep > 1 else None
     if activation_checkpointing:
         checkpoint_layers(model)
@@ -58,7 +70,7 @@ def parallelize(model: nn.Module, env, ep: int = 1, compile: bool | None = None,
         compile_layers(model)
     if env.world_size > 1:
         apply_fsdp(model, env, ignored_params=set(experts.params.values()) if experts else None)
-    return Parallel(model, env.rank, env.world_size, experts)
+    return Parallel(model, env.rank, env.world_size, experts, context)
 
 
 class Parallel:
@@ -70,8 +82,18 @@ class Parallel:
     """
 
     def __init__(self, model: nn.Module, rank: int, world_size: int,
-                 experts: ExpertShares | None = None):
+                 experts: ExpertShares | None = None, context: ContextParallel | None = None):
         self.model, self.rank, self.world_size, self.experts = model, rank, world_size, experts
+        self.context = context
+        cp = 1 if context is None else context.size
+        # the data-parallel index and count: the ranks of a CP group read the same batch
+        self.dp_rank, self.dp_size = rank // cp, world_size // cp
+
+    def shard_sequence(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """This rank's part of each [B, T, ...] batch tensor: the tensors as they are without
+        context parallelism, else this rank's contiguous slice of the sequence
+        (``ContextParallel.split``, which the CP layers then read)."""
+        return tensors if self.context is None else self.context.split(*tensors)
 
     def reduce_gradients(self) -> None:
         """Finish the gradient reduction after the last backward of a step. FSDP's gradients

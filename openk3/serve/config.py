@@ -40,9 +40,10 @@ class EngineConfig:
     Speculative decoding (``docs/speculative.md``, "Engine integration"):
         num_speculative_tokens: K, draft tokens proposed and verified per decode step (0: off).
             A decode then computes up to K + 1 positions and emits 1 to K + 1 tokens.
-        draft: the draft model's directory (``openk3.runtime.load_model``; a small openk3/Kimi
-            model sharing the target's vocabulary); required when K > 0 unless the engine is
-            handed a draft model object.
+        draft: the draft (``openk3.runtime.load_draft_model``): a small openk3/Kimi model's
+            directory (sharing the target's vocabulary), an EAGLE-3 draft directory written by
+            ``openk3 train-draft``, or ``mtp`` (the target's own MTP layer); required when K > 0
+            unless the engine is handed a draft model object.
     Runner:
         cuda_graphs: capture decode steps as CUDA graphs, one per batch bucket (GPU fast paths
             only: not with ``OPENK3_REFERENCE=1``).

@@ -1,20 +1,24 @@
-"""The draft side of speculative decoding: a ``Drafter`` proposes ``k`` tokens per speculating
-sequence and keeps its own caches in step with the target's (``docs/speculative.md``, "Engine
+"""The draft side of speculative decoding: a drafter proposes ``k`` tokens per speculating
+sequence and keeps its own state in step with the target's (``docs/speculative.md``, "Engine
 integration").
 
-``Drafter`` runs a separate small openk3/Kimi model that shares the target's vocabulary. It owns
-a second ``ModelRunner`` with the target runner's layout (the same number of MLA blocks, one KDA
-state slot per sequence slot), so the scheduler's block tables, state slots, resets, prefix-cache
-restores and KDA checkpoint saves apply to both models unchanged: the draft's caches hold, for
-every running sequence, exactly the tokens the target's hold.
+Two drafters share the interface of ``DraftProposer`` (``propose``, ``rollback``, ``observe``):
+
+* ``Drafter`` (here): a separate small openk3/Kimi model sharing the target's vocabulary;
+* ``EagleDrafter`` (``openk3/serve/eagle.py``): the EAGLE-3 draft (``openk3/model/draft.py``, or
+  the target's own MTP layer), which reads the target's hidden states (``observe``).
+
+``Drafter`` owns a second ``ModelRunner`` with the target runner's layout (the same number of
+MLA blocks, one KDA state slot per sequence slot), so the scheduler's block tables, state slots,
+resets, prefix-cache restores and KDA checkpoint saves apply to both models unchanged: the
+draft's caches hold, for every running sequence, exactly the tokens the target's hold.
 
 Per step (``propose``): the draft computes everything the target computes this step, except that
 a speculating sequence feeds only its last token; the draft's state after that token is kept
 (the runner's KDA snapshot pool), then the draft decodes ``k - 1`` more positions, sampling
 ``d_1 .. d_k``. After verification (``rollback``) each speculating sequence's draft state is
 restored to that snapshot and its accepted drafts are run again, so the draft state again covers
-exactly the target's kept tokens. An MTP / EAGLE-style head would implement the same two
-methods over the target's hidden states.
+exactly the target's kept tokens.
 """
 
 from __future__ import annotations
@@ -24,14 +28,40 @@ import dataclasses
 import torch
 
 from openk3.serve.config import EngineConfig
-from openk3.serve.model_runner import ModelRunner, _cdiv
+from openk3.serve.model_runner import ModelRunner, StepResult, _cdiv
 from openk3.serve.sampler import SamplingParams, sample
 from openk3.serve.scheduler import SchedulerOutput
 from openk3.serve.sequence import Sequence
 from openk3.serve.speculative import sampling_probs
 
 
-class Drafter:
+class DraftProposer:
+    """What the engine asks of a draft, once per step (``LLMEngine.step``):
+
+    1. ``propose(out, params, generators)`` after ``Scheduler.step``, before the target runs:
+       the drafts of the speculating sequences (``out.num_draft_tokens``) and the draft's
+       probabilities they were drawn from;
+    2. ``rollback(kept)`` after speculative sampling, before ``Scheduler.postprocess``;
+    3. ``observe(out, result)`` after ``Scheduler.postprocess``: the target's output of the step
+       (its features when ``feature_blocks`` is set) and every sequence's kept tokens.
+
+    ``feature_blocks``: the target's AttnRes bank entries the draft reads (``ModelRunner.
+    feature_blocks``); None for a draft that needs nothing of the target's forward."""
+
+    feature_blocks: tuple[int, int] | None = None
+
+    def propose(self, out: SchedulerOutput, params: list[SamplingParams],
+                generators: list[torch.Generator | None]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        raise NotImplementedError
+
+    def rollback(self, kept: list[tuple[Sequence, list[int]]]) -> None:
+        """(sequence, its accepted drafts) for every verified sequence; nothing by default."""
+
+    def observe(self, out: SchedulerOutput, result: StepResult) -> None:
+        """The step's target output, after postprocess; nothing by default."""
+
+
+class Drafter(DraftProposer):
     """A draft model with its own caches. ``num_blocks`` / ``max_model_len``: the target
     runner's, so that both runners share the scheduler's block layout."""
 
@@ -64,7 +94,7 @@ class Drafter:
                 end = seq.num_computed_tokens
                 segments.append((seq.state_slot, end - n, seq.token_ids[end - n:end]))
                 T += n
-        hidden, rows, _ = runner._forward_segments(segments, rows)
+        hidden, rows, _, _ = runner._forward_segments(segments, rows)
         runner._after_forward(out)
         if not seqs:
             return None

@@ -12,8 +12,8 @@ the text is cut before the stop string and the request finishes with ``finish_re
 While streaming, the last ``max(len(stop)) - 1`` characters are held back, since they may
 turn out to begin a stop string.
 
-Speculative decoding (``EngineConfig.num_speculative_tokens`` K > 0, a draft model): a decode
-step may emit several tokens; ``docs/speculative.md`` ("Engine integration") describes the
+Speculative decoding (``EngineConfig.num_speculative_tokens`` K > 0, a draft: a separate model,
+an EAGLE-3 draft directory or the target's MTP layer): a decode step may emit several tokens; ``docs/speculative.md`` ("Engine integration") describes the
 step. Stop strings, stop tokens and max_tokens apply token by token within the emitted run, so
 the outputs are those of plain decoding with the same sampling.
 
@@ -32,9 +32,11 @@ from dataclasses import dataclass
 
 import torch
 
+from openk3.model.draft import Eagle3Draft
 from openk3.serve.block_manager import BlockManager
 from openk3.serve.config import EngineConfig
-from openk3.serve.draft import Drafter
+from openk3.serve.draft import Drafter, DraftProposer
+from openk3.serve.eagle import EagleDrafter
 from openk3.serve.model_runner import ModelRunner, PromptLogprobs, StepResult
 from openk3.serve.sampler import InvalidRequest, SamplingParams, make_generator, sample, token_logprobs
 from openk3.serve.scheduler import Scheduler
@@ -114,8 +116,9 @@ class _Request:
 
 
 class LLMEngine:
-    """``draft_model``: the draft for speculative decoding as a model object (else
-    ``config.draft`` is loaded when ``config.num_speculative_tokens`` > 0)."""
+    """``draft_model``: the draft for speculative decoding as a model object, a
+    ``KimiForCausalLM`` (a separate draft model, ``Drafter``) or an ``Eagle3Draft`` of this target
+    (``EagleDrafter``); else ``config.draft`` is loaded when ``config.num_speculative_tokens`` > 0."""
 
     def __init__(self, model, tokenizer, config: EngineConfig | None = None,
                  eos_token_ids: tuple[int, ...] | None = None, model_name: str = "openk3",
@@ -131,11 +134,13 @@ class LLMEngine:
         self.block_manager = BlockManager(config, self.runner.num_blocks, num_state_slots=config.max_num_seqs)
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
         self.drafter = self._make_drafter(draft_model)
+        if self.drafter is not None:
+            self.runner.feature_blocks = self.drafter.feature_blocks
         self.requests: dict[str, _Request] = {}
         self.stats = EngineStats()
         self._ids = itertools.count()
 
-    def _make_drafter(self, draft_model) -> Drafter | None:
+    def _make_drafter(self, draft_model) -> DraftProposer | None:
         config, K = self.config, self.config.num_speculative_tokens
         if K == 0:
             if draft_model is not None or config.draft is not None:
@@ -147,7 +152,9 @@ class LLMEngine:
                 raise ValueError(f"EngineConfig.num_speculative_tokens={K} needs a draft model: "
                                  f"EngineConfig.draft (a model directory) or LLMEngine(draft_model=...)")
             from openk3.runtime import load_draft_model
-            draft_model = load_draft_model(config.draft, self.runner.device, self.runner.dtype)
+            draft_model = load_draft_model(config.draft, self.runner.device, self.runner.dtype, target=self.model)
+        if isinstance(draft_model, Eagle3Draft):
+            return EagleDrafter(draft_model, self.runner, config)
         if draft_model.cfg.vocab_size != self.model.cfg.vocab_size:
             raise ValueError(f"draft model: vocab_size {draft_model.cfg.vocab_size} differs from the target's "
                              f"{self.model.cfg.vocab_size}; the draft must share the target's tokenizer")
@@ -232,11 +239,12 @@ class LLMEngine:
         for rid, piece in result.prompt_logprobs.items():
             self._record_prompt_logprobs(self.requests[rid], piece)
         seqs = result.sampled + result.verified
-        if not seqs:
-            return []
-        new_token_ids = self._sample(result) + (self._verify(result, *drafts) if result.verified else [])
-        self.scheduler.postprocess([s.request_id for s in seqs], new_token_ids)
-        self.stats.generation_tokens += sum(map(len, new_token_ids))
+        if seqs:
+            new_token_ids = self._sample(result) + (self._verify(result, *drafts) if result.verified else [])
+            self.scheduler.postprocess([s.request_id for s in seqs], new_token_ids)
+            self.stats.generation_tokens += sum(map(len, new_token_ids))
+        if self.drafter is not None:  # every kept position's next token is known now
+            self.drafter.observe(out, result)
         return [self._output(self.requests[s.request_id]) for s in seqs]
 
     def _sample(self, result: StepResult) -> list[list[int]]:
@@ -383,6 +391,11 @@ class LLMEngine:
         return [final[i] for i in ids]
 
 
+def _deliver(deliveries: list[tuple[asyncio.Queue, object]]) -> None:
+    for q, item in deliveries:
+        q.put_nowait(item)
+
+
 class AsyncEngine:
     """``LLMEngine`` on a background thread, for asyncio servers.
 
@@ -430,7 +443,7 @@ class AsyncEngine:
                     try:
                         eng.add_request(ids, params, rid)
                     except Exception as e:  # noqa: BLE001 - fail this request only
-                        self._push(rid, e)
+                        self._push([(rid, e)])
                 else:
                     eng.abort(args[0])
             if not eng.has_unfinished():
@@ -440,18 +453,28 @@ class AsyncEngine:
             try:
                 outputs = eng.step()
             except Exception as e:  # noqa: BLE001 - fail every request, keep serving
-                for rid in list(eng.requests):
+                failed = list(eng.requests)
+                for rid in failed:
                     eng.abort(rid)
-                    self._push(rid, e)
+                self._push([(rid, e) for rid in failed])
                 continue
-            for o in outputs:
-                self._push(o.request_id, o)
+            self._push([(o.request_id, o) for o in outputs])
 
-    def _push(self, rid: str, item) -> None:
-        target = self._streams.get(rid)
-        if target is not None:
-            loop, q = target
-            loop.call_soon_threadsafe(q.put_nowait, item)
+    def _push(self, items: list[tuple[str, object]]) -> None:
+        """Hand ``(request id, output or exception)`` pairs to their streams: one wake-up of each
+        event loop per engine step, however many streams it serves."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for rid, item in items:
+            target = self._streams.get(rid)
+            if target is not None:
+                by_loop.setdefault(target[0], []).append((target[1], item))
+        for loop, deliveries in by_loop.items():
+            loop.call_soon_threadsafe(_deliver, deliveries)
+
+    def fail_all(self, error: BaseException) -> None:
+        """End every open stream with ``error`` (raised to its consumer, which aborts the
+        request): the server's shutdown after its grace period."""
+        self._push([(rid, error) for rid in list(self._streams)])
 
     async def generate(self, prompt: str | list[int], params: SamplingParams,
                        request_id: str) -> AsyncIterator[RequestOutput]:

@@ -19,13 +19,15 @@ from openk3.serve.sampler import SamplingParams
 
 class LLM:
     """The model as ``openk3.runtime.load_model`` loads it; the other keyword arguments are
-    ``EngineConfig`` fields (speculative decoding: ``draft=DIR, num_speculative_tokens=K``)."""
+    ``EngineConfig`` fields (speculative decoding: ``draft=DIR, num_speculative_tokens=K``);
+    ``experts="packed"`` keeps the routed experts MXFP4-packed."""
 
     def __init__(self, checkpoint: str | None = None, *, preset: str | None = None,
                  random_init: bool = False, device: str | torch.device | None = None,
                  dtype: str | torch.dtype | None = None, seed: int = 0,
-                 tokenizer: str | None = None, **engine_config):
-        model, tokenizer, name = load_model(checkpoint, preset, random_init, device, dtype, seed, tokenizer)
+                 tokenizer: str | None = None, experts: str = "dequantize", **engine_config):
+        model, tokenizer, name = load_model(checkpoint, preset, random_init, device, dtype, seed,
+                                            tokenizer, experts)
         self.engine = LLMEngine(model, tokenizer, EngineConfig(**engine_config), model_name=name)
 
     def generate(self, prompts: str | list[str] | list[list[int]],

@@ -12,7 +12,10 @@ Tensors it owns (``L_mla`` MLA layers, ``L_kda`` KDA layers):
   ``BlockManager`` through the scheduler's instructions.
 
 With speculative decoding a KDA snapshot pool ``[L_kda, max_num_seqs + 1, ...]`` holds each
-verified sequence's state from before its verify pass, for the rollback (``rollback``).
+verified sequence's state from before its verify pass, for the rollback (``rollback``). With an
+EAGLE-3 draft (``feature_blocks`` set) every step also returns the draft's inputs at each position
+it computed (``StepResult.features``); decode steps then run eagerly (a CUDA graph returns
+logits only), which with K > 0 are only the few steps that verify no drafts.
 
 The last block and the last slot are scratch: the padding rows of a CUDA-graph decode batch
 read and write only there.
@@ -78,13 +81,21 @@ class StepResult:
     step's largest draft count): row b for ``verified[b]`` (the speculating sequences), positions
     ``0 .. k_b`` the logits after its last token and after each draft, the rest padding.
     ``prompt_logprobs`` by request id (one piece per step and request; a long prompt chunk is
-    split and the pieces concatenated here)."""
+    split and the pieces concatenated here).
+
+    With ``ModelRunner.feature_blocks = (lo, mid)`` (an EAGLE-3 draft is attached):
+    ``features [R, 3 * hidden_size]``, at every position this step computed,
+    ``cat(bank[lo], bank[mid], h)`` of the target (``KimiModel.hidden_and_blocks``), the input of
+    the draft's fusion ``fc``; ``feature_spans`` the (sequence, first position, count) of its rows,
+    in row order (a verify segment's rows include the drafts that may be rejected)."""
 
     logits: torch.Tensor
     sampled: list[Sequence] = field(default_factory=list)
     verified: list[Sequence] = field(default_factory=list)
     verify_logits: torch.Tensor | None = None
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
+    features: torch.Tensor | None = None
+    feature_spans: list[tuple[Sequence, int, int]] = field(default_factory=list)
 
 
 class _Views:
@@ -137,6 +148,9 @@ class ModelRunner:
         self._graphs: dict[int, _DecodeGraph] = {}  # by batch bucket
         self._graph_pool = None  # one memory pool for every bucket's graph: they replay in turn
         self._pin = self.device.type == "cuda"  # pinned host tensors copy asynchronously
+        # the AttnRes bank entries (lo, mid) whose values ``execute`` returns with h, set by the
+        # engine when an EAGLE-3 draft reads them (``StepResult.features``); None: nothing extra
+        self.feature_blocks: tuple[int, int] | None = None
 
     def cache_bytes(self) -> dict[str, int]:
         sizes = {"mla": sum(t.numel() * t.element_size() for t in self.mla_cache.values()),
@@ -212,9 +226,12 @@ class ModelRunner:
         decode = sorted((s for s, n in out.scheduled if n == 1), key=lambda s: s.num_computed_tokens < s.num_tokens)
         prefill = [(s, n) for s, n in out.scheduled if n > 1]
         result = StepResult(torch.empty(0, self.cfg.vocab_size, device=self.device))
-        logits = []
+        logits, features = [], []
         if decode:
-            rows = self._decode(decode)
+            rows, feats = self._decode(decode)
+            if feats is not None:
+                features.append(feats)
+                result.feature_spans += [(s, s.num_computed_tokens - 1, 1) for s in decode]
             n = sum(s.num_computed_tokens == s.num_tokens for s in decode)
             logits.append(rows[:n])
             result.sampled += decode[:n]
@@ -222,10 +239,15 @@ class ModelRunner:
                 if s.wants_prompt_logprobs:
                     self._add_prompt_logprobs(result, s, s.num_computed_tokens - 1, rows[j:j + 1])
         if prefill:
-            sampled, rows = self._prefill(prefill, result, out.num_draft_tokens)
+            sampled, rows, feats = self._prefill(prefill, result, out.num_draft_tokens)
             logits.append(rows)
             result.sampled += sampled
+            if feats is not None:
+                features.append(feats)
+                result.feature_spans += [(s, s.num_computed_tokens - n, n) for s, n in prefill]
         self._after_forward(out)
+        if features:
+            result.features = features[0] if len(features) == 1 else torch.cat(features)
         if len(logits) == 1:
             result.logits = logits[0]
         elif logits:
@@ -250,8 +272,9 @@ class ModelRunner:
         result.prompt_logprobs[seq.request_id] = piece
 
     def _prefill(self, chunks: list[tuple[Sequence, int]], result: StepResult,
-                 num_draft: dict[str, int]) -> tuple[list[Sequence], torch.Tensor]:
-        """Returns the sequences whose prompt this step completes and their logits [n, V]; fills
+                 num_draft: dict[str, int]) -> tuple[list[Sequence], torch.Tensor, torch.Tensor | None]:
+        """Returns the sequences whose prompt this step completes, their logits [n, V] and the
+        draft features of every row (``_features``; None without ``feature_blocks``); fills
         ``result.verified`` / ``verify_logits`` for the speculating ones (``num_draft``)."""
         segments, last_rows, sampled, verify_rows = [], [], [], []
         K, T = max(num_draft.values(), default=0), 0
@@ -266,7 +289,8 @@ class ModelRunner:
                 last_rows.append(T + n - 1)
                 sampled.append(seq)
             T += n
-        hidden, rows, cu_q = self._forward_segments(segments, last_rows + verify_rows)
+        hidden, rows, cu_q, bank = self._forward_segments(segments, last_rows + verify_rows)
+        feats = self._features(hidden, bank)
         for (seq, n), a, b in zip(chunks, cu_q[:-1], cu_q[1:]):
             if seq.wants_prompt_logprobs:  # in pieces: [rows, vocab] fp32 logits are large
                 start = seq.num_computed_tokens - n
@@ -274,17 +298,28 @@ class ModelRunner:
                     hi = min(b, lo + PROMPT_LOGITS_ROWS)
                     self._add_prompt_logprobs(result, seq, start + lo - a, self.model.lm_head(hidden[lo:hi]))
         if not len(rows):
-            return [], hidden.new_empty(0, self.cfg.vocab_size)
+            return [], hidden.new_empty(0, self.cfg.vocab_size), feats
         logits = self.model.lm_head(hidden[rows]).float()
         if verify_rows:
             result.verify_logits = logits[len(last_rows):].view(len(result.verified), K + 1, -1)
-        return sampled, logits[:len(last_rows)]
+        return sampled, logits[:len(last_rows)], feats
 
-    def _forward_segments(self, segments: list[tuple[int, int, list[int]]],
-                          rows: list[int]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    def _features(self, hidden: torch.Tensor, bank: list[torch.Tensor]) -> torch.Tensor | None:
+        """``cat(bank[lo], bank[mid], h)`` [R, 3 * d] of a pass's R positions (the EAGLE-3 draft's
+        fusion input), or None without ``feature_blocks``. hidden [R, d] or [R, 1, d]; the bank
+        entries [1, R, d] (packed pass) or [R, 1, d] (decode batch)."""
+        if self.feature_blocks is None:
+            return None
+        lo, mid = self.feature_blocks
+        d = hidden.shape[-1]
+        return torch.cat([bank[lo].reshape(-1, d), bank[mid].reshape(-1, d), hidden.reshape(-1, d)], dim=-1)
+
+    def _forward_segments(self, segments: list[tuple[int, int, list[int]]], rows: list[int],
+                          ) -> tuple[torch.Tensor, torch.Tensor, list[int], list[torch.Tensor]]:
         """One packed forward over segments (state slot, position of the first token, token
         ids), each continuing its slot's cache. Returns the hidden states [sum T_i, D], ``rows``
-        (indices into them) uploaded with the inputs, and the segments' offsets ``cu_q``."""
+        (indices into them) uploaded with the inputs, the segments' offsets ``cu_q`` and the
+        AttnRes bank of the pass (``_forward``)."""
         ids, cu_q, cu_k, starts, slots = [], [0], [0], [], []
         for slot, start, token_ids in segments:
             ids += token_ids
@@ -294,8 +329,8 @@ class ModelRunner:
             slots.append(slot)
         ids, cu_q_dev, cu_k_dev, starts, slots, rows = self._upload(ids, cu_q, cu_k, starts, slots, rows)
         batch = self._prefill_batch(cu_q_dev, cu_k_dev, starts, slots, torch.tensor(cu_q), torch.tensor(cu_k))
-        hidden = self._forward(ids[None], batch, slots, batch.cu_seqlens_q, batch.cu_seqlens_q_cpu)[0]
-        return hidden, rows, cu_q
+        hidden, bank = self._forward(ids[None], batch, slots, batch.cu_seqlens_q, batch.cu_seqlens_q_cpu)
+        return hidden[0], rows, cu_q, bank
 
     def _prefill_batch(self, cu_q: torch.Tensor, cu_k: torch.Tensor, starts: torch.Tensor,
                        slots: torch.Tensor, cu_q_cpu: torch.Tensor, cu_k_cpu: torch.Tensor) -> PrefillBatch:
@@ -315,20 +350,23 @@ class ModelRunner:
                             table[k_chunk, k_pos // bs] * bs + k_pos % bs,
                             cu_q, cu_k, cu_q_cpu, cu_k_cpu)
 
-    def _decode(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Logits [len(seqs), V] of a decode batch (padded to its bucket under CUDA graphs)."""
+    def _decode(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits [len(seqs), V] of a decode batch (padded to its bucket under CUDA graphs) and its
+        draft features (``_features``): with ``feature_blocks`` the pass runs eagerly."""
         n = len(seqs)
-        B = 1 << (n - 1).bit_length() if self.use_graphs else n
+        use_graphs = self.use_graphs and self.feature_blocks is None
+        B = 1 << (n - 1).bit_length() if use_graphs else n
         pad = B - n
         ids = [s.token_ids[s.num_computed_tokens - 1] for s in seqs] + [0] * pad
         ctx = [s.num_computed_tokens for s in seqs] + [1] * pad  # padding: one token in the scratch block
         slots = [s.state_slot for s in seqs] + [self.scratch_slot] * pad
         inputs = torch.tensor([ids, ctx, slots], dtype=torch.long, pin_memory=self._pin)  # [3, B]
-        graph = self._graph(B) if self.use_graphs else None
+        graph = self._graph(B) if use_graphs else None
         if graph is not None:
-            return graph.run(inputs)[:n]
+            return graph.run(inputs)[:n], None
         width = _cdiv(max(ctx), self.block_size)  # the reference attention reads every column
-        return self._decode_forward(inputs.to(self.device, non_blocking=True), width)[:n]
+        hidden, bank = self._decode_hidden(inputs.to(self.device, non_blocking=True), width)
+        return self.model.lm_head(hidden).float(), self._features(hidden, bank)
 
     def _graph(self, B: int) -> _DecodeGraph | None:
         if B not in self._graphs:
@@ -345,22 +383,29 @@ class ModelRunner:
     def _decode_forward(self, inputs: torch.Tensor, width: int) -> torch.Tensor:
         """inputs [3, B] on the device: token ids, context lengths (the new token included), state
         slots; ``width`` block-table columns are handed to the attention. Returns logits [B, V]."""
+        return self.model.lm_head(self._decode_hidden(inputs, width)[0]).float()
+
+    def _decode_hidden(self, inputs: torch.Tensor, width: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """``_decode_forward``'s final hidden states [B, d] and AttnRes bank (each [B, 1, d])."""
         ids, context_lens, slots = inputs
         bs = self.block_size
         table = self.block_tables[slots, :width]  # [B, width] int32
         pos = context_lens - 1
         new_rows = table.gather(1, (pos // bs)[:, None])[:, 0].long() * bs + pos % bs
         batch = DecodeBatch(new_rows, table, context_lens, bs)
-        hidden = self._forward(ids[:, None], batch, slots, None, None)
-        return self.model.lm_head(hidden[:, 0]).float()
+        hidden, bank = self._forward(ids[:, None], batch, slots, None, None)
+        return hidden[:, 0], bank
 
     def _forward(self, ids, batch: DecodeBatch | PrefillBatch, state_slots: torch.Tensor,
-                 cu_seqlens: torch.Tensor | None, cu_seqlens_cpu: torch.Tensor | None) -> torch.Tensor:
-        """cu_seqlens: the chunks' offsets (on the device and the host) for a packed prefill."""
+                 cu_seqlens: torch.Tensor | None, cu_seqlens_cpu: torch.Tensor | None,
+                 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The final hidden states [B, T, d] and the AttnRes bank (``hidden_and_blocks``: it exists
+        during the pass anyway). cu_seqlens: the chunks' offsets (on the device and the host) for
+        a packed prefill."""
         layers = [PagedMLAView(self.mla_cache[i], batch) if i in self.mla_cache else
                   PagedKDAView(self.kda_state, self.kda_index[i], state_slots, cu_seqlens, cu_seqlens_cpu)
                   for i in range(self.cfg.num_hidden_layers)]
-        return self.model.model(ids, _Views(layers))
+        return self.model.model.hidden_and_blocks(ids, _Views(layers))
 
 
 class _DecodeGraph:

@@ -81,44 +81,23 @@ class _ShuttingDown(Exception):
 
 class Draining:
     """Graceful shutdown: once ``begin(seconds)`` is called (the server got SIGTERM or Ctrl-C),
-    responses in flight get ``seconds`` to finish; then each stream ends with an error event and
-    ``[DONE]``, and each waiting request gets a 503, so no client sees a connection cut silently.
-    New requests get a 503 at once."""
+    responses in flight get ``seconds`` to finish; then every engine stream still open fails with
+    ``_ShuttingDown`` (``AsyncEngine.fail_all``), so each stream ends with an error event and
+    ``[DONE]`` and each waiting request gets a 503: no client sees a connection cut silently.
+    New requests get a 503 at once. Nothing is raced per chunk: a stream's next chunk is a plain
+    ``await`` until the grace period ends."""
 
-    def __init__(self) -> None:
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
         self.started = False
-        self.expired = asyncio.Event()
 
     def begin(self, seconds: float) -> None:
         if not self.started:
             self.started = True
-            asyncio.get_running_loop().call_later(seconds, self.expired.set)
-
-    async def race(self, task: asyncio.Future):
-        """``await task``, unless the grace period ends first: then cancel it and raise. If the
-        caller is cancelled (the client left), ``task`` is cancelled and awaited first, so what
-        it was running (an async generator's step) is finished before anyone closes it."""
-        expired = asyncio.ensure_future(self.expired.wait())
-        try:
-            await asyncio.wait((task, expired), return_when=asyncio.FIRST_COMPLETED)
-        except BaseException:
-            await _cancel_and_wait(task)
-            raise
-        finally:
-            expired.cancel()
-        if task.done():
-            return task.result()
-        await _cancel_and_wait(task)
-        raise _ShuttingDown
+            asyncio.get_running_loop().call_later(seconds, self.engine.fail_all, _ShuttingDown())
 
 
-async def _cancel_and_wait(task: asyncio.Future) -> None:
-    task.cancel()
-    with contextlib.suppress(BaseException):
-        await task
-
-
-async def _sse(chunks: AsyncIterator[dict], draining: Draining) -> AsyncIterator[str]:
+async def _sse(chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
     """Each chunk as ``data: {json}``, then ``data: [DONE]``. An engine failure mid-stream, or a
     shutdown that outlasts the stream's grace period, becomes an error event: the 200 status line
     is already out."""
@@ -126,7 +105,7 @@ async def _sse(chunks: AsyncIterator[dict], draining: Draining) -> AsyncIterator
         try:
             while True:
                 try:
-                    chunk = await draining.race(asyncio.ensure_future(anext(chunks)))
+                    chunk = await anext(chunks)
                 except StopAsyncIteration:
                     break
                 yield f"data: {json.dumps(chunk)}\n\n"
@@ -144,22 +123,23 @@ async def _wait_for_disconnect(request: Request) -> None:
         pass
 
 
-async def _unless_disconnected(request: Request, work: Awaitable[T], draining: Draining) -> T | None:
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
     """``await work``, or cancel it (aborting its engine request) and return None if the client
-    disconnects first; a 503 if a shutdown's grace period ends first."""
+    disconnects first; a 503 if a shutdown's grace period ends first (``Draining``)."""
     task = asyncio.ensure_future(work)
     gone = asyncio.ensure_future(_wait_for_disconnect(request))
     try:
-        result = await draining.race(asyncio.ensure_future(asyncio.wait(
-            (task, gone), return_when=asyncio.FIRST_COMPLETED)))
-    except _ShuttingDown:
-        raise APIError(503, SHUTDOWN_MESSAGE, type="server_error") from None
+        done, _ = await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
     finally:
         gone.cancel()
         task.cancel()  # a no-op when it is done
-    done, _ = result
+        with contextlib.suppress(asyncio.CancelledError):
+            await gone
     if task in done:
-        return task.result()
+        try:
+            return task.result()
+        except _ShuttingDown:
+            raise APIError(503, SHUTDOWN_MESSAGE, type="server_error") from None
     with contextlib.suppress(asyncio.CancelledError):
         await task
     return None
@@ -168,6 +148,11 @@ async def _unless_disconnected(request: Request, work: Awaitable[T], draining: D
 async def _merged(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """``(i, output)`` of every stream, as they come. Closing it closes them all (aborting their
     engine requests); a failing stream fails it."""
+    if len(streams) == 1:  # the common case (n=1, one prompt): no pump task, no second queue
+        async with contextlib.aclosing(streams[0]) as stream:
+            async for out in stream:
+                yield 0, out
+        return
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
 
@@ -215,7 +200,7 @@ class OpenAIServer:
         self.tokenizer = engine.tokenizer
         self.metrics = ServerMetrics(engine.stats)
         self.created = int(time.time())
-        self.draining = Draining()
+        self.draining = Draining(engine)
 
     def _check(self, req: SamplingRequest) -> None:
         if self.draining.started:
@@ -282,9 +267,8 @@ class OpenAIServer:
                            for i, (ids, params, _) in enumerate(choices)])
         echoes = [echo for _, _, echo in choices]
         if req.stream:
-            return _EventStream(_sse(chunks(self.tokenizer, outputs, head, req.include_usage, req.n, echoes),
-                                     self.draining))
-        final = await _unless_disconnected(request, _last(outputs, len(choices)), self.draining)
+            return _EventStream(_sse(chunks(self.tokenizer, outputs, head, req.include_usage, req.n, echoes)))
+        final = await _unless_disconnected(request, _last(outputs, len(choices)))
         if final is None:
             return Response(status_code=499)  # nobody is listening
         return JSONResponse({**head, "choices": [choice(self.tokenizer, out, i, echoes[i])

@@ -31,6 +31,9 @@ class RunConfig(_DictIO):
     tokenizer: str | None = None  # a tokenizer.json; None trains a byte-level BPE of vocab_size
     vocab_size: int | None = None  # None: the model preset's vocab_size
     seq_len: int = 256
+    # phases at other lengths before seq_len: "SEQ_LEN:STEPS" each, in order, e.g.
+    # ("4096:1000", "65536:200") trains 1000 steps at 4K, 200 at 64K, then seq_len (docs/long_context.md)
+    seq_len_schedule: tuple[str, ...] = ()
     batch_size: int = 8  # sequences per rank per micro-step
     grad_accum: int = 1
     # optimisation
@@ -44,6 +47,7 @@ class RunConfig(_DictIO):
     clip_grad: float = 1.0
     balance: str = "qb"  # "qb", "sign", "aux" or "none"
     ep: int = 1  # expert parallelism (MoonEP): ranks per expert group; divides the process count
+    cp: int = 1  # context parallelism: ranks sharing each sequence; divides the process count
     aux_loss_coef: float = 1e-2
     # quantisation-aware training of the routed experts (docs/mxfp4.md): "mxfp4" trains them on
     # MXFP4 weights and MXFP8 inputs (fake-quantised, straight-through gradients to the fp32
@@ -80,7 +84,7 @@ class RunConfig(_DictIO):
 
         if self.preset not in PRESETS:
             raise bad("preset", f"choose one of {sorted(PRESETS)}")
-        for name in ("seq_len", "batch_size", "grad_accum", "max_steps", "log_interval", "ep",
+        for name in ("seq_len", "batch_size", "grad_accum", "max_steps", "log_interval", "ep", "cp",
                      "eval_interval", "eval_batches", "ckpt_interval", "keep_last"):
             if getattr(self, name) <= 0:
                 raise bad(name, "must be positive")
@@ -107,12 +111,46 @@ class RunConfig(_DictIO):
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise bad(name, f"choose one of {allowed}")
+        for length in self.seq_lens():
+            if length % self.cp:
+                raise bad("cp", f"must divide every sequence length (seq_len and "
+                          f"seq_len_schedule), not {length}: ranks hold equal shards")
+        if self.cp > 1 and self.mtp_layers:
+            raise bad("cp", "context parallelism needs mtp_layers=0 (MTP inputs shift across "
+                      "the ranks' boundaries)")
         model_cfg = self.model_config()  # model overrides are validated by ModelConfig itself
         if self.qat != "none":
             try:
                 check_qat_dims(model_cfg)
             except ValueError as e:
                 raise bad("qat", str(e)) from None
+
+    def _phases(self) -> list[tuple[int, int]]:
+        """``seq_len_schedule`` as (seq_len, steps) pairs; raises ValueError on a bad entry."""
+        phases = []
+        for entry in self.seq_len_schedule:
+            try:
+                length, steps = (int(x) for x in str(entry).split(":"))
+            except ValueError:
+                length = steps = 0
+            if length <= 0 or steps <= 0:
+                raise ValueError(f"RunConfig.seq_len_schedule={self.seq_len_schedule!r}: entry "
+                                 f"{entry!r} is not SEQ_LEN:STEPS with both positive, e.g. 4096:1000")
+            phases.append((length, steps))
+        return phases
+
+    def seq_lens(self) -> list[int]:
+        """Every sequence length the run trains at: the schedule's, then seq_len."""
+        return [length for length, _ in self._phases()] + [self.seq_len]
+
+    def seq_len_at(self, step: int) -> int:
+        """The sequence length of (1-based) training step ``step``."""
+        done = 0
+        for length, steps in self._phases():
+            done += steps
+            if step <= done:
+                return length
+        return self.seq_len
 
     def model_config(self) -> ModelConfig:
         cfg = preset(self.preset)
@@ -133,6 +171,9 @@ class RunConfig(_DictIO):
 RUN_PRESETS = {
     # the README's main job: CPU, a few minutes, loss clearly falling
     "debug": dict(),
+    # CPU, minutes: tower + language model from scratch on rendered images (openk3/vision)
+    "debug-vl": dict(preset="debug-vl", out="runs/debug-vl", batch_size=32, max_steps=600, lr=3e-3,
+                     warmup_steps=30, log_interval=20, eval_interval=200),
     # one GPU, bf16
     "small": dict(preset="small", out="runs/small", seq_len=4096, batch_size=4, max_steps=2000,
                   lr=2e-3, warmup_steps=100, log_interval=20, eval_interval=250, ckpt_interval=500,
@@ -157,14 +198,14 @@ RUN_CONFIG_FILE = "run_config.json"  # in the run directory: {"run": RunConfig, 
 # Fields that may differ from the saved run when resuming: how long it runs, how often it logs,
 # evaluates and saves, what it prints at the end, and where and how it runs. ``batch_size`` is
 # per rank: resuming on another number of processes changes it, and the data stream refuses any
-# change of the global batch (world size x batch_size). ``qat`` may be switched on for the rest
-# of a run: a bf16 run continued with --qat mxfp4 is quantisation-aware fine-tuning, as K3 trains
-# its experts after bf16 pre-training. Every other field defines the run itself (model, data,
-# optimiser, schedule shape, seed) and must match.
+# change of the global batch (world size / cp x batch_size). ``qat`` may be switched on for the
+# rest of a run: a bf16 run continued with --qat mxfp4 is quantisation-aware fine-tuning, as K3
+# trains its experts after bf16 pre-training. Every other field defines the run itself (model,
+# data, optimiser, schedule shape, seed) and must match.
 RESUMABLE_FIELDS = ("resume", "out", "max_steps", "log_interval", "eval_interval", "eval_batches",
                     "ckpt_interval", "keep_last", "num_samples", "sample_tokens",
                     "sample_temperature", "device", "batch_size", "compile", "activation_checkpointing",
-                    "qat")
+                    "cp", "qat")
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -12,7 +12,8 @@ MLA's ``kv_b_proj`` holds, per head, the key rows then the value rows; those are
 Routed experts (stacked ``[E, F, D]``) are orthogonalised expert by expert.
 
 Everything else — embeddings, ``lm_head``, the router, AttnRes pseudo-queries, convolution
-filters, norms and other 1-D parameters — goes to AdamW.
+filters (KDA's, the vision patch embedding), the vision position table, norms and other 1-D
+parameters — goes to AdamW.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from openk3.model.kda import KDAttention
 from openk3.model.mla import MLAttention
 from openk3.model.model import AttnResQuery
 from openk3.model.moe import Router
+from openk3.vision.tower import PositionEmbedding
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)  # quintic Newton-Schulz, a / b / c
 UPDATE_RMS = 0.2  # Muon's update RMS, matched to a typical AdamW update
@@ -266,7 +268,7 @@ def _classify(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter],
     decayed_whole = set()  # matrices that AdamW handles, with weight decay
     no_decay = set()  # AdamW, no weight decay: gains, biases, AttnRes queries
     for m in model.modules():
-        if isinstance(m, (nn.Embedding, Router, nn.Conv1d)):
+        if isinstance(m, (nn.Embedding, Router, nn.Conv1d, nn.Conv2d, PositionEmbedding)):
             decayed_whole.add(m.weight)
         elif isinstance(m, AttnResQuery):
             no_decay.add(m.proj.weight)

@@ -119,12 +119,16 @@ class _ActivationProbe:
 
 
 @torch.no_grad()
-def evaluate(model, data, cfg: RunConfig, env: Env) -> float:
+def evaluate(model, data, cfg: RunConfig, env: Env, parallel: Parallel | None = None) -> float:
+    """Mean validation loss; with ``parallel``, each batch is split as training splits it."""
     model.eval()
     total, n = torch.zeros((), device=env.device), 0
     for inputs, targets in val_batches(data.val_path, data.dtype, cfg.seq_len, cfg.batch_size,
                                        cfg.eval_batches):
-        total += model(inputs.to(env.device), labels=targets.to(env.device)).loss
+        inputs, targets = inputs.to(env.device), targets.to(env.device)
+        if parallel is not None:
+            inputs, targets = parallel.shard_sequence(inputs, targets)
+        total += model(inputs, labels=targets).loss
         n += 1
     model.train()
     return (mean_over_ranks(total) / max(n, 1)).item()
@@ -159,7 +163,7 @@ def build_training(cfg: RunConfig, env: Env, model_cfg: ModelConfig) -> Training
     set_qat(model, cfg.qat)  # before parallelize: MoonEP's expert shares copy it
     model.train()
     parallel = parallelize(model, env, ep=cfg.ep, compile=cfg.compile,
-                           activation_checkpointing=cfg.activation_checkpointing)
+                           activation_checkpointing=cfg.activation_checkpointing, cp=cfg.cp)
     optimizers = build_optimizers(model, lr=cfg.lr, weight_decay=cfg.weight_decay,
                                   optimizer=cfg.optimizer)
     balancer = Balancer(cfg.balance, model_cfg.num_experts,
@@ -173,9 +177,10 @@ def _finite(loss: float, mtp_loss: float | None) -> bool:
     return math.isfinite(loss) and (mtp_loss is None or math.isfinite(mtp_loss))
 
 
-def train_step(t: Training, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], cfg: RunConfig,
+def train_step(t: Training, batches: Iterable[tuple], cfg: RunConfig,
                ) -> tuple[float, torch.Tensor, float | None]:
-    """One optimisation step over ``cfg.grad_accum`` micro-batches ``(inputs, targets)`` [B, T]:
+    """One optimisation step over ``cfg.grad_accum`` micro-batches ``(inputs, targets)`` [B, T]
+    (or ``(inputs, targets, images)``, ``openk3.vision.preprocess.PackedImages``):
     forward (the loss comes out of the model: no [B, T, vocab] logits), backward, balancer
     update after each micro-batch, gradient reduction and clipping, the optimiser steps.
 
@@ -185,10 +190,12 @@ def train_step(t: Training, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]
     None without an MTP layer); the losses are averaged over micro-batches and ranks."""
     sums = torch.zeros(2, device=t.env.device)  # [loss (+ aux term), MTP loss]
     has_mtp = False
-    for inputs, targets in batches:
-        inputs, targets = inputs.to(t.env.device), targets.to(t.env.device)
+    for inputs, targets, *images in batches:
+        inputs, targets = t.parallel.shard_sequence(inputs.to(t.env.device),
+                                                    targets.to(t.env.device))
+        extra = {"images": images[0].to(t.env.device)} if images else {}
         with t.autocast():
-            out = t.model(inputs, labels=targets)
+            out = t.model(inputs, labels=targets, **extra)
         loss = out.loss + cfg.aux_loss_coef * t.balancer.aux_loss()
         sums[0] += loss.detach()
         if out.mtp_loss is not None:
@@ -210,7 +217,13 @@ def train_step(t: Training, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]
 
 
 def train(cfg: RunConfig) -> dict:
-    """Run (or resume) a training run; returns a summary dict. See ``openk3 train --help``."""
+    """Run (or resume) a training run; returns a summary dict. See ``openk3 train --help``.
+    A model with a vision tower trains on the synthetic image-text corpus instead
+    (``openk3.vision.train``)."""
+    if cfg.model_config().vision_config is not None:
+        from openk3.vision.train import train_vl
+
+        return train_vl(cfg)
     env = setup_env(cfg)
     run_dir = Path(cfg.out)
     model_cfg = cfg.model_config()  # validated before anything is allocated
@@ -236,14 +249,18 @@ def train(cfg: RunConfig) -> dict:
     training = build_training(cfg, env, model_cfg)
     model, parallel, optimizers, balancer = (training.model, training.parallel, training.optimizers,
                                              training.balancer)
-    stream = TokenStream(data.train_path, data.dtype, cfg.seq_len, cfg.batch_size, seed=cfg.seed,
-                         rank=env.rank, world_size=env.world_size)
+    # the ranks of a context-parallel group read the same batch; the stream is opened at the
+    # longest length of the run (it checks the data holds a window of it), then follows the schedule
+    stream = TokenStream(data.train_path, data.dtype, max(cfg.seq_lens()), cfg.batch_size,
+                         seed=cfg.seed, rank=parallel.dp_rank, world_size=parallel.dp_size)
+    stream.seq_len = cfg.seq_len_at(1)
     start = 0
     schedule = LRSchedule(cfg.max_steps, cfg.warmup_steps, cfg.schedule, cfg.min_lr_ratio)
     if prev is not None:
         state = parallel.state_dict(optimizers)  # the shards this layout wants, filled in place
         trainer_state = ckpt.load_checkpoint(prev, state)
         parallel.load_state_dict(state, optimizers)
+        stream.seq_len = cfg.seq_len_at(trainer_state["step"])  # the length it was saved at
         stream.load_state_dict(trainer_state["data"])
         start = trainer_state["step"]
         if "lr_schedule" in trainer_state:  # a changed --max-steps continues, never jumps up
@@ -257,8 +274,9 @@ def train(cfg: RunConfig) -> dict:
             {"run": cfg.to_dict(), "model": model_cfg.to_dict(), "world_size": env.world_size},
             indent=1))
 
-    tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum * env.world_size
-    flops_tok = flops_per_token(model_cfg, cfg.seq_len)
+    def tokens_per_step(step: int) -> int:
+        return cfg.batch_size * cfg.seq_len_at(step) * cfg.grad_accum * parallel.dp_size
+
     peak = peak_flops(env.device, env.dtype) * env.world_size
     metrics = MetricsLog(run_dir / "metrics.jsonl", enabled=env.is_main)
     if start and env.is_main:  # rows logged after the checkpoint we resume from are redone
@@ -274,9 +292,11 @@ def train(cfg: RunConfig) -> dict:
         last_saved = step
 
     with _StopFlag() as flag, Progress(cfg.max_steps, start, enabled=env.is_main) as bar:
-        t_last, step_last, step = time.perf_counter(), start, start
+        t_last, step, tokens_last = time.perf_counter(), start, 0
+        tokens_total = sum(tokens_per_step(s) for s in range(1, start + 1))
         losses: list[float] = []
         for step in range(start + 1, cfg.max_steps + 1):
+            stream.seq_len = cfg.seq_len_at(step)
             mult = schedule(step - 1)
             set_lr(optimizers, mult)
             logging_step = step % cfg.log_interval == 0 or step == cfg.max_steps
@@ -293,22 +313,25 @@ def train(cfg: RunConfig) -> dict:
                     f"checkpoint is step {last_saved} in {run_dir / ckpt.CKPT_DIR} (resume with --resume, "
                     "perhaps with a lower --lr)")
             losses.append(loss_f)
+            tokens_last += tokens_per_step(step)
+            tokens_total += tokens_per_step(step)
             bar.update(step, loss=loss_f, lr=cfg.lr * mult)
 
             if logging_step:
                 now = time.perf_counter()
-                tok_s = tokens_per_step * (step - step_last) / max(now - t_last, 1e-9)
-                t_last, step_last = now, step
+                tok_s = tokens_last / max(now - t_last, 1e-9)
+                t_last, tokens_last = now, 0
                 row = {"step": step, "loss": loss_f, "lr": cfg.lr * mult,
                        "grad_norm": float(grad_norm),
                        **({"mtp_loss": mtp_f} if mtp_f is not None else {}),
-                       "tokens_per_s": tok_s, "tokens": step * tokens_per_step,
+                       "tokens_per_s": tok_s, "seq_len": cfg.seq_len_at(step),
+                       "tokens": tokens_total,
                        "load_max_over_mean": balancer.stats(),
                        "max_abs_activation": probe.read()}
                 if env.device.type == "cuda":
-                    row["mfu"] = tok_s * flops_tok / peak
+                    row["mfu"] = tok_s * flops_per_token(model_cfg, cfg.seq_len_at(step)) / peak
                 if step % cfg.eval_interval == 0 or step == cfg.max_steps:
-                    row["val_loss"] = evaluate(model, data, cfg, env)
+                    row["val_loss"] = evaluate(model, data, cfg, env, parallel)
                 metrics.write(row)
                 bar.log_line(row)
             if step % cfg.ckpt_interval == 0 or step == cfg.max_steps:

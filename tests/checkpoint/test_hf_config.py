@@ -11,7 +11,7 @@ from openk3.config import PRESETS, preset
 
 
 def official_k3_config() -> dict:
-    """The K3 release's config.json (its keys and values; the vision part abridged)."""
+    """The K3 release's config.json (its keys and values)."""
     full = list(range(4, 93, 4)) + [93]
     return {
         "architectures": ["KimiK3ForConditionalGeneration"],
@@ -42,7 +42,19 @@ def official_k3_config() -> dict:
             "tie_word_embeddings": False, "topk_group": 1, "topk_method": "noaux_tc",
             "use_grouped_topk": True, "v_head_dim": 128, "vocab_size": 163840,
         },
-        "vision_config": {"patch_size": 14, "vt_hidden_size": 1152},
+        "image_placeholder": "<|kimi_image_placeholder|>",
+        "vision_config": {
+            "_attn_implementation": "flash_attention_2", "activation_func": "gelu_pytorch_tanh",
+            "attn_bias": False, "init_pos_emb_height": 64, "init_pos_emb_time": 4,
+            "init_pos_emb_width": 64, "linear_bias": False, "merge_kernel_size": [2, 2],
+            "merge_type": "sd2_tpool", "mlp_type": "mlp2", "mm_hidden_size": 1024,
+            "mm_projector_type": "patchmergerv2", "norm_type": "rmsnorm",
+            "patch_embed_proj_bias": False, "patch_size": 14, "pos_emb_interpolation_mode": "bilinear",
+            "pos_emb_type": "divided_fixed", "projector_hidden_act": "gelu", "projector_ln_eps": 1e-05,
+            "qkv_hidden_size": 1536, "text_hidden_size": 7168, "video_attn_type": "spatial_temporal",
+            "vt_hidden_size": 1024, "vt_intermediate_size": 4096, "vt_num_attention_heads": 12,
+            "vt_num_hidden_layers": 27,
+        },
     }
 
 
@@ -53,9 +65,10 @@ def test_official_k3_config_equals_k3_preset():
 def test_official_k3_config_is_written_back_unchanged():
     """Every key of the release (also those openk3 does not use) comes back with its value."""
     cfg = from_hf(official_k3_config())
-    assert cfg.hf_passthrough == {"media_placeholder_token_id": 163605,
-                                  "vision_config": {"patch_size": 14, "vt_hidden_size": 1152},
-                                  "text_config": {}}
+    release = official_k3_config()
+    assert cfg.hf_passthrough == {k: release[k] for k in ("media_placeholder_token_id",
+                                                          "image_placeholder", "vision_config")
+                                  } | {"text_config": {}}
     assert to_hf(cfg, quantization_config=mxfp4_quantization_config()) == official_k3_config()
 
 

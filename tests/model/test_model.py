@@ -132,8 +132,15 @@ def test_k3_parameter_count():
     total = (2 * V * d + 3 * d + L * per_layer + (L - n_mla) * kda + n_mla * mla
              + 3 * d * 33792 + (L - 1) * moe)
     active = total - (L - 1) * routed * (E - k) // E
+    assert (total, active) == (2_779_484_393_568, 105_363_935_328)  # the text backbone
+    # K3_SPEC §6: the MoonViT-V2 tower (27 blocks, width 1024, qkv 1536, MLP 4096, patch 14,
+    # a [64, 64, 1024] position table, RMSNorms) and the projector (4096 -> 4096 -> 7168, RMSNorm)
+    Dv = 1024
+    tower = 27 * (Dv * 3 * 1536 + 1536 * Dv + 2 * Dv * 4096 + 2 * Dv) + Dv * 3 * 14 * 14 + 64 * 64 * Dv + Dv
+    projector = 4096 * 4096 + 4096 * d + d
     r = count_parameters(preset("k3"))
-    assert (r["total"], r["active"]) == (total, active) == (2_779_484_393_568, 105_363_935_328)
+    assert (r["breakdown"]["vision tower"], r["breakdown"]["vision projector"]) == (tower, projector)
+    assert (r["total"], r["active"]) == (total + tower + projector, active + tower + projector)
 
 
 def test_kimi_linear_48b_matches_released_checkpoint_size():

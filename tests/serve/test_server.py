@@ -478,3 +478,51 @@ def test_streamed_echo_starts_with_the_prompt(srv):
     tokens = [t for c in chunks for t in c.choices[0].logprobs.tokens]
     assert len(tokens) == len("Echo me") + 3
     wait_idle(srv)
+
+
+# Graceful shutdown.
+
+
+def test_shutdown_ends_streams_with_an_error_event_and_waiting_requests_with_503():
+    """Once the grace period of a shutdown ends, a running stream gets an error event and
+    [DONE], a waiting non-streaming request a 503, a new request a 503 at once; the engine
+    frees everything they held."""
+    from openk3.serve.server import SHUTDOWN_MESSAGE
+
+    engine = LLMEngine(build_model(preset("debug"), seed=0).eval(), TOK, EngineConfig(
+        max_num_seqs=4, physical_block_size=64, hash_block_size=16, kda_checkpoint_interval=64,
+        max_model_len=MAX_MODEL_LEN, cuda_graphs=False), eos_token_ids=())
+    async_engine = AsyncEngine(engine)
+    app = build_app(async_engine, MODEL)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.02)
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1/completions"
+    body = {"prompt": "Go on and on", "max_tokens": MAX_MODEL_LEN - 20}
+    try:
+        with ThreadPoolExecutor(1) as pool, httpx.Client(timeout=30) as http, \
+                http.stream("POST", url, json={**body, "stream": True}) as r:
+            waiting = pool.submit(httpx.post, url, json=body, timeout=30)
+            lines = r.iter_lines()
+            assert json.loads(next(line for line in lines if line.startswith("data: "))[6:])["choices"]
+            while len(async_engine._streams) < 2:  # the non-streaming request is in the engine too
+                time.sleep(0.01)
+            loop = next(iter(async_engine._streams.values()))[0]
+            loop.call_soon_threadsafe(app.state.draining.begin, 0.05)
+            events = [line for line in lines if line.startswith("data: ")]
+            assert events[-1] == "data: [DONE]"
+            assert json.loads(events[-2][6:])["error"]["message"] == SHUTDOWN_MESSAGE
+            assert waiting.result().status_code == 503
+            assert httpx.post(url, json=body, timeout=30).status_code == 503
+        deadline = time.monotonic() + 10
+        while engine.requests or engine.block_manager.num_free_blocks != engine.block_manager.num_blocks:
+            assert time.monotonic() < deadline, "the engine kept what the cut requests held"
+            time.sleep(0.02)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        async_engine.shutdown()

@@ -231,6 +231,25 @@ def test_two_process_gloo_run_matches_one_process(corpus, tmp_path, parallel):
     assert exported.model.layers[1].mlp.experts.w1.shape[0] == exported.cfg.num_experts
 
 
+def test_two_process_context_parallel_run_matches_one_process(corpus, tmp_path):
+    """``--cp 2``: both ranks hold one half of each sequence (one data-parallel group, the
+    per-rank batch is the global one) and train at the lengths of ``--seq-len-schedule``: the
+    losses of one process (fp32); evaluation and the samples after the run work under CP."""
+    args = _train_args(corpus, tmp_path / "cp", 3)
+    args[args.index("--num-samples") + 1] = "1"
+    args += ["--balance", "sign", "--cp", "2", "--seq-len-schedule", "16:2"]
+    out = _torchrun(args)
+    assert "--- sample 1 ---" in out
+    single = train(tiny(corpus, tmp_path / "one", max_steps=3, warmup_steps=1, log_interval=1,
+                        eval_interval=1000, ckpt_interval=1000, balance="sign",
+                        seq_len_schedule=("16:2",)))["losses"]
+    rows = [json.loads(line) for line in (tmp_path / "cp" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["seq_len"] for r in rows] == [16, 16, 32]
+    assert "val_loss" in rows[-1]
+    for a, b in zip([r["loss"] for r in rows], single):
+        assert abs(a - b) < 1e-4 * abs(b), (rows, single)
+
+
 def test_four_process_moonep_run_resumes_on_four_and_on_two(corpus, tmp_path):
     """4 ranks, --ep 2: two expert-parallel groups, each holding every expert once, whose expert
     gradients are averaged across the groups: the losses of one process with the global batch.

@@ -1,0 +1,142 @@
+"""Verifiable tasks: deterministic sampling, reference answers score 1, wrong ones 0, hidden tests,
+garbage never raises, options and their errors."""
+
+import json
+import random
+
+import pytest
+
+from openk3.posttrain.tasks import (
+    FAMILIES,
+    TASK_NAMES,
+    Problem,
+    PythonFunctions,
+    get_task,
+    parse_task,
+    score_all,
+)
+
+TEXT_TASKS = [name for name in TASK_NAMES if name != "python"]
+
+
+def _samples(task, seed, n=20):
+    rng = random.Random(seed)
+    return [task.sample(rng) for _ in range(n)]
+
+
+def test_task_names_and_protocol():
+    assert TASK_NAMES == ("arithmetic", "sorting", "string_edit", "python")
+    for name in TASK_NAMES:
+        task = get_task(name)
+        assert task.name == name and task.domain in ("math", "code", "text")
+
+
+@pytest.mark.parametrize("name", TASK_NAMES)
+def test_sampling_is_deterministic_per_seed(name):
+    task = get_task(name)
+    assert _samples(task, 0) == _samples(task, 0)
+    assert _samples(task, 0) != _samples(task, 1)
+    for p in _samples(task, 2):
+        assert p.task == name and p.domain == task.domain and p.prompt and p.answer and p.stop
+        json.dumps(p.meta)  # JSON-serialisable
+
+
+def _wrong(problem: Problem) -> str:
+    if problem.task == "arithmetic":
+        return str(int(problem.answer) + 1)
+    if problem.task == "sorting":
+        return problem.answer + " 0"
+    return problem.answer + "z"
+
+
+@pytest.mark.parametrize("name", TEXT_TASKS)
+def test_reference_scores_one_and_wrong_zero(name):
+    task = get_task(name)
+    for p in _samples(task, 3, n=50):
+        assert task.score(p, p.answer) == 1.0
+        assert task.score(p, f" {p.answer}\nanything after the first line") == 1.0
+        assert task.score(p, _wrong(p)) == 0.0
+        assert task.score(p, "\n" + p.answer) == 0.0  # only the first line counts
+
+
+def test_prompt_formats():
+    rng = random.Random(0)
+    p = get_task("arithmetic", digits=2, ops="+").sample(rng)
+    a, b = p.prompt[:-1].split("+")
+    assert p.prompt.endswith("=") and int(p.answer) == int(a) + int(b) and int(a) < 100
+    assert get_task("arithmetic").score(Problem("2+3*4=", "14", "math", "arithmetic"), "14") == 1.0
+    hard = get_task("arithmetic", digits=3, ops="+-*", terms=4)
+    assert all(int(p.answer) >= 0 for p in _samples(hard, 4, 100))
+    p = get_task("sorting").sample(rng)
+    nums = p.prompt.removeprefix("sort ").removesuffix(":").split()
+    assert p.answer == " ".join(map(str, sorted(map(int, nums))))
+    for op, prompt_start in (("reverse", "reverse "), ("upper", "upper "), ("delete", "delete "),
+                             ("replace", "replace ")):
+        p = get_task("string_edit", ops=(op,)).sample(rng)
+        assert p.prompt.startswith(prompt_start) and p.prompt.endswith(":") and p.meta["op"] == op
+
+
+def test_partial_credit():
+    sorting = get_task("sorting", partial=True)
+    p = Problem("sort 3 1 2:", "1 2 3", "text", "sorting")
+    assert sorting.score(p, "1 2 3") == 1.0 and sorting.score(p, "1 3 2") == pytest.approx(1 / 3)
+    assert get_task("sorting").score(p, "1 3 2") == 0.0
+    edit = get_task("string_edit", partial=True)
+    p = Problem("reverse abcd:", "dcba", "text", "string_edit")
+    assert edit.score(p, "dcbx") == 0.75 and edit.score(p, "dcbaaaaa") == 0.5
+
+
+def test_python_reference_passes_every_family_and_a_wrong_body_fails():
+    problems = [get_task("python", families=(f,)).sample(random.Random(i)) for i, f in enumerate(FAMILIES)]
+    task = get_task("python")
+    for p in problems:
+        assert p.prompt.startswith("def ") and p.prompt.endswith('"""\n') and p.answer.startswith("    ")
+        compile(p.prompt + p.answer, "ref", "exec")
+    assert score_all(task, problems, [p.answer for p in problems], max_workers=2) == [1.0] * len(problems)
+    assert score_all(task, problems[::4], ["    return None\n"] * 4, max_workers=2) == [0.0] * 4
+
+
+def test_python_partial_credit_and_hang():
+    task = PythonFunctions(wall_seconds=1.0)
+    p = Problem('def add_1(x):\n    """Return x plus 1."""\n', "    return x + 1", "code", "python",
+                {"entry": "add_1", "tests": [[[0], 1], [[1], 2], [[5], 6], [[-1], 0]]})
+    assert task.score(p, "    return x + 1 if x < 1 else 0\n") == 0.5
+    assert task.score(p, "    return x + 1\n\ndef other():\n    pass") == 1.0  # body ends at column 0
+    assert task.score(p, "    while x > 1:\n        pass\n    return x + 1") == 0.5  # two pass, then a hang
+    assert task.score(p, "    return True") == 0.0  # bool is not int: compared by exact type
+    forged = f"    print('\\n{'0' * 16} 4 4')\n    return None"
+    assert task.score(p, forged) == 0.0  # progress lines need the secret token
+
+
+GARBAGE = ["", "\n", "\n\n\n", "\x00", "\udc80 lone surrogate", "💥" * 50, "-" * 5000, "1" * 200,
+           "    ", "def f(): pass", "    return (" * 300, "    import os; os._exit(0)",
+           "    raise SystemExit(5)", "    import sys; sys.stdout.close()", "\t\treturn 1\n  x"]
+
+
+@pytest.mark.parametrize("name", TASK_NAMES)
+def test_scorers_never_raise_on_garbage(name):
+    task = PythonFunctions(wall_seconds=1.0) if name == "python" else get_task(name, partial=True) \
+        if name != "arithmetic" else get_task(name)
+    p = task.sample(random.Random(5))
+    for completion in GARBAGE:
+        assert 0.0 <= task.score(p, completion) <= 1.0, completion
+
+
+def test_options_and_errors():
+    with pytest.raises(ValueError, match="known tasks: arithmetic, sorting, string_edit, python"):
+        get_task("chess")
+    with pytest.raises(ValueError, match="has no option 'digitz'.*digits"):
+        get_task("arithmetic", digitz=2)
+    with pytest.raises(ValueError, match="ops must be"):
+        get_task("arithmetic", ops="/")
+    with pytest.raises(ValueError, match="not a valid int"):
+        get_task("sorting", max_len="many")
+    with pytest.raises(ValueError, match="unknown families"):
+        get_task("python", families=("nope",))
+    task = get_task("arithmetic", digits="2", ops="+-*", terms="3", negative="true")
+    assert (task.digits, task.ops, task.terms, task.negative) == (2, "+-*", 3, True)
+    assert parse_task("string_edit:ops=reverse,upper:partial=1") == get_task("string_edit", ops=("reverse", "upper"),
+                                                                             partial=True)
+    assert parse_task("python:families=add,square").families == ("add", "square")
+    with pytest.raises(ValueError, match="expected key=value"):
+        parse_task("sorting:partial")

@@ -1,0 +1,251 @@
+"""The EAGLE-3 draft in the engine (``openk3/serve/eagle.py``), on the debug model on CPU: greedy
+outputs equal plain decoding's (a random draft, and an "echo" draft that is exact for a target
+whose next token depends on the current token only, so every draft is accepted); every proposal
+equals ``eagle_propose_ref`` recomputed from scratch, after rejections and after prefix-cache
+hits; prefix caching, stop tokens and strings, seeds; ``draft="mtp"``, draft directories through
+``LLM`` and ``openk3 generate``; configuration errors."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+
+from openk3 import LLM, build_model, preset
+from openk3.checkpoint.draft import save_draft
+from openk3.cli import main
+from openk3.model.draft import DraftConfig, Eagle3Draft
+from openk3.serve.config import EngineConfig
+from openk3.serve.eagle import eagle_propose_ref
+from openk3.serve.engine import LLMEngine
+from openk3.serve.sampler import SamplingParams
+from openk3.tokenizer import ByteTokenizer
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12)
+OUTPUT_WEIGHTS = ("o_proj.weight", "down_proj.weight", "experts.w2", "routed_expert_up_proj.weight")
+
+
+def _model(seed: int, **overrides):
+    torch.manual_seed(seed)
+    m = build_model(dataclasses.replace(preset("debug"), **overrides), seed=seed).eval()
+    with torch.no_grad():  # non-uniform AttnRes mixing, so every source matters
+        for name, p in m.named_parameters():
+            if name.endswith("_res.proj.weight"):
+                p.normal_(0, 0.5)
+    return m
+
+
+def _draft(target, seed: int) -> Eagle3Draft:
+    """A random draft whose fusion reads all three sources (not only h, as at init)."""
+    d = Eagle3Draft(DraftConfig.for_target(target.cfg))
+    d.init_weights(seed)
+    with torch.no_grad():
+        d.fc.weight.normal_(0, 0.05)
+    return d.eval()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return _model(0)
+
+
+@pytest.fixture(scope="module")
+def draft(model):
+    return _draft(model, 1)
+
+
+def echo_pair():
+    """(target, draft): every layer of the target writes zeros, so its next token is a function
+    of the current token only, ``argmax lm_head(norm(embed(x)))``; the draft's block writes zeros
+    too and ``eh_proj`` passes the next token's normalised embedding, so the draft computes that
+    same function of ``x_{t+1}``: every greedy draft is the target's next token."""
+    target = _model(2)
+    draft = Eagle3Draft(DraftConfig.for_target(target.cfg))
+    draft.init_weights(3)
+    with torch.no_grad():
+        for m in (target, draft):
+            for name, p in m.named_parameters():
+                if name.endswith(OUTPUT_WEIGHTS):
+                    p.zero_()
+        d = target.cfg.hidden_size
+        draft.layer.eh_proj.weight.zero_()
+        draft.layer.eh_proj.weight[:, :d] = torch.eye(d)  # [enorm(embed(x_{t+1})) | hnorm(f)] -> the former
+        draft.layer.shared_head.norm.weight.copy_(target.model.norm.weight)
+    return target, draft.eval()
+
+
+@pytest.fixture(scope="module")
+def echo():
+    return echo_pair()
+
+
+def make_engine(model, draft_model=None, **kw) -> LLMEngine:
+    cfg = EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, physical_block_size=32, hash_block_size=8,
+                       kda_checkpoint_interval=16, max_model_len=256, cuda_graphs=False)
+    return LLMEngine(model, ByteTokenizer(), dataclasses.replace(cfg, **kw), eos_token_ids=(), draft_model=draft_model)
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    return torch.randint(3, 4000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+PROMPTS = [tokens(i, n) for i, n in enumerate((5, 23, 9, 1))]
+
+
+def assert_free(eng: LLMEngine) -> None:
+    bm = eng.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and bm.num_free_state_slots == bm.num_state_slots
+    assert not eng.requests and not eng.scheduler.has_unfinished()
+
+
+def greedy_outputs(eng: LLMEngine, prompts=PROMPTS, params=GREEDY) -> list[list[int]]:
+    outs = [o.token_ids for o in eng.generate(prompts, params)]
+    assert_free(eng)
+    return outs
+
+
+@pytest.mark.parametrize("K", [1, 3])
+def test_greedy_random_draft_equals_plain(model, draft, K):
+    eng = make_engine(model, draft, num_speculative_tokens=K)
+    assert greedy_outputs(eng) == greedy_outputs(make_engine(model))
+    s = eng.stats
+    assert s.spec_verifications > 0 and s.spec_accepted_tokens < s.spec_draft_tokens
+
+
+def test_greedy_echo_draft_accepts_everything(echo):
+    target, draft = echo
+    eng = make_engine(target, draft, num_speculative_tokens=3)
+    params = dataclasses.replace(GREEDY, max_tokens=20)
+    assert greedy_outputs(eng, params=params) == greedy_outputs(make_engine(target), params=params)
+    s = eng.stats
+    assert s.spec_verifications > 0 and s.spec_accepted_tokens == s.spec_draft_tokens
+    # every verify step emits k + 1 tokens; the first token of each request comes from its
+    # prompt, a few more from plain decode steps (the last token, checkpoint boundaries)
+    assert s.generation_tokens == 80 and 80 - 4 - 8 <= s.spec_draft_tokens + s.spec_verifications <= 80 - 4
+
+
+def test_proposals_equal_the_reference(model, draft):
+    """Sampling at temperature 1 (some drafts accepted, some rejected), shared prefixes (later
+    requests start their draft cache after a prefix-cache hit): every proposal's probabilities
+    equal those of ``eagle_propose_ref``, which recomputes target and draft over the whole
+    sequence from scratch given the same drafts."""
+    eng = make_engine(model, draft, num_speculative_tokens=3)
+    calls, propose = [], eng.drafter.propose
+
+    def recording(out, params, generators):
+        got = propose(out, params, generators)
+        seqs = [s for s, _ in out.scheduled if s.request_id in out.num_draft_tokens]
+        if got is not None:
+            calls.append([(list(s.token_ids), eng.drafter.base[s.state_slot], out.num_draft_tokens[s.request_id])
+                          for s in seqs] + [got])
+        return got
+
+    eng.drafter.propose = recording
+    base = tokens(9, 20)
+    prompts = [base + tokens(10 + i, 3 + i) for i in range(3)]
+    for i, p in enumerate(prompts):  # in turn: later ones hit the cache of the first
+        eng.generate([p, tokens(20 + i, 6)], [SamplingParams(temperature=1.0, seed=i, max_tokens=10)] * 2)
+    assert eng.block_manager.stats.hits > 0
+    assert 0 < eng.stats.spec_accepted_tokens < eng.stats.spec_draft_tokens
+    checked, bases = 0, set()
+    for *rows, (drafted, probs) in calls:
+        for b, (ids, start, k) in enumerate(rows):
+            ref = eagle_propose_ref(model, draft, ids, drafted[b, :k].tolist(), start)
+            # log space: the random draft's probabilities are all near 1 / vocab
+            torch.testing.assert_close(probs[b, :k].log(), torch.log_softmax(ref, -1), atol=1e-4, rtol=0)
+            checked, bases = checked + 1, bases | {start}
+    assert checked > 10 and len(bases) > 1  # base 0 and after a hit
+
+
+def test_prefix_caching_on_and_off(model, draft):
+    base = tokens(9, 37)
+    prompts = [base + tokens(10 + i, 4 + i) for i in range(3)]
+    params = dataclasses.replace(GREEDY, max_tokens=10)  # generation crosses a checkpoint boundary
+    ref = greedy_outputs(make_engine(model), prompts, params)
+    for caching in (True, False):
+        eng = make_engine(model, draft, num_speculative_tokens=3, enable_prefix_caching=caching)
+        assert [greedy_outputs(eng, [p], params)[0] for p in prompts] == ref
+        assert (eng.block_manager.stats.hits > 0) == caching
+
+
+def test_seeded_sampling_independent_of_the_batch(model, draft):
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=16)
+    alone = make_engine(model, draft, num_speculative_tokens=3).generate([PROMPTS[0]], params)[0]
+    others = [SamplingParams(temperature=1.0, seed=11, max_tokens=12), SamplingParams(temperature=0.5, max_tokens=9),
+              SamplingParams(temperature=0, max_tokens=14)]
+    eng = make_engine(model, draft, num_speculative_tokens=3)
+    batch = eng.generate([PROMPTS[2], PROMPTS[0], PROMPTS[1], PROMPTS[3]], [others[0], params, *others[1:]])
+    assert batch[1].token_ids == alone.token_ids and eng.stats.spec_accepted_tokens > 0
+    assert_free(eng)
+
+
+class TagTokenizer:
+    """Every id decodes to ``<id>``: stop strings can be placed on, and across, tokens."""
+
+    def encode(self, text: str) -> list[int]:
+        return [int(t) for t in text.strip("<>").split("><")]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(f"<{i}>" for i in ids)
+
+
+def test_stop_strings_and_tokens_in_a_run(echo):
+    """With every draft accepted a step emits K + 1 tokens; outputs still stop where plain
+    decoding stops (a stop string on one token and across two, a stop token)."""
+    target, draft = echo
+    prompts = PROMPTS[:3]
+    plain = greedy_outputs(make_engine(target), prompts, dataclasses.replace(GREEDY, max_tokens=20))
+    p0, p1, p2 = plain
+    params = [dataclasses.replace(GREEDY, stop=(f"<{p0[6]}>",)),
+              dataclasses.replace(GREEDY, stop=(f"{p1[5]}><{p1[6]}",)),
+              dataclasses.replace(GREEDY, stop_token_ids=(p2[7],))]
+
+    def run(draft_model=None, **kw):
+        eng = LLMEngine(target, TagTokenizer(), EngineConfig(
+            max_num_seqs=4, max_num_batched_tokens=64, physical_block_size=32, hash_block_size=8,
+            kda_checkpoint_interval=16, max_model_len=256, cuda_graphs=False, **kw), eos_token_ids=(),
+            draft_model=draft_model)
+        outs = eng.generate(prompts, params)
+        assert_free(eng)
+        return [(o.token_ids, o.text, o.finish_reason) for o in outs]
+
+    spec = run(draft, num_speculative_tokens=5)
+    assert spec == run() and all(f == "stop" for _, _, f in spec)
+
+
+def test_mtp_layer_as_the_draft():
+    """``draft="mtp"``: the target's own MTP layer (``Eagle3Draft.from_mtp``); a target without
+    one is refused."""
+    target = _model(4, num_nextn_predict_layers=1)
+    eng = make_engine(target, num_speculative_tokens=3, draft="mtp")
+    assert type(eng.drafter).__name__ == "EagleDrafter"
+    assert greedy_outputs(eng) == greedy_outputs(make_engine(target))
+    assert eng.stats.spec_verifications > 0
+    with pytest.raises(ValueError, match="has none"):
+        make_engine(_model(4), num_speculative_tokens=3, draft="mtp")
+
+
+def test_draft_directory_through_llm_and_cli(tmp_path, capsys):
+    """A draft directory (``save_draft``) of the ``debug`` preset's random target, through
+    ``LLM(draft=DIR)`` and ``openk3 generate --draft DIR``: plain greedy outputs; a draft of
+    another target is refused."""
+    target = build_model(preset("debug"), seed=0)
+    save_draft(_draft(target, 5), tmp_path / "draft")
+    greedy = SamplingParams(temperature=0, max_tokens=8)
+    kw = {"preset": "debug", "random_init": True, "device": "cpu", "max_model_len": 64,
+          "physical_block_size": 16, "hash_block_size": 8, "kda_checkpoint_interval": 16}
+    llm = LLM(**kw, draft=str(tmp_path / "draft"), num_speculative_tokens=3)
+    assert type(llm.engine.drafter).__name__ == "EagleDrafter"
+    assert llm.generate("hi", greedy)[0].token_ids == LLM(**kw).generate("hi", greedy)[0].token_ids
+    assert llm.engine.stats.spec_verifications > 0
+    flags = ["generate", "--random-init", "--prompt", "hello", "--max-new-tokens", "8", "--temperature", "0",
+             "--device", "cpu"]
+    assert main(flags) == 0
+    plain = capsys.readouterr()
+    assert main(flags + ["--draft", str(tmp_path / "draft"), "--num-speculative-tokens", "2"]) == 0
+    assert capsys.readouterr().out == plain.out
+    other = _draft(_model(0, vocab_size=512), 5)
+    with pytest.raises(ValueError, match="trained for a target"):
+        make_engine(copy.deepcopy(target), other, num_speculative_tokens=2)
