@@ -17,6 +17,7 @@ from openk3.checkpoint import load_pretrained
 from openk3.checkpoint.hf import EXPERTS_MODES
 from openk3.config import preset as model_preset
 from openk3.model import build_model
+from openk3.model.moe import set_qat
 from openk3.model.packed_experts import pack_experts
 from openk3.tokenizer import VisibleTokenizer, load_tokenizer
 
@@ -68,6 +69,18 @@ def checkpoint_dir(path: str | Path) -> Path:
     return path / "export"
 
 
+def run_qat(path: str | Path) -> str:
+    """The ``qat`` mode of the training run in directory ``path`` (its ``run_config.json``);
+    ``"none"`` for anything else, and for runs saved before QAT existed."""
+    run_file = Path(path) / "run_config.json"
+    if not run_file.exists():
+        return "none"
+    try:
+        return json.loads(run_file.read_text())["run"].get("qat", "none")
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"{run_file}: cannot read the run's configuration ({e})") from e
+
+
 def load_model(checkpoint: str | Path | None = None, preset: str | None = None, random_init: bool = False,
                device: str | torch.device | None = None, dtype: str | torch.dtype | None = None,
                seed: int = 0, tokenizer: str | Path | None = None, experts: str = "dequantize"):
@@ -78,6 +91,11 @@ def load_model(checkpoint: str | Path | None = None, preset: str | None = None, 
     ``tokenizer``: a directory holding one, or ``"bytes"`` (``openk3.tokenizer.load_tokenizer``);
     None means the checkpoint's own (an error if it has none), or for random weights the
     ``VisibleTokenizer``, whose every id decodes to visible text.
+
+    A training run trained with ``qat="mxfp4"`` is loaded from its MXFP4 export and runs the
+    run's quantisation-aware forward (``openk3.model.moe.set_qat``), so that it computes what the
+    run computed; an HF directory, or ``experts="packed"`` (whose kernels take unquantised
+    inputs), runs the experts on the same MXFP4 weights with unquantised inputs.
 
     ``device`` and ``dtype`` default as in ``resolve_device`` / ``default_dtype``; ``seed`` seeds
     random weights. ``experts="packed"`` keeps the routed experts MXFP4-packed for serving
@@ -102,6 +120,7 @@ def load_model(checkpoint: str | Path | None = None, preset: str | None = None, 
         path = checkpoint_dir(checkpoint)
         tok = load_tokenizer(tokenizer if tokenizer is not None else path)  # fails before the weights load
         model = load_pretrained(path, dtype=dtype, device=device, experts=experts)
+        set_qat(model, run_qat(checkpoint))
         return model.eval(), tok, Path(checkpoint).resolve().name
     tok = load_tokenizer(tokenizer) if tokenizer is not None else VisibleTokenizer()
     model = build_model(model_preset(preset), device=device, dtype=dtype, seed=seed)

@@ -7,6 +7,11 @@ Routed experts are stored stacked (``w1``/``w3``: [E, F, D], ``w2``: [E, D, F]) 
 grouped matmul over expert-sorted tokens on CUDA (``torch.nn.functional.grouped_mm``); the
 reference loops over the experts that received tokens. A few tokens without autograd (decode)
 skip the sort: each (token, expert) pair reads its expert by id (``openk3.ops.moe.moe_gemv``).
+
+Quantisation-aware training (``RoutedExperts.qat``, set by ``set_qat``; docs/mxfp4.md): with
+``qat="mxfp4"`` the experts run on MXFP4 weights and MXFP8 (E4M3) inputs, fake-quantised in the
+forward with straight-through gradients (``openk3.ops.mx``), in ``run_experts``, which every
+layout (one device, MoonEP) calls.
 """
 
 from __future__ import annotations
@@ -20,6 +25,12 @@ from openk3.model.fuse import fuse_weights, project
 from openk3.model.mla import RMSNorm
 from openk3.ops.fast import use_fast_path
 from openk3.ops.moe import moe_gemv, needs_grad, use_moe_gemv
+from openk3.ops.mx import (
+    MX_BLOCK_SIZE,
+    QAT_MODES,
+    fake_quant_mxfp4,
+    fake_quant_mxfp8_e4m3,
+)
 from openk3.ops.situ import situ_glu, swiglu_ref
 
 
@@ -90,24 +101,44 @@ class Router(nn.Module):
 
 
 def run_experts(cfg: ModelConfig, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
-                xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+                xs: torch.Tensor, counts: torch.Tensor, qat: str = "none") -> torch.Tensor:
     """GLU experts over expert-sorted rows: xs [P, D] holds ``counts[e]`` rows for expert e in
     order; w1, w3: [E, F, D], w2: [E, D, F]. Returns [P, D] in xs.dtype.
 
     One grouped matmul per projection on CUDA in bf16 (``grouped_mm``); the reference loops over
-    the experts that received rows."""
+    the experts that received rows.
+
+    ``qat="mxfp4"``: every weight is fake-quantised to MXFP4 in blocks of 32 along its input
+    dimension (D for w1/w3, F for w2: the last one), and so are the inputs of each projection to
+    MXFP8 E4M3 (xs in blocks of 32 along D, the GLU output along F); straight-through gradients.
+    The quantised weights are exactly what ``save_pretrained(..., experts="mxfp4")`` packs."""
+    if qat == "mxfp4":
+        # fp32 masters are quantised as they are (before any cast to bf16, which is exact on
+        # the MXFP4 grid), so the forward sees what the export writes, bit for bit
+        w1, w3, w2 = fake_quant_mxfp4(w1), fake_quant_mxfp4(w3), fake_quant_mxfp4(w2)
+        xs = fake_quant_mxfp8_e4m3(xs)
+        quant_in = fake_quant_mxfp8_e4m3
+    elif qat == "none":
+        quant_in = None
+    else:
+        raise ValueError(f"run_experts: qat={qat!r}, choose one of {QAT_MODES}")
+
+    def glu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        h = glu_act(cfg, gate, up)  # [rows, F]
+        return h if quant_in is None else quant_in(h)
+
     if use_fast_path(xs) and xs.dtype == torch.bfloat16:
         mm = getattr(F, "grouped_mm", None) or torch._grouped_mm  # public from torch 2.10
         offs = counts.cumsum(0).to(torch.int32)  # end of each expert's rows in xs
         # grouped_mm is not autocast-aware: fp32 master weights are cast here (a no-op under
         # FSDP's bf16 parameters or a bf16 model)
         w1, w3, w2 = (w.to(xs.dtype).transpose(-2, -1) for w in (w1, w3, w2))
-        return mm(glu_act(cfg, mm(xs, w1, offs=offs), mm(xs, w3, offs=offs)), w2, offs=offs)
+        return mm(glu(mm(xs, w1, offs=offs), mm(xs, w3, offs=offs)), w2, offs=offs)
     outs, start = [], 0
     for e, n in enumerate(counts.tolist()):
         if n:
             xe = xs[start:start + n]
-            outs.append(glu_act(cfg, xe @ w1[e].T, xe @ w3[e].T) @ w2[e].T)
+            outs.append(glu(xe @ w1[e].T, xe @ w3[e].T) @ w2[e].T)
             start += n
     # no rows at all: still an output of xs, so autograd runs the same graph on every rank (the
     # expert-parallel collectives around this call must be matched in backward)
@@ -115,7 +146,10 @@ def run_experts(cfg: ModelConfig, w1: torch.Tensor, w3: torch.Tensor, w2: torch.
 
 
 class RoutedExperts(nn.Module):
-    """E GLU experts of input width D and hidden width F, stored stacked."""
+    """E GLU experts of input width D and hidden width F, stored stacked.
+
+    ``qat``: ``"none"``, or ``"mxfp4"`` for the quantisation-aware forward (``run_experts``);
+    not a ModelConfig field (the checkpoint format does not change), set with ``set_qat``."""
 
     def __init__(self, cfg: ModelConfig, dim: int):
         super().__init__()
@@ -124,13 +158,16 @@ class RoutedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(E, Fw, dim))  # gate
         self.w3 = nn.Parameter(torch.empty(E, Fw, dim))  # up
         self.w2 = nn.Parameter(torch.empty(E, dim, Fw))  # down
+        self.qat = "none"
 
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor) -> torch.Tensor:
         """x: [N, D]; topk_idx, topk_weight: [N, k]. Returns sum_j w_j E_j(x) in fp32, [N, D].
 
         A few pairs without autograd (decode) run as GEMVs by expert id (``use_moe_gemv``);
-        everything else through ``forward_sorted``."""
-        if use_moe_gemv(x, topk_idx.numel()) and not needs_grad(x, topk_weight, *self.parameters()):
+        everything else through ``forward_sorted``, as does every batch under QAT (the GEMV
+        kernels do not quantise the GLU output between their two GEMMs)."""
+        if (self.qat == "none" and use_moe_gemv(x, topk_idx.numel())
+                and not needs_grad(x, topk_weight, *self.parameters())):
             cfg = self.cfg
             return moe_gemv(x, self.w1, self.w3, self.w2, topk_idx, topk_weight,
                             hidden_act=cfg.hidden_act, situ_beta1=cfg.situ_beta1,
@@ -147,10 +184,37 @@ class RoutedExperts(nn.Module):
         token_of_pair = order // k
         # scatter_add rather than bincount: no host sync (CUDA graphs of decode steps)
         counts = flat_idx.new_zeros(self.cfg.num_experts).scatter_add_(0, flat_idx, torch.ones_like(flat_idx))
-        ys = run_experts(self.cfg, self.w1, self.w3, self.w2, x[token_of_pair], counts)
+        ys = run_experts(self.cfg, self.w1, self.w3, self.w2, x[token_of_pair], counts, self.qat)
         ys = ys.float() * topk_weight.reshape(-1)[order].unsqueeze(-1)
         out = torch.zeros(N, x.shape[-1], dtype=torch.float32, device=x.device)
         return out.index_add_(0, token_of_pair, ys)
+
+
+def set_qat(model: nn.Module, qat: str) -> None:
+    """Run every routed-expert layer of ``model`` (``RoutedExperts``, including the MTP layer's)
+    with ``qat``: ``"mxfp4"`` fake-quantises expert weights to MXFP4 and expert inputs to MXFP8
+    in the forward (``run_experts``), ``"none"`` turns it off. Call it before
+    ``openk3.parallel.parallelize``: MoonEP's expert shares copy the setting.
+
+    Raises ValueError for an unknown mode, or when an expert's input width (D, or F for w2) is
+    not a multiple of the MX block of 32, naming the config field."""
+    if qat not in QAT_MODES:
+        raise ValueError(f"qat={qat!r}: choose one of {QAT_MODES}")
+    for module in model.modules():
+        if isinstance(module, RoutedExperts):
+            if qat != "none":
+                check_qat_dims(module.cfg)
+            module.qat = qat
+
+
+def check_qat_dims(cfg: ModelConfig) -> None:
+    """MX blocks of 32 run along each expert projection's input: D (``moe_latent_size``, or
+    ``hidden_size`` without a latent) and F (``moe_intermediate_size``)."""
+    dim_field = "moe_latent_size" if cfg.moe_latent_size is not None else "hidden_size"
+    for field in (dim_field, "moe_intermediate_size"):
+        if getattr(cfg, field) % MX_BLOCK_SIZE:
+            raise ValueError(f"MXFP4 QAT needs ModelConfig.{field}={getattr(cfg, field)} "
+                             f"divisible by {MX_BLOCK_SIZE} (one MX block per 32 expert inputs)")
 
 
 class MoE(nn.Module):

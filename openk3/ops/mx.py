@@ -7,6 +7,17 @@ scale, a bare biased exponent: byte ``s`` means ``2^(s - 127)`` and ``s = 255`` 
 ``.weight_scale`` uint8 E8M0 per 32 inputs) and trains them with MXFP4/MXFP8 fake
 quantisation and a straight-through estimator (K3_SPEC §2, §3).
 
+``mxfp4_quantize`` is the one MXFP4 quantiser: QAT's forward (``fake_quant_mxfp4``, through
+``openk3.model.moe.run_experts``), the export (``save_pretrained(..., experts="mxfp4")``) and
+packed serving all call it, so what training saw is what is written and served, bit for bit.
+
+Scale rule: the OCP v1.0 one, ``X = 2^(floor(log2(amax)) - emax_elem)`` (torchao's
+``ScaleCalculationMode.FLOOR``), elements rounded to nearest, ties to even, saturating at the
+element maximum. It maps a block's largest element into [4, 8) for E2M1, so about 30% of
+Gaussian blocks clip it to 6; torchao's EVEN rule, which avoids that, has ~3% less MXFP4 error
+on Gaussian weights and RCEIL ~10% less MXFP8 error (``benchmarks/mx_scale_rules.py``).
+docs/mxfp4.md says why openk3 keeps the spec's rule.
+
 All arithmetic that decides a value is done in fp32 on exact powers of two, so decoding
 is bit-exact and quantising is deterministic across devices.
 
@@ -23,6 +34,9 @@ import torch
 
 MX_BLOCK_SIZE = 32
 E8M0_BIAS = 127
+# Quantisation-aware training of the routed experts (RunConfig.qat, openk3.model.moe.set_qat):
+# "mxfp4" is MXFP4 weights with MXFP8 (E4M3) inputs, as K3 trains them (K3_SPEC §3).
+QAT_MODES = ("none", "mxfp4")
 
 # Code bit 3 is the sign, bits 0-2 index the magnitudes {0, 0.5, 1, 1.5, 2, 3, 4, 6}
 # (E2M1: exponent bias 1, one subnormal 0.5). Code 8 is -0.0.

@@ -79,6 +79,7 @@ class MoonEPExperts(nn.Module):
         self.w1 = nn.Parameter(full.w1.detach()[home].clone())  # [G, F, D]
         self.w3 = nn.Parameter(full.w3.detach()[home].clone())
         self.w2 = nn.Parameter(full.w2.detach()[home].clone())  # [G, D, F]
+        self.qat = full.qat  # quantisation-aware forward (openk3.model.moe.set_qat)
         self.last_plan = None
 
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor) -> torch.Tensor:
@@ -154,7 +155,8 @@ class MoonEPExperts(nn.Module):
             w1, w3, w2 = self.w1, self.w3, self.w2
             slot = experts - me * G
         order = slot.argsort(stable=True)
-        ys = run_experts(self.cfg, w1, w3, w2, xs[order], torch.bincount(slot, minlength=w1.shape[0]))
+        ys = run_experts(self.cfg, w1, w3, w2, xs[order], torch.bincount(slot, minlength=w1.shape[0]),
+                         self.qat)
         return ys[order.argsort()]
 
 

@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from openk3.config import PRESETS, ModelConfig, _DictIO, preset
+from openk3.model.moe import check_qat_dims
+from openk3.ops.mx import QAT_MODES
 
 
 @dataclass
@@ -47,6 +49,10 @@ class RunConfig(_DictIO):
     ep: int = 1  # expert parallelism (MoonEP): ranks per expert group; divides the process count
     cp: int = 1  # context parallelism: ranks sharing each sequence; divides the process count
     aux_loss_coef: float = 1e-2
+    # quantisation-aware training of the routed experts (docs/mxfp4.md): "mxfp4" trains them on
+    # MXFP4 weights and MXFP8 inputs (fake-quantised, straight-through gradients to the fp32
+    # masters) and exports them packed; "none" keeps them in the training dtype
+    qat: str = "none"
     # multi-token prediction: MTP layers (0 or 1; the model's num_nextn_predict_layers) and the
     # weight of their loss in the training loss (DeepSeek-V3's 0.3, its value for most of pre-training)
     mtp_layers: int = 0
@@ -101,7 +107,7 @@ class RunConfig(_DictIO):
             raise bad("min_lr_ratio", "must be in [0, 1]")
         choices = {"optimizer": ("muon", "adamw"), "schedule": ("cosine", "wsd"),
                    "balance": ("qb", "sign", "aux", "none"), "device": ("auto", "cpu", "cuda"),
-                   "dtype": ("auto", "float32", "bfloat16")}
+                   "dtype": ("auto", "float32", "bfloat16"), "qat": QAT_MODES}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise bad(name, f"choose one of {allowed}")
@@ -112,7 +118,12 @@ class RunConfig(_DictIO):
         if self.cp > 1 and self.mtp_layers:
             raise bad("cp", "context parallelism needs mtp_layers=0 (MTP inputs shift across "
                       "the ranks' boundaries)")
-        self.model_config()  # model overrides are validated by ModelConfig itself
+        model_cfg = self.model_config()  # model overrides are validated by ModelConfig itself
+        if self.qat != "none":
+            try:
+                check_qat_dims(model_cfg)
+            except ValueError as e:
+                raise bad("qat", str(e)) from None
 
     def _phases(self) -> list[tuple[int, int]]:
         """``seq_len_schedule`` as (seq_len, steps) pairs; raises ValueError on a bad entry."""
@@ -187,12 +198,14 @@ RUN_CONFIG_FILE = "run_config.json"  # in the run directory: {"run": RunConfig, 
 # Fields that may differ from the saved run when resuming: how long it runs, how often it logs,
 # evaluates and saves, what it prints at the end, and where and how it runs. ``batch_size`` is
 # per rank: resuming on another number of processes changes it, and the data stream refuses any
-# change of the global batch (world size / cp x batch_size). Every other field defines the run itself
-# (model, data, optimiser, schedule shape, seed) and must match.
+# change of the global batch (world size / cp x batch_size). ``qat`` may be switched on for the
+# rest of a run: a bf16 run continued with --qat mxfp4 is quantisation-aware fine-tuning, as K3
+# trains its experts after bf16 pre-training. Every other field defines the run itself (model,
+# data, optimiser, schedule shape, seed) and must match.
 RESUMABLE_FIELDS = ("resume", "out", "max_steps", "log_interval", "eval_interval", "eval_batches",
                     "ckpt_interval", "keep_last", "num_samples", "sample_tokens",
                     "sample_temperature", "device", "batch_size", "compile", "activation_checkpointing",
-                    "cp")
+                    "cp", "qat")
 
 
 def _same(a: Any, b: Any) -> bool:

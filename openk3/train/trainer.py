@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from openk3.config import ModelConfig
 from openk3.model import build_model
+from openk3.model.moe import set_qat
 from openk3.parallel.collectives import barrier, main_rank_first, mean_over_ranks
 from openk3.parallel.parallelize import Parallel, parallelize
 from openk3.runtime import resolve_device, resolve_dtype
@@ -152,12 +153,14 @@ class Training:
 
 
 def build_training(cfg: RunConfig, env: Env, model_cfg: ModelConfig) -> Training:
-    """The model (fp32 master weights on ``env.device``), its parallel layout (FSDP2, MoonEP,
-    compilation, activation checkpointing: ``openk3.parallel.parallelize``), the optimisers and
-    the router balancer, as ``train`` uses them (and ``benchmarks/train_throughput.py``)."""
+    """The model (fp32 master weights on ``env.device``, routed experts quantisation-aware when
+    ``cfg.qat`` says so), its parallel layout (FSDP2, MoonEP, compilation, activation
+    checkpointing: ``openk3.parallel.parallelize``), the optimisers and the router balancer, as
+    ``train`` uses them (and ``benchmarks/train_throughput.py``)."""
     torch.manual_seed(cfg.seed)
     # fp32 master weights; bf16 compute comes from autocast (one device) or FSDP's policy
     model = build_model(model_cfg, device=env.device, seed=cfg.seed)
+    set_qat(model, cfg.qat)  # before parallelize: MoonEP's expert shares copy it
     model.train()
     parallel = parallelize(model, env, ep=cfg.ep, compile=cfg.compile,
                            activation_checkpointing=cfg.activation_checkpointing, cp=cfg.cp)
@@ -344,17 +347,19 @@ def train(cfg: RunConfig) -> dict:
     # every rank for a forward, so samples come from the gathered single-device copy.
     plain = parallel.gathered_model()
     if plain is not None:
-        export(run_dir, plain, data)
+        set_qat(plain, cfg.qat)  # a gathered copy is a fresh model
+        export(run_dir, plain, data, experts="mxfp4" if cfg.qat == "mxfp4" else "bf16")
         if not flag.stop and cfg.num_samples:
             summary["samples"] = print_samples(plain, data, cfg, env)
     barrier()
     return summary
 
 
-def export(run_dir: Path, model, data) -> None:
+def export(run_dir: Path, model, data, experts: str = "bf16") -> None:
     """save_pretrained a single-device ``model`` with its tokenizer to RUN_DIR/export, in one
     atomic write: ``tokenizer.json`` and a ``tokenizer_config.json`` naming the special tokens,
-    which ``transformers.AutoTokenizer`` (and so lm-evaluation-harness) reads."""
+    which ``transformers.AutoTokenizer`` (and so lm-evaluation-harness) reads. ``experts``: as
+    ``save_pretrained``'s; a QAT run exports ``"mxfp4"``, the weights its forward used."""
     from openk3.checkpoint import save_pretrained
 
     from tokenizers import Tokenizer
@@ -364,7 +369,7 @@ def export(run_dir: Path, model, data) -> None:
     for key, token in (("bos_token", BOS_TOKEN), ("pad_token", PAD_TOKEN)):
         if tok.token_to_id(token) is not None:
             tokenizer_config[key] = token
-    save_pretrained(model, run_dir / "export", extra_files={
+    save_pretrained(model, run_dir / "export", experts=experts, extra_files={
         "tokenizer.json": Path(data.tokenizer_path).read_bytes(),
         "tokenizer_config.json": json.dumps(tokenizer_config, indent=1).encode()})
 

@@ -277,3 +277,127 @@ def test_fake_quant_mxfp8_straight_through_gradient():
     assert out.shape == x.shape and not torch.equal(out.detach(), x.detach())
     out.backward(upstream)
     assert torch.equal(x.grad, upstream)
+
+
+# Hand-computed MXFP4 blocks: (inputs, expected E8M0 byte, expected 4-bit codes of the inputs).
+# The rest of each 32-element block is +0 (code 0). Scale: e = floor(log2(amax)) - 2, clamped to
+# [-127, 127]; byte = e + 127; code = sign bit 3 | index of the nearest of {0, .5, 1, 1.5, 2, 3,
+# 4, 6} to |x| / 2^e, ties to the even index, above 6 saturating to 6 (index 7).
+_TINY = 2.0**-125
+MXFP4_HAND_CASES = {
+    "every code, scale 1 (amax 6)": (
+        [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+        127, list(range(16))),
+    "every code, scale 2^-3 (amax 0.75)": (
+        [v / 8 for v in OCP_E2M1_TABLE], 124, list(range(16))),
+    "ties to the even code": (  # midpoints .25 .75 1.25 1.75 2.5 3.5 5 of the E2M1 magnitudes
+        [6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -0.75, -1.25, -1.75, -2.5, -3.5, -5.0],
+        127, [7, 0, 2, 2, 4, 4, 6, 6, 8, 10, 10, 12, 12, 14, 14]),
+    "just off the ties": (
+        [6.0, 0.2500001, 0.7499999, 1.7500001, 4.9999995, 5.0000005], 127, [7, 1, 1, 4, 6, 7]),
+    "amax exactly 4 = 2^2: scale 1": ([4.0, 1.0, -0.5, 0.2], 127, [6, 2, 9, 0]),
+    "amax exactly 8 = 2^3: scale 2": ([8.0, 3.0, 1.0, -2.5], 128, [6, 3, 1, 10]),  # -1.25: tie, even
+    "amax exactly 1: scale 2^-2": ([1.0, 0.375, -0.125, 0.0625], 125, [6, 3, 9, 0]),
+    "amax just below 8 saturates to 6": ([7.9999995, 7.0, -7.5, 6.5], 127, [7, 7, 15, 7]),
+    "overflow clamps to +-6 X": ([15.0, -13.0, 12.0, 2.0], 128, [7, 15, 7, 2]),
+    "amax 2^-125: e = -127, byte 0": (
+        [_TINY, _TINY / 4, _TINY / 8, _TINY / 16, 3 * _TINY / 16, -_TINY / 2], 0, [6, 2, 1, 0, 2, 12]),
+    "amax below the clamp (fp32 subnormal 1.5 * 2^-127)": (
+        [1.5 * 2.0**-127, 2.0**-127, 2.0**-149], 0, [3, 2, 0]),
+    "amax 2^-130, far below the clamp, rounds to zero": ([2.0**-130, -(2.0**-131)], 0, [0, 8]),
+    "fp32 max: e = 125, saturates": ([3.4028234663852886e38, 2.0**127, -(2.0**125)], 252, [7, 6, 10]),
+    "all-zero block": ([0.0, 0.0], 0, [0, 0]),
+    "all negative zeros keep their sign": ([-0.0] * 32, 0, [8] * 32),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MXFP4_HAND_CASES))
+def test_mxfp4_hand_computed_blocks(case):
+    inputs, scale_byte, codes = MXFP4_HAND_CASES[case]
+    pad = 32 - len(inputs)
+    w = torch.tensor([inputs + [0.0] * pad], dtype=torch.float32)
+    assert torch.equal(w[0, : len(inputs)], torch.tensor(inputs, dtype=torch.float64).float())  # exact inputs
+    weight_packed, weight_scale = mxfp4_quantize(w)
+    assert weight_scale.tolist() == [[scale_byte]]
+    assert torch.equal(weight_packed[0], _pack_pairs(codes + [0] * pad))
+    decoded = mxfp4_dequantize(weight_packed, weight_scale, dtype=torch.float32)[0]
+    expected = _expected_fp32([OCP_E2M1_TABLE[c] * math.ldexp(1.0, scale_byte - 127) for c in codes + [0] * pad])
+    _assert_bitwise_equal(decoded, expected)
+
+
+def test_mxfp4_nan_block_codes_are_zero_and_scale_is_nan():
+    w = torch.full((1, 32), 2.0)
+    w[0, 5] = -math.inf
+    weight_packed, weight_scale = mxfp4_quantize(w)
+    assert weight_scale.tolist() == [[255]] and weight_packed.eq(0).all()
+
+
+# Hand-computed MXFP8 (E4M3) blocks: (inputs, expected fake-quantised values). e = floor(log2(amax))
+# - 8 clamped to [-127, 127]; x / 2^e rounds to E4M3 (3 mantissa bits, subnormals down to 2^-9,
+# ties to even), saturating at 448.
+MXFP8_HAND_CASES = {
+    "amax 448: scale 1, E4M3 subnormals": (
+        [448.0, 2.0**-9, 2.0**-10, 3 * 2.0**-11, 0.01171875, -(2.0**-6)],
+        [448.0, 2.0**-9, 0.0, 2.0**-9, 0.01171875, -(2.0**-6)]),
+    "amax exactly 256 = 2^8: scale 1": ([256.0, 1.0625, 17.0, -3.0], [256.0, 1.0, 16.0, -3.0]),
+    "amax exactly 512: scale 2": ([512.0, 1.0625, 17.0, 3.0], [512.0, 1.0, 16.0, 3.0]),
+    "overflow saturates to 448 X": ([486.0, -500.0, 460.0], [448.0, -448.0, 448.0]),
+    "amax 2^-118: e = -126": ([2.0**-118, 2.0**-127], [2.0**-118, 2.0**-127]),
+    "amax below the clamp (fp32 subnormal): flushes": ([2.0**-140, -(2.0**-141)], [0.0, -0.0]),
+    "fp32 max: e = 119, saturates": ([3.4028234663852886e38, 2.0**127], [448 * 2.0**119, 2.0**127]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MXFP8_HAND_CASES))
+def test_mxfp8_hand_computed_blocks(case):
+    inputs, expected = MXFP8_HAND_CASES[case]
+    pad = 32 - len(inputs)
+    x = torch.tensor(inputs + [0.0] * pad, dtype=torch.float64).float()
+    _assert_bitwise_equal(fake_quant_mxfp8_e4m3(x)[: len(inputs)], _expected_fp32(expected))
+
+
+def test_mxfp8_non_finite_blocks_become_nan():
+    x = torch.ones(96)
+    x[3], x[40] = math.nan, math.inf
+    out = fake_quant_mxfp8_e4m3(x)
+    assert torch.isnan(out[:64]).all() and torch.equal(out[64:], torch.ones(32))
+
+
+def _torchao_mx():
+    pytest.importorskip("torchao")
+    mx_tensor = pytest.importorskip("torchao.prototype.mx_formats.mx_tensor")
+    config = pytest.importorskip("torchao.prototype.mx_formats.config")
+    return mx_tensor, config.ScaleCalculationMode.FLOOR
+
+
+def _blocks_for_torchao(seed: int) -> torch.Tensor:
+    """[64, 256] fp32: Gaussian blocks at scales 2^-100..2^100, plus zero blocks, blocks whose
+    amax is a power of two, blocks of exact E2M1 and E4M3 ties, and saturating blocks. No block
+    has 0 < amax < 2^-125: there torchao divides by 2^-126 (it clamps the divisor to the smallest
+    normal fp32) while it stores the scale 2^-127, and decodes to half the value it rounded."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(64, 8, 32, generator=g) * torch.exp2(torch.randint(-100, 100, (64, 8, 1), generator=g).float())
+    x[0, 0] = 0.0
+    x[1, 1, 0] = 4.0 * x[1, 1].abs().max()  # makes the amax a power of two
+    x[1, 1, 0] = 2.0 ** torch.floor(torch.log2(x[1, 1, 0]))
+    x[2, 2] = torch.tensor([6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0] * 4) * torch.tensor([1.0, -1.0]).repeat(16)
+    x[3, 3] = torch.linspace(-8, 8, 32) * 2.0**20  # amax 8 * 2^20 and saturating neighbours
+    x[4, 4] = 448.0 + torch.arange(32) * (1.0 / 16)  # E4M3 ties around 448..450
+    return x.reshape(64, 256)
+
+
+def test_mxfp4_matches_torchao_floor_bit_for_bit():
+    mx_tensor, floor = _torchao_mx()
+    w = _blocks_for_torchao(0)
+    scale, packed = mx_tensor.to_mx(w, torch.float4_e2m1fn_x2, 32, floor)
+    weight_packed, weight_scale = mxfp4_quantize(w)
+    assert torch.equal(scale.view(torch.uint8), weight_scale)
+    assert torch.equal(packed.view(torch.uint8), weight_packed)  # same nibble order, too
+
+
+def test_mxfp8_matches_torchao_floor():
+    mx_tensor, floor = _torchao_mx()
+    x = _blocks_for_torchao(1)
+    scale, data = mx_tensor.to_mx(x, torch.float8_e4m3fn, 32, floor)
+    decoded = mx_tensor.to_dtype(data, scale, torch.float8_e4m3fn, 32, torch.float32)
+    _assert_bitwise_equal(fake_quant_mxfp8_e4m3(x), decoded)
