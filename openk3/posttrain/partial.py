@@ -7,7 +7,7 @@ G trajectories until ``capacity`` trajectories are in flight. With partial rollo
 stops once a fraction ``finish_fraction`` of them finished and at least one group is complete;
 the unfinished are aborted and queued, keeping their tokens. Without, it runs until every
 trajectory finished. A group is handed out (to the trainer) once all G of its trajectories have
-finished, in the order the groups were admitted.
+finished; a round hands out its completed groups in the order they were admitted.
 
 Every token records the policy version that sampled it (``versions``) beside its log-probability
 under that policy (``logprobs``): a trajectory resumed after a weight update is a mixture of
