@@ -37,8 +37,9 @@ class Piece:
 class RolloutBackend(Protocol):
     """A generator (the serving engine, ``rollout.EngineBackend``; a fake in tests)."""
 
-    def submit(self, key: int, token_ids: list[int], max_tokens: int) -> None:
-        """Continue ``token_ids`` (prompt + the trajectory so far) by up to ``max_tokens`` tokens."""
+    def submit(self, key: int, token_ids: list[int], max_tokens: int, stop: tuple[str, ...]) -> None:
+        """Continue ``token_ids`` (prompt + the trajectory so far) by up to ``max_tokens`` tokens,
+        ending early at an eos or a stop string in the new text."""
 
     def step(self) -> list[Piece]:
         """Advance every submitted request by (about) one token."""
@@ -75,6 +76,7 @@ class Group:
     prompt_ids: list[int]
     payload: Any
     members: list[Trajectory]
+    stop: tuple[str, ...] = ("\n",)  # the generation's stop strings
 
     @property
     def done(self) -> bool:
@@ -90,7 +92,8 @@ class RoundStats:
 
 
 class PartialRollouts:
-    """The rollout scheduler. ``new_groups(n)`` returns up to ``n`` new (prompt ids, payload)."""
+    """The rollout scheduler. ``new_groups(n)`` returns up to ``n`` new groups as (prompt ids,
+    payload, stop strings)."""
 
     def __init__(self, backend: RolloutBackend, group_size: int, capacity: int, max_tokens: int,
                  finish_fraction: float = 1.0, partial: bool = True):
@@ -102,26 +105,27 @@ class PartialRollouts:
         self.queue: list[Trajectory] = []  # unfinished, resumed first
         self._next_group = self._next_traj = 0
 
-    def _admit(self, prompt_ids: list[int], payload: Any) -> Group:
+    def _admit(self, prompt_ids: list[int], payload: Any, stop: tuple[str, ...]) -> Group:
         members = [Trajectory(self._next_traj + i, self._next_group, self.max_tokens) for i in range(self.G)]
         self._next_traj += self.G
-        group = self.groups[self._next_group] = Group(self._next_group, list(prompt_ids), payload, members)
+        group = self.groups[self._next_group] = Group(self._next_group, list(prompt_ids), payload, members,
+                                                      tuple(stop))
         self._next_group += 1
         return group
 
-    def round(self, new_groups: Callable[[int], list[tuple[list[int], Any]]], version: int,
+    def round(self, new_groups: Callable[[int], list[tuple[list[int], Any, tuple[str, ...]]]], version: int,
               ) -> tuple[list[Group], RoundStats]:
         """Run one round under policy ``version``; returns the groups it completed (with any
         completed in earlier rounds but not yet handed out) and its statistics."""
         stats = RoundStats(resumed=len(self.queue))
         active, self.queue = self.queue, []
-        for prompt_ids, payload in new_groups(max(0, (self.capacity - len(active)) // self.G)):
-            active += self._admit(prompt_ids, payload).members
+        for prompt_ids, payload, stop in new_groups(max(0, (self.capacity - len(active)) // self.G)):
+            active += self._admit(prompt_ids, payload, stop).members
             stats.admitted_groups += 1
         by_key = {t.uid: t for t in active}
         for t in active:  # the resumed ones first: the engine admits in submission order
             group = self.groups[t.group]
-            self.backend.submit(t.uid, group.prompt_ids + t.tokens, t.max_tokens - len(t.tokens))
+            self.backend.submit(t.uid, group.prompt_ids + t.tokens, t.max_tokens - len(t.tokens), group.stop)
             t.segments += 1
         target = math.ceil(self.finish_fraction * len(active))
         finished = 0
@@ -153,11 +157,12 @@ class PartialRollouts:
         return {"next_group": self._next_group, "next_traj": self._next_traj,
                 "queue": [t.uid for t in self.queue],
                 "groups": [{"uid": g.uid, "prompt_ids": g.prompt_ids, "payload": payload_to_json(g.payload),
-                            "members": [vars(t) for t in g.members]} for g in self.groups.values()]}
+                            "stop": list(g.stop), "members": [vars(t) for t in g.members]} for g in self.groups.values()]}
 
     def load_state_dict(self, state: dict, payload_from_json: Callable[[Any], Any]) -> None:
         self._next_group, self._next_traj = state["next_group"], state["next_traj"]
         self.groups = {g["uid"]: Group(g["uid"], g["prompt_ids"], payload_from_json(g["payload"]),
-                                       [Trajectory(**t) for t in g["members"]]) for g in state["groups"]}
+                                       [Trajectory(**t) for t in g["members"]], tuple(g["stop"]))
+                       for g in state["groups"]}
         by_uid = {t.uid: t for g in self.groups.values() for t in g.members}
         self.queue = [by_uid[u] for u in state["queue"]]

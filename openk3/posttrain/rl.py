@@ -5,8 +5,8 @@ Per step:
 1. **rollouts**: rounds of ``PartialRollouts`` on the serving engine until at least one group
    of G samples is complete (one round does it: a round stops only once one is); new groups
    draw a task in turn, a problem, and an effort level whose control text precedes the prompt;
-2. **rewards**: the task's score of each completion (its text up to and including the first
-   newline), plus the length reward of k1.5 weighted by the group's effort, times
+2. **rewards**: the task's score of each completion (its text before the problem's first stop
+   string, ``Problem.stop``, a newline by default), plus the length reward of k1.5 weighted by the group's effort, times
    ``reward_weight``; with teachers, MOPD's per-token rewards (``mopd.py``);
 3. **update**: the trainer recomputes each sampled token's log-probability (fp32 master weights,
    bf16 autocast on CUDA), the chosen loss (``objective.py``) is averaged over the step's tokens
@@ -48,18 +48,19 @@ from openk3.train.optim import build_optimizers
 from openk3.train.trainer import Env, TrainingDiverged, _StopFlag
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tiktoken.model")
+DEFAULT_STOP = ("\n",)  # a problem without its own ``stop`` strings ends at its first newline
 
 
 def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def completion_text(tokenizer, tokens: list[int], eos_ids: tuple[int, ...]) -> str:
-    """The text a task scores: the decoded completion (eos dropped) up to and including its
-    first newline."""
+def completion_text(tokenizer, tokens: list[int], eos_ids: tuple[int, ...], stop: tuple[str, ...]) -> str:
+    """The text a task scores: the decoded completion (eos dropped) cut before its first stop
+    string, as the serving engine returns text."""
     text = tokenizer.decode([t for t in tokens if t not in eos_ids])
-    cut = text.find("\n")
-    return text if cut < 0 else text[:cut + 1]
+    cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=len(text))
+    return text[:cut]
 
 
 class _RLProgress(Progress):
@@ -124,7 +125,7 @@ def run(cfg: PostTrainConfig, tasks: list | None = None,
     counter = 0  # groups drawn so far: task i % len(tasks)
     problem_type = type(tasks[0].sample(random.Random(0)))
 
-    def new_groups(n: int) -> list[tuple[list[int], dict]]:
+    def new_groups(n: int) -> list[tuple[list[int], dict, tuple[str, ...]]]:
         nonlocal counter
         groups = []
         for _ in range(n):
@@ -138,7 +139,7 @@ def run(cfg: PostTrainConfig, tasks: list | None = None,
                 raise ValueError(f"task {tasks[task_index].name!r}: a prompt of {len(ids)} tokens + "
                                  f"--max-new-tokens {cfg.max_new_tokens} exceeds --max-model-len {cfg.max_model_len}")
             groups.append((ids, {"task": task_index, "problem": problem, "effort": effort,
-                                 "teacher_ids": prompt_ids}))
+                                 "teacher_ids": prompt_ids}, tuple(getattr(problem, "stop", DEFAULT_STOP))))
         return groups
 
     def payload_to_json(p: dict) -> dict:
@@ -224,7 +225,7 @@ def _score(groups: list[Group], tasks: list, tokenizer, eos_ids: tuple[int, ...]
                                              "score", "correct", "reward", "domain", "effort")}
     for g in groups:
         task, problem, effort = tasks[g.payload["task"]], g.payload["problem"], g.payload["effort"]
-        scores = [float(task.score(problem, completion_text(tokenizer, t.tokens, eos_ids))) for t in g.members]
+        scores = [float(task.score(problem, completion_text(tokenizer, t.tokens, eos_ids, g.stop))) for t in g.members]
         correct = [s >= 1.0 for s in scores]
         weight = cfg.length_penalty_weight(effort)
         lens = length_rewards([len(t.tokens) for t in g.members], correct) if weight else [0.0] * len(scores)

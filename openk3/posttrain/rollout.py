@@ -27,24 +27,21 @@ from openk3.serve.config import EngineConfig
 from openk3.serve.engine import LLMEngine
 from openk3.serve.sampler import SamplingParams
 
-STOP = ("\n",)  # a completion ends at its first newline (the tasks' answer format)
 
 
 class RolloutEngine:
     """The engine as a ``partial.RolloutBackend``. ``policy``: the trainer's model (its config
-    and weights); the engine's copy lives on ``device`` in ``dtype``."""
+    and weights); the engine's copy lives on ``device`` in ``dtype``. ``eos_token_ids``: None for the model's; the other keywords are ``EngineConfig`` fields."""
 
     def __init__(self, policy: torch.nn.Module, tokenizer, device: torch.device, dtype: torch.dtype,
-                 max_num_seqs: int, max_model_len: int, stop: tuple[str, ...] = STOP,
-                 **engine_config):
+                 max_num_seqs: int, max_model_len: int, eos_token_ids: tuple[int, ...] | None = None, **engine_config):
         model = build_model(policy.cfg, device=device, dtype=dtype)
         model.load_state_dict(policy.state_dict())
         config = EngineConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                               max_num_batched_tokens=max(16384, max_num_seqs),
                               **{"physical_block_size": 512, "hash_block_size": 64,
                                  "kda_checkpoint_interval": 512, **engine_config})
-        self.engine = LLMEngine(model.eval(), tokenizer, config)
-        self.stop = stop
+        self.engine = LLMEngine(model.eval(), tokenizer, config, eos_token_ids=eos_token_ids)
         self._rids = itertools.count()
         self._keys: dict[str, int] = {}  # request id -> trajectory key
 
@@ -53,9 +50,9 @@ class RolloutEngine:
         """Serve ``policy``'s current weights (between rounds: no request may be running)."""
         self.engine.load_weights(policy.state_dict())
 
-    def submit(self, key: int, token_ids: list[int], max_tokens: int) -> None:
+    def submit(self, key: int, token_ids: list[int], max_tokens: int, stop: tuple[str, ...] = ()) -> None:
         rid = f"traj{key}-{next(self._rids)}"
-        params = SamplingParams(temperature=1.0, max_tokens=max_tokens, stop=self.stop, logprobs=0)
+        params = SamplingParams(temperature=1.0, max_tokens=max_tokens, stop=tuple(stop), logprobs=0)
         self.engine.add_request(token_ids, params, request_id=rid)
         self._keys[rid] = key
 

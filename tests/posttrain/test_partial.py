@@ -27,7 +27,8 @@ class FakeBackend:
         self.prompts: dict[int, list[int]] = {}
         self.live: dict[int, list] = {}  # key -> [position, tokens left in this request]
 
-    def submit(self, key, token_ids, max_tokens):
+    def submit(self, key, token_ids, max_tokens, stop):
+        assert stop == ("\n",)
         prompt = self.prompts.setdefault(key, list(token_ids))
         assert token_ids[:len(prompt)] == prompt
         done = token_ids[len(prompt):]
@@ -70,7 +71,7 @@ def test_no_trajectory_lost_or_duplicated(seed, group_size, groups, fraction, pa
     def new_groups(n):
         nonlocal admitted
         n = min(n, total_groups - admitted)
-        out = [([admitted % 5 + 1] * (1 + admitted % 3), {"g": admitted + i}) for i in range(n)]
+        out = [([admitted % 5 + 1] * (1 + admitted % 3), {"g": admitted + i}, ("\n",)) for i in range(n)]
         admitted += n
         return out
 

@@ -67,7 +67,7 @@ def test_rollout_logprobs_are_the_policys():
     rollouts = _engine(policy, cuda_graphs=False, enable_prefix_caching=False)
     prompts = {0: [3, 4, 5], 1: [6, 7, 8, 9, 10]}
     for key, ids in prompts.items():
-        rollouts.submit(key, ids, 5)
+        rollouts.submit(key, ids, 5, stop=("\n",))
     got = {k: ([], []) for k in prompts}
     while rollouts.has_unfinished():
         for piece in rollouts.step():
