@@ -2,7 +2,7 @@
 # The CPU RL demo (docs/posttraining_rl.md): pre-train the debug model briefly on arithmetic text
 # written by the task itself ("3+5=8" lines), then RL it on the arithmetic task with rollouts
 # from the serving engine; prints reward and accuracy per step, writes RUN/plots. A few minutes.
-#   OUT_DIR=runs/rl-demo PRETRAIN_STEPS=150 RL_STEPS=30 bash scripts/rl_demo.sh [extra openk3 rl flags]
+#   OUT_DIR=runs/rl-demo PRETRAIN_STEPS=150 RL_STEPS=40 bash scripts/rl_demo.sh [extra openk3 rl flags]
 # A run directory already holding a pre-trained model is reused (PRETRAINED=DIR to give one).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -26,5 +26,5 @@ PY
     --out "$PRETRAINED" --max-steps "${PRETRAIN_STEPS:-150}" --num-samples 0 --device cpu
 fi
 rm -rf "$OUT/rl"
-openk3 rl --checkpoint "$PRETRAINED" --task arithmetic --out "$OUT/rl" --max-steps "${RL_STEPS:-30}" \
-  --prompts-per-step 4 --group-size 8 --max-new-tokens 6 --max-model-len 32 --device cpu "$@"
+openk3 rl --checkpoint "$PRETRAINED" --task arithmetic --out "$OUT/rl" --max-steps "${RL_STEPS:-40}" \
+  --group-size 8 --max-new-tokens 6 --max-model-len 32 --device cpu "$@"
