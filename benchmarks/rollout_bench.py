@@ -39,10 +39,23 @@ from openk3.posttrain.rollout import RolloutEngine
 from openk3.runtime import resolve_device, resolve_dtype
 from openk3.tokenizer import ByteTokenizer
 
+
+class _Lengths(dict):
+    """Sample k's target length, drawn on first use from its own seed: both modes get the same."""
+
+    def __init__(self, draw):
+        super().__init__()
+        self.draw = draw
+
+    def __missing__(self, key):
+        self[key] = self.draw(key)
+        return self[key]
+
+
 class FixedLengths:
     """The engine backend with each sample's length fixed in advance (a long-tailed draw)."""
 
-    def __init__(self, rollouts: RolloutEngine, lengths: dict[int, int]):
+    def __init__(self, rollouts: RolloutEngine, lengths: _Lengths):
         self.rollouts, self.lengths = rollouts, lengths
         self.prompt_len: dict[int, int] = {}  # from a sample's first submission: its prompt alone
 
@@ -68,8 +81,8 @@ def run_mode(args, policy, partial: bool, device, dtype) -> dict:
     rng = random.Random(args.seed)
     G, cap = args.group_size, args.prompts_per_step * args.group_size
     median = max(1, args.max_new_tokens // 8)
-    lengths = {k: min(args.max_new_tokens, max(1, round(rng.lognormvariate(math.log(median), 1.2))))
-               for k in range(args.groups * G * 4)}
+    lengths = _Lengths(lambda k: min(args.max_new_tokens, max(1, round(
+        random.Random(args.seed * 1_000_003 + k).lognormvariate(math.log(median), 1.2)))))
     rollouts = RolloutEngine(policy, ByteTokenizer(), device, dtype, max_num_seqs=cap,
                              max_model_len=args.prompt_tokens + args.max_new_tokens + 1, eos_token_ids=())
     backend = FixedLengths(rollouts, lengths)
@@ -114,6 +127,9 @@ def main() -> None:
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     policy = build_model(preset(args.preset), device=device, dtype=dtype, seed=0).eval()
+    warm = argparse.Namespace(**{**vars(args), "groups": 1, "max_new_tokens": 8})
+    for partial in (False, True):  # warm-up: first-call costs (imports, allocator, kernels) are not timed
+        run_mode(warm, policy, partial, device, dtype)
     rows = [run_mode(args, policy, partial, device, dtype) for partial in (False, True)]
     rows[1]["speedup"] = rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"]
     print(f"rollout_bench: preset {args.preset} on {device} ({dtype}), {args.prompts_per_step} x {args.group_size} "
