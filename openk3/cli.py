@@ -1,4 +1,4 @@
-"""The openk3 command: params, generate, train, serve, plot."""
+"""The openk3 command: params, generate, train, serve, rl, distill, plot."""
 
 from __future__ import annotations
 
@@ -204,10 +204,44 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_rl(args: argparse.Namespace, defaults: dict | None = None) -> int:
+    """``openk3 rl`` and, with ``DISTILL_DEFAULTS``, ``openk3 distill`` (docs/posttraining_rl.md)."""
+    from openk3.posttrain.config import PostTrainConfig, resolve_posttrain_config
+    from openk3.posttrain.plot import plot_posttrain
+    from openk3.posttrain.rl import run
+    from openk3.train.trainer import TrainingDiverged
+
+    cfg = resolve_posttrain_config(_config_flags_given(args, PostTrainConfig), defaults)
+    if defaults is not None and not cfg.teacher:
+        raise ValueError("--teacher DOMAIN:EFFORT=PATH: distillation needs at least one teacher")
+    try:
+        summary = run(cfg)
+    except TrainingDiverged as e:
+        print(f"openk3 {args.command}: {e}", file=sys.stderr)
+        return 1
+    plot_posttrain(cfg.out)
+    if summary["rewards"]:
+        print(f"openk3 {args.command}: steps {summary['start_step']}..{summary['end_step']}, reward "
+              f"{summary['rewards'][0]:.3f} -> {summary['rewards'][-1]:.3f}, accuracy {summary['accuracies'][0]:.3f} "
+              f"-> {summary['accuracies'][-1]:.3f}; run in {cfg.out} (plots in {cfg.out}/plots)", file=sys.stderr)
+    return 0
+
+
+def cmd_distill(args: argparse.Namespace) -> int:
+    from openk3.posttrain.config import DISTILL_DEFAULTS
+
+    return cmd_rl(args, DISTILL_DEFAULTS)
+
+
 def cmd_plot(args: argparse.Namespace) -> int:
+    from openk3.posttrain.plot import plot_posttrain
+    from openk3.train.metrics import read_metrics
     from openk3.train.plot import plot_run
 
-    for path in plot_run(args.run_dir, args.out):
+    paths = plot_run(args.run_dir, args.out)
+    if any("reward" in row for row in read_metrics(args.run_dir)):  # an rl / distill run
+        paths += plot_posttrain(args.run_dir, args.out)
+    for path in paths:
         print(path)
     return 0
 
@@ -275,6 +309,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the model's name in the API (default: checkpoint directory name, or openk3-PRESET)")
     _add_config_flags(s, EngineConfig)
     s.set_defaults(fn=cmd_serve)
+
+    from openk3.posttrain.config import DISTILL_DEFAULTS, PostTrainConfig
+
+    r = sub.add_parser("rl", help="RL on verifiable tasks with rollouts from the serving engine "
+                                  "(docs/posttraining_rl.md)")
+    _add_config_flags(r, PostTrainConfig)
+    r.set_defaults(fn=cmd_rl)
+    d = sub.add_parser("distill", help="multi-teacher on-policy distillation (MOPD): --teacher "
+                                       f"DOMAIN:EFFORT=PATH ...; defaults as rl but {DISTILL_DEFAULTS}")
+    _add_config_flags(d, PostTrainConfig)
+    d.set_defaults(fn=cmd_distill)
 
     pl = sub.add_parser("plot", help="write PNG charts of a run's metrics")
     pl.add_argument("run_dir")

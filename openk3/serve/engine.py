@@ -217,6 +217,22 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Copy ``state_dict`` (a trainer's model's: same names, any dtype, same device or not)
+        into the served model in place, and empty the prefix cache, whose latents and KDA
+        checkpoints the old weights computed. Needs an idle engine. The copies keep every
+        tensor's address, so the fused projections (views, ``openk3/model/fuse.py``) and
+        captured CUDA graphs read the new weights."""
+        if self.has_unfinished():
+            raise RuntimeError("load_weights: requests are running; finish or abort them first")
+        if self.drafter is not None:
+            raise ValueError("load_weights: the speculative-decoding draft would keep the old "
+                             "model's distribution; serve without one (num_speculative_tokens=0)")
+        self.model.load_state_dict(state_dict)
+        self.block_manager = BlockManager(self.config, self.runner.num_blocks,
+                                          num_state_slots=self.config.max_num_seqs)
+        self.scheduler = Scheduler(self.config, self.block_manager, self.max_model_len)
+
     # The loop.
 
     @torch.inference_mode()
