@@ -44,7 +44,7 @@ def open_image(image: ImageLike, where: str, max_bytes: int | None = None) -> Im
     if isinstance(image, (str, os.PathLike)):
         source, name = image, os.fspath(image)
     elif isinstance(image, (bytes, bytearray)):
-        source, name = io.BytesIO(image), "the bytes"
+        source, name = io.BytesIO(image), "the data"
         if max_bytes is not None and len(image) > max_bytes:
             raise ValueError(f"{where}: the image is {len(image)} bytes, over the limit of {max_bytes}")
     else:
