@@ -30,6 +30,8 @@ from openk3.tokenizer import VisibleTokenizer
 from openk3.vision.preprocess import pack_images
 
 PAD, BEGIN, CONTENT, END = 300, 301, 302, 303
+MEDIA_TOKENS = {"<|media_pad|>": PAD, "<|media_begin|>": BEGIN, "<|media_content|>": CONTENT,
+                "<|media_end|>": END}
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
 
 
@@ -37,11 +39,8 @@ class MediaTokenizer(VisibleTokenizer):
     """Bytes as text, plus the release's media tokens, so image blocks take the release format
     ``<|media_begin|>image {W}x{H}<|media_content|> pads <|media_end|>``."""
 
-    SPECIAL = {"<|media_pad|>": PAD, "<|media_begin|>": BEGIN, "<|media_content|>": CONTENT,
-               "<|media_end|>": END}
-
     def token_id(self, name: str) -> int | None:
-        return self.SPECIAL.get(name)
+        return MEDIA_TOKENS.get(name)
 
 
 TOK = MediaTokenizer()
@@ -73,8 +72,8 @@ def png_bytes(image: Image.Image) -> bytes:
 
 
 def make_engine(model, **kw) -> LLMEngine:
-    cfg = dict(max_num_seqs=4, max_num_batched_tokens=8, physical_block_size=16, hash_block_size=8,
-               kda_checkpoint_interval=16, max_model_len=256, cuda_graphs=False)
+    cfg = {"max_num_seqs": 4, "max_num_batched_tokens": 8, "physical_block_size": 16, "hash_block_size": 8,
+           "kda_checkpoint_interval": 16, "max_model_len": 256, "cuda_graphs": False}
     return LLMEngine(model, TOK, EngineConfig(**{**cfg, **kw}), eos_token_ids=())
 
 
@@ -178,18 +177,18 @@ def test_bad_image_requests(model):
 
 # The OpenAI chat endpoint, over a real uvicorn server.
 
-httpx = pytest.importorskip("httpx")
-openai = pytest.importorskip("openai")
-uvicorn = pytest.importorskip("uvicorn")
-pytest.importorskip("fastapi")
-
-from openk3.serve.server import build_app  # noqa: E402
-
 MAX_IMAGE_BYTES = 16384
 
 
 @contextmanager
 def serving(engine: LLMEngine):
+    """The app over ``engine`` on a free port, with an ``httpx`` and an ``openai`` client (the
+    serving extras are test dependencies; without them these tests skip)."""
+    httpx = pytest.importorskip("httpx")
+    openai = pytest.importorskip("openai")
+    uvicorn = pytest.importorskip("uvicorn")
+    from openk3.serve.server import build_app
+
     async_engine = AsyncEngine(engine)
     server = uvicorn.Server(uvicorn.Config(build_app(async_engine, "vl"), log_level="warning"))
     sock = socket.socket()
@@ -269,3 +268,16 @@ def test_image_part_without_url_and_text_only_model(srv):
         r = text_srv.http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": content}]})
     assert r.status_code == 400
     assert "messages[0].content[0]: this model is text-only" in r.json()["error"]["message"]
+
+
+def test_block_hashes_include_image_content():
+    """Equal token ids: the hash blocks before the image agree, those holding it differ."""
+    from openk3.serve.block_manager import BlockManager
+    from openk3.serve.sequence import ImageSpan, Sequence
+
+    ids = [7] * 10 + [PAD] * 4 + list(range(10, 28))  # 32 tokens: hash blocks 0-3, image in block 1
+    a, b, c = (Sequence(name, ids, 4, image_spans=(ImageSpan(10, 4, digest),))
+               for name, digest in (("a", b"A"), ("b", b"B"), ("c", b"A")))
+    bm = BlockManager(EngineConfig(physical_block_size=16, hash_block_size=8, kda_checkpoint_interval=16), 8, 3)
+    ha, hb, hc = (bm._hash_chain(s, 4) for s in (a, b, c))
+    assert ha == hc and ha[0] == hb[0] and all(x != y for x, y in zip(ha[1:], hb[1:]))
