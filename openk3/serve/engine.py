@@ -434,8 +434,8 @@ class LLMEngine:
                               "cache_usage": self.block_manager.usage, "prefix_queries": bm.queries,
                               "prefix_hits": bm.hits, "prefix_tokens_saved": bm.saved_tokens})
 
-    def generate(self, prompts: list[str | list[int] | dict], params: SamplingParams | list[SamplingParams] | None = None,
-                 ) -> list[RequestOutput]:
+    def generate(self, prompts: list[str | list[int] | dict],
+                 params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
         """Run requests to completion; outputs in the order of ``prompts``. A prompt with images
         is a dict ``{"prompt": str | list[int], "images": [...]}`` (``add_request``)."""
         params = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
@@ -446,7 +446,8 @@ class LLMEngine:
             if isinstance(p, dict):
                 unknown = set(p) - {"prompt", "images"}
                 if unknown or "prompt" not in p:
-                    raise InvalidRequest("prompt", f"a dict prompt has the keys 'prompt' and 'images', got {sorted(p)}")
+                    raise InvalidRequest("prompt", f"a dict prompt has the keys 'prompt' and 'images', "
+                                                   f"got {sorted(p)}")
                 ids.append(self.add_request(p["prompt"], sp, images=p.get("images")))
             else:
                 ids.append(self.add_request(p, sp))

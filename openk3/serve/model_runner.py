@@ -235,10 +235,9 @@ class ModelRunner:
     def _release_image_features(self, chunks: list[tuple[Sequence, int]]) -> None:
         """Free the features of requests whose prefill is past their last image."""
         for seq, _ in chunks:
-            if seq.image_spans and seq.num_computed_tokens >= seq.image_spans[-1].offset + seq.image_spans[-1].length:
-                entry = self.images.get(seq.request_id)
-                if entry is not None:
-                    entry.features = None
+            last = seq.image_spans[-1] if seq.image_spans else None
+            if last is not None and seq.num_computed_tokens >= last.offset + last.length:
+                self.images[seq.request_id].features = None
 
     # Cache instructions from the scheduler.
 
