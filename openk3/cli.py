@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -72,6 +73,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     ids = tok.encode(args.prompt)
     images = None
     if args.image:
+        from openk3.serve.multimodal import special_token_id
         from openk3.vision.preprocess import image_prompt_ids, load_image, pack_images
 
         if model.cfg.vision_config is None:
@@ -79,7 +81,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             return 2
         pics = [load_image(p) for p in args.image]
         images = pack_images(pics, model.cfg.vision_config)
-        special = getattr(getattr(tok, "tok", None), "token_to_id", lambda _: None)
+        special = functools.partial(special_token_id, tok)
         bos = [model.cfg.bos_token_id] if model.cfg.bos_token_id is not None else []
         ids = bos + image_prompt_ids(special, tok.encode, [p.size for p in pics],
                                      images.tokens_per_image(model.cfg.vision_config),

@@ -30,6 +30,10 @@ class ByteTokenizer:
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
+    def token_id(self, name: str) -> int | None:
+        """The id of special token ``name``, or None: bytes have no special tokens."""
+        return None
+
 
 class VisibleTokenizer(ByteTokenizer):
     """For random-init models: text in as UTF-8 bytes (so ASCII round-trips), and every id out
@@ -51,6 +55,10 @@ class HFTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids)
+
+    def token_id(self, name: str) -> int | None:
+        """The id of the (special) token ``name``, or None when the vocabulary lacks it."""
+        return self.tok.token_to_id(name)
 
 
 class TiktokenTokenizer:
@@ -79,6 +87,10 @@ class TiktokenTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self.enc.decode(ids)
+
+    def token_id(self, name: str) -> int | None:
+        """The id of special token ``name``, or None when there is none of that name."""
+        return self.enc.encode_single_token(name) if name in self.enc.special_tokens_set else None
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tiktoken.model")

@@ -7,6 +7,8 @@ before the forward pass of the step that returned them, ``KDASave`` after it.
 Prefix cache, in brief (K3_SPEC §5):
 - Token ids are hashed in chained fine blocks of ``hash_block_size`` tokens; MLA latents live
   in coarse physical blocks of ``physical_block_size`` tokens (both ``EngineConfig`` fields).
+- A block holding image positions is keyed by its token ids *and* the content digest of each
+  image there (``Sequence.image_keys``): equal placeholder ids with another image never hit.
 - A hit at boundary ``b`` (a multiple of ``hash_block_size``) needs every hash block below ``b``
   registered with matching token ids *and* a KDA checkpoint (recurrent + conv state of every KDA
   layer) stored for exactly that prefix: KDA state cannot be rebuilt from the latents.
@@ -32,12 +34,14 @@ from openk3.serve.config import EngineConfig
 from openk3.serve.sequence import Sequence
 
 
-def hash_token_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
+def hash_token_block(parent_hash: int | None, token_ids: tuple[int, ...],
+                     image_keys: tuple[tuple[bytes, int], ...] = ()) -> int:
     """Chained hash of one hash block; through ``parent_hash`` it depends on every earlier token.
+    ``image_keys``: (content digest, offset) of the images whose positions the block holds.
 
-    Collisions are tolerated: every hit is verified against the stored token ids.
+    Collisions are tolerated: every hit is verified against the stored token ids and image keys.
     """
-    return hash((parent_hash, token_ids))
+    return hash((parent_hash, token_ids, image_keys))
 
 
 @dataclass(frozen=True)
@@ -107,12 +111,17 @@ class _HashBlock:
     parent_serial: int | None
     token_ids: tuple[int, ...]
     block_id: int
+    image_keys: tuple[tuple[bytes, int], ...] = ()
 
 
 @dataclass(frozen=True)
 class _Checkpoint:
     checkpoint_id: int
     token_ids: tuple[int, ...]  # the whole prefix, verified on every hit
+    image_keys: tuple[tuple[bytes, int], ...] = ()  # the prefix's images (``Sequence.image_keys``)
+
+    def same_prefix(self, other: _Checkpoint) -> bool:
+        return self.token_ids == other.token_ids and self.image_keys == other.image_keys
 
 
 @dataclass(frozen=True)
@@ -282,8 +291,14 @@ class BlockManager:
         while len(chain) < num_hash_blocks:
             k = len(chain)
             parent = chain[-1] if chain else None
-            chain.append(hash_token_block(parent, tuple(seq.token_ids[k * size : (k + 1) * size])))
+            chain.append(hash_token_block(parent, tuple(seq.token_ids[k * size : (k + 1) * size]),
+                                          seq.image_keys(k * size, (k + 1) * size)))
         return chain[:num_hash_blocks]
+
+    @staticmethod
+    def _prefix(seq: Sequence, num_tokens: int) -> _Checkpoint:
+        """What a checkpoint of ``seq``'s first ``num_tokens`` tokens must match (id unset)."""
+        return _Checkpoint(-1, tuple(seq.token_ids[:num_tokens]), seq.image_keys(0, num_tokens))
 
     def _find_hit(self, seq: Sequence) -> _Hit | None:
         if not self.config.enable_prefix_caching or not self.checkpoints or seq.wants_prompt_logprobs:
@@ -296,12 +311,13 @@ class BlockManager:
             entry = self.hash_to_block.get(h)
             parent_serial = entries[-1].serial if entries else None
             if (entry is None or entry.parent_serial != parent_serial
-                    or entry.token_ids != tuple(seq.token_ids[k * size : (k + 1) * size])):
+                    or entry.token_ids != tuple(seq.token_ids[k * size : (k + 1) * size])
+                    or entry.image_keys != seq.image_keys(k * size, (k + 1) * size)):
                 break
             entries.append(entry)
         for n in range(len(entries), 0, -1):
             checkpoint = self.checkpoints.get(chain[n - 1])
-            if checkpoint is not None and checkpoint.token_ids == tuple(seq.token_ids[: n * size]):
+            if checkpoint is not None and checkpoint.same_prefix(self._prefix(seq, n * size)):
                 break
         else:
             return None
@@ -346,13 +362,15 @@ class BlockManager:
         parent_serial = None
         for k, h in enumerate(self._hash_chain(seq, num_full)):
             token_ids = tuple(seq.token_ids[k * size : (k + 1) * size])
+            image_keys = seq.image_keys(k * size, (k + 1) * size)
             entry = self.hash_to_block.get(h)
             if entry is None:
                 block_id = seq.block_table[k * size // self.block_size]
-                entry = _HashBlock(next(self._serials), parent_serial, token_ids, block_id)
+                entry = _HashBlock(next(self._serials), parent_serial, token_ids, block_id, image_keys)
                 self.hash_to_block[h] = entry
                 self.block_to_hashes.setdefault(block_id, []).append(h)
-            elif entry.parent_serial != parent_serial or entry.token_ids != token_ids:
+            elif (entry.parent_serial != parent_serial or entry.token_ids != token_ids
+                  or entry.image_keys != image_keys):
                 break
             parent_serial = entry.serial
         seq.num_registered_hash_blocks = num_full
@@ -393,9 +411,9 @@ class BlockManager:
         if seq.request_id in self.pending_checkpoints:
             raise RuntimeError(f"request {seq.request_id!r} already has a KDA save in this step")
         key = self._hash_chain(seq, num_tokens // self.hash_block_size)[-1]
-        token_ids = tuple(seq.token_ids[:num_tokens])
+        prefix = self._prefix(seq, num_tokens)
         existing = self.checkpoints.get(key)
-        if existing is not None and existing.token_ids == token_ids:
+        if existing is not None and existing.same_prefix(prefix):
             self.checkpoints.move_to_end(key)
             return None
         if self.free_checkpoint_ids:
@@ -407,7 +425,8 @@ class BlockManager:
             checkpoint_id = evicted.checkpoint_id
         else:
             return None
-        self.pending_checkpoints[seq.request_id] = (key, _Checkpoint(checkpoint_id, token_ids))
+        self.pending_checkpoints[seq.request_id] = (key, _Checkpoint(checkpoint_id, prefix.token_ids,
+                                                                     prefix.image_keys))
         return KDASave(seq.state_slot, checkpoint_id)
 
     def commit_kda_save(self, seq: Sequence) -> None:
@@ -417,7 +436,7 @@ class BlockManager:
             return
         key, checkpoint = pending
         existing = self.checkpoints.pop(key, None)
-        if existing is not None and existing.token_ids == checkpoint.token_ids:
+        if existing is not None and existing.same_prefix(checkpoint):
             # another sequence of the same step saved this prefix first: keep one copy
             self.free_checkpoint_ids.append(checkpoint.checkpoint_id)
             checkpoint = existing

@@ -13,11 +13,16 @@ of the assistant's turn::
     <|im_start|>user
     Hi!<|im_end|>
     <|im_start|>assistant
+
+Images: each ``image_url`` content part is rendered as a slot string unique to the request
+(the template sees plain text), and ``encode_with_images`` puts the image's block of token ids
+in place of each slot, so the block sits exactly where the part was, whatever the template.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import jinja2
@@ -83,3 +88,19 @@ class ChatTemplate:
             raise
         except Exception as e:  # the template is the checkpoint's code: any failure means bad messages
             raise ChatTemplateError(f"the chat template failed on these messages: {e}") from e
+
+
+def encode_with_images(text: str, slot: str, image_blocks: list[list[int]],
+                       encode: Callable[[str], list[int]]) -> list[int]:
+    """Token ids of a rendered prompt whose k-th ``slot`` stands for image k: the text between
+    slots encoded piece by piece, ``image_blocks[k]`` in place of slot k. Raises
+    ``ChatTemplateError`` when the template dropped or repeated a slot."""
+    pieces = text.split(slot)
+    if len(pieces) - 1 != len(image_blocks):
+        raise ChatTemplateError(f"the chat template rendered {len(pieces) - 1} image slots for "
+                                f"{len(image_blocks)} image_url parts (it must keep each part's "
+                                "content in place, once)")
+    ids = list(encode(pieces[0]))
+    for block, piece in zip(image_blocks, pieces[1:]):
+        ids += block + encode(piece)
+    return ids

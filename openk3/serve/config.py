@@ -27,6 +27,8 @@ class EngineConfig:
         max_model_len: prompt + max_tokens limit per request (None: the model's
             ``max_position_embeddings``, capped by what the MLA cache holds).
         max_tokens_limit: requests asking for more ``max_tokens`` than this are refused.
+        max_image_bytes: the largest encoded image a request may carry (a chat ``image_url``
+            data URL after base64 decoding, or bytes handed to the engine); 20 MiB, OpenAI's limit.
     Cache (block manager and model runner):
         num_blocks: physical MLA blocks (None: enough for ``max_num_seqs`` sequences of
             ``max_model_len`` tokens, capped by ``cache_memory_gb``).
@@ -53,6 +55,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 16384
     max_model_len: int | None = None
     max_tokens_limit: int = 1 << 20
+    max_image_bytes: int = 20 << 20
     num_blocks: int | None = None
     cache_memory_gb: float = 8.0
     physical_block_size: int = 6144
@@ -68,7 +71,7 @@ class EngineConfig:
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"EngineConfig.{name}={getattr(self, name)!r}: {why}")
 
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "max_tokens_limit",
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "max_tokens_limit", "max_image_bytes",
                      "num_blocks", "cache_memory_gb", "physical_block_size", "hash_block_size",
                      "kda_checkpoint_interval"):
             value = getattr(self, name)

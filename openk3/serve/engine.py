@@ -19,6 +19,11 @@ the outputs are those of plain decoding with the same sampling.
 
 Log-probabilities are those of the model's own next-token distribution (``log_softmax`` of the
 logits, before temperature and filtering), as OpenAI reports them.
+
+Images (a model with a vision tower): ``add_request(prompt, params, images=[...])``; the images
+are decoded and packed here (``prepare_images``: where they go in the prompt, their content
+digests), the scheduler and the block manager see only the spans of their positions
+(``Sequence.image_spans``), and the model runner holds the pixels and runs the tower at prefill.
 """
 
 from __future__ import annotations
@@ -38,10 +43,12 @@ from openk3.serve.config import EngineConfig
 from openk3.serve.draft import Drafter, DraftProposer
 from openk3.serve.eagle import EagleDrafter
 from openk3.serve.model_runner import ModelRunner, PromptLogprobs, StepResult
+from openk3.serve.multimodal import ImageLike, MultiModalInput, open_image, place_images, special_token_id
 from openk3.serve.sampler import InvalidRequest, SamplingParams, make_generator, sample, token_logprobs
 from openk3.serve.scheduler import Scheduler
 from openk3.serve.sequence import Sequence
 from openk3.serve.speculative import sampling_probs, speculative_sample
+from openk3.vision.preprocess import pack_images
 
 
 @dataclass
@@ -167,8 +174,42 @@ class LLMEngine:
             return self.tokenizer.encode(prompt)
         return list(prompt)
 
-    def validate(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+    def _vision_config(self):
+        if self.model.cfg.vision_config is None:
+            raise InvalidRequest("images", "this model has no vision tower (its config has no vision_config)")
+        return self.model.cfg.vision_config
+
+    def prepare_images(self, prompt: str | list[int], images: list[ImageLike]) -> tuple[list[int], MultiModalInput]:
+        """The prompt's token ids with its images' placeholders (``multimodal.place_images``: one
+        placeholder per image in the prompt, expanded where it is, or none, the images first) and
+        the images, decoded and packed. Raises ``InvalidRequest`` naming ``images[k]`` or the
+        prompt. Touches no engine state."""
+        vcfg = self._vision_config()
+        if self.drafter is not None:
+            raise InvalidRequest("images", "images with speculative decoding are not supported")
+        if isinstance(images, (str, bytes)) or not images:
+            raise InvalidRequest("images", "must be a non-empty list of images")
+        try:
+            pics = [open_image(im, f"images[{k}]", self.config.max_image_bytes) for k, im in enumerate(images)]
+        except ValueError as e:
+            raise InvalidRequest("images", str(e)) from e
+        packed = pack_images(pics, vcfg)
+        if isinstance(prompt, str) and not prompt:
+            prompt = []
+        cfg = self.model.cfg
+        try:
+            ids, spans = place_images(self.tokenize(prompt), packed, [p.size for p in pics],
+                                      packed.tokens_per_image(vcfg), vcfg.media_placeholder_token_id,
+                                      self.tokenizer.encode, lambda name: special_token_id(self.tokenizer, name),
+                                      cfg.bos_token_id)
+        except ValueError as e:
+            raise InvalidRequest("prompt", str(e)) from e
+        return ids, MultiModalInput(packed, spans)
+
+    def validate(self, prompt: str | list[int], params: SamplingParams,
+                 images: MultiModalInput | None = None) -> list[int]:
         """Token ids of ``prompt``; raises ``InvalidRequest`` naming the parameter at fault.
+        With ``images`` (``prepare_images``) the prompt must be the ids it returned.
         Touches no engine state (the async server calls it from its own thread)."""
         if isinstance(prompt, str) and not prompt:
             raise InvalidRequest("prompt", "is empty")
@@ -178,6 +219,12 @@ class LLMEngine:
             raise InvalidRequest("prompt", "is empty")
         if set(map(type, ids)) != {int} or min(ids) < 0 or max(ids) >= vocab:  # C loops: 32K ids in ~1 ms
             raise InvalidRequest("prompt", f"token ids must be integers in [0, {vocab})")
+        if images is not None:
+            pad = self._vision_config().media_placeholder_token_id
+            if (ids.count(pad) != sum(s.length for s in images.spans)
+                    or any(ids[s.offset:s.offset + s.length] != [pad] * s.length for s in images.spans)):
+                raise InvalidRequest("prompt", f"the image placeholders (id {pad}) do not match the "
+                                               "images (use LLMEngine.prepare_images)")
         if params.max_tokens > self.config.max_tokens_limit:
             raise InvalidRequest("max_tokens", f"{params.max_tokens} exceeds the limit "
                                                f"{self.config.max_tokens_limit}")
@@ -191,19 +238,28 @@ class LLMEngine:
         return ids
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
-        """Queue a request; returns its id. Raises ``InvalidRequest`` for bad input."""
+                    request_id: str | None = None,
+                    images: list[ImageLike] | MultiModalInput | None = None) -> str:
+        """Queue a request; returns its id. Raises ``InvalidRequest`` for bad input.
+
+        ``images``: PIL images, file paths or encoded bytes, placed as ``prepare_images`` says;
+        or its ``MultiModalInput``, with ``prompt`` the ids it returned."""
         params = params or SamplingParams()
-        ids = self.validate(prompt, params)
+        if images is not None and not isinstance(images, MultiModalInput):
+            prompt, images = self.prepare_images(prompt, images)
+        ids = self.validate(prompt, params, images)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.requests:
             raise InvalidRequest("request_id", f"{rid!r} already exists")
         # max_tokens=0 still samples one token internally (the prompt's last logits are computed
         # anyway); _output reports none
-        seq = Sequence(rid, ids, max(1, params.max_tokens), self.eos_token_ids + tuple(params.stop_token_ids))
+        seq = Sequence(rid, ids, max(1, params.max_tokens), self.eos_token_ids + tuple(params.stop_token_ids),
+                       images.spans if images is not None else ())
         seq.wants_prompt_logprobs = params.prompt_logprobs is not None
         gen = make_generator(params.seed, self.runner.device)
         self.scheduler.add_request(seq)
+        if images is not None:
+            self.runner.add_images(rid, images.images)
         self.requests[rid] = _Request(
             seq, params, gen, logprobs=[] if params.logprobs is not None else None,
             prompt_logprobs=[None] * len(ids) if seq.wants_prompt_logprobs else None)
@@ -212,6 +268,7 @@ class LLMEngine:
     def abort(self, request_id: str) -> bool:
         """Cancel a request; everything it holds is freed. False if unknown or finished."""
         self.requests.pop(request_id, None)
+        self.runner.drop_images(request_id)
         return self.scheduler.abort(request_id)
 
     def has_unfinished(self) -> bool:
@@ -363,6 +420,7 @@ class LLMEngine:
         else:
             visible = text
             self.requests.pop(seq.request_id, None)
+            self.runner.drop_images(seq.request_id)
         r.text = visible
         delta_text, r.sent_text = visible[r.sent_text:], len(visible)
         delta_ids, r.sent_tokens = ids[r.sent_tokens:], len(ids)
@@ -392,13 +450,23 @@ class LLMEngine:
                               "cache_usage": self.block_manager.usage, "prefix_queries": bm.queries,
                               "prefix_hits": bm.hits, "prefix_tokens_saved": bm.saved_tokens})
 
-    def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None,
-                 ) -> list[RequestOutput]:
-        """Run requests to completion; outputs in the order of ``prompts``."""
+    def generate(self, prompts: list[str | list[int] | dict],
+                 params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Run requests to completion; outputs in the order of ``prompts``. A prompt with images
+        is a dict ``{"prompt": str | list[int], "images": [...]}`` (``add_request``)."""
         params = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        ids = []
+        for p, sp in zip(prompts, params):
+            if isinstance(p, dict):
+                unknown = set(p) - {"prompt", "images"}
+                if unknown or "prompt" not in p:
+                    raise InvalidRequest("prompt", f"a dict prompt has the keys 'prompt' and 'images', "
+                                                   f"got {sorted(p)}")
+                ids.append(self.add_request(p["prompt"], sp, images=p.get("images")))
+            else:
+                ids.append(self.add_request(p, sp))
         final: dict[str, RequestOutput] = {}
         while len(final) < len(ids):
             for o in self.step():
@@ -441,10 +509,11 @@ class AsyncEngine:
         """The engine thread runs (False after ``shutdown`` or if it died)."""
         return self._thread.is_alive() and not self._stop
 
-    def validate(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+    def validate(self, prompt: str | list[int], params: SamplingParams,
+                 images: MultiModalInput | None = None) -> list[int]:
         """``generate`` validates only when first iterated; servers call this first to answer
         bad input before a stream starts."""
-        return self.engine.validate(prompt, params)
+        return self.engine.validate(prompt, params, images)
 
     def _loop(self) -> None:
         eng = self.engine
@@ -455,9 +524,9 @@ class AsyncEngine:
                 except queue.Empty:
                     break
                 if cmd == "add":
-                    rid, ids, params = args
+                    rid, ids, params, images = args
                     try:
-                        eng.add_request(ids, params, rid)
+                        eng.add_request(ids, params, rid, images)
                     except Exception as e:  # noqa: BLE001 - fail this request only
                         self._push([(rid, e)])
                 else:
@@ -492,14 +561,15 @@ class AsyncEngine:
         request): the server's shutdown after its grace period."""
         self._push([(rid, error) for rid in list(self._streams)])
 
-    async def generate(self, prompt: str | list[int], params: SamplingParams,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
-        ids = self.engine.validate(prompt, params)
+    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
+                       images: MultiModalInput | None = None) -> AsyncIterator[RequestOutput]:
+        """``images``: from ``LLMEngine.prepare_images``, with ``prompt`` the ids it returned."""
+        ids = self.engine.validate(prompt, params, images)
         if request_id in self._streams:
             raise InvalidRequest("request_id", f"{request_id!r} is already running")
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), q)
-        self._commands.put(("add", request_id, ids, params))
+        self._commands.put(("add", request_id, ids, params, images))
         self._wake.set()
         finished = False
         try:

@@ -5,6 +5,11 @@
     >>> out = llm.generate(["def main():"], SamplingParams(temperature=0, max_tokens=8))
     >>> len(out[0].token_ids)
     8
+
+With a vision tower (a K3 checkpoint, or ``preset="debug-vl"``), a prompt may carry images:
+``{"prompt": "what is this?", "images": [PIL.Image | path | bytes, ...]}``. Each image's
+block goes where the prompt holds its one ``media_placeholder_token_id`` (``<|media_pad|>``),
+or, with none in the prompt, first (docs/vision.md, "Serving images").
 """
 
 from __future__ import annotations
@@ -30,9 +35,10 @@ class LLM:
                                             tokenizer, experts)
         self.engine = LLMEngine(model, tokenizer, EngineConfig(**engine_config), model_name=name)
 
-    def generate(self, prompts: str | list[str] | list[list[int]],
+    def generate(self, prompts: str | dict | list[str] | list[list[int]] | list[dict],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids); outputs in prompt order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        """Generate for every prompt (text, token ids, or ``{"prompt": ..., "images": [...]}``);
+        outputs in prompt order."""
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         return self.engine.generate(list(prompts), sampling_params)

@@ -36,6 +36,15 @@ One step (``execute``) runs up to two forward passes over the scheduled sequence
 Host -> device copies per step: one for the decode inputs, one for the prefill inputs, and one
 for the instructions of each side of the forward pass when there are any; never one per
 sequence, block or layer.
+
+Images (``add_images``, ``docs/vision.md`` "Serving images"): the runner holds each request's
+packed pixels on the host. The first prefill chunk that reaches one of a request's image
+positions (``Sequence.image_spans``) runs the tower and projector, once, over the images of every
+such request of the step (one packed call); the features stay on the device until the prefill is
+past the request's last image, and each chunk splices the rows for its own positions into the
+token embeddings, so a chunk may end inside an image. A one-token chunk at an image position
+runs in the prefill group (decode passes and their CUDA graphs never see images). A prefix-cache
+hit that covers the images skips the tower; a preempted request encodes them again.
 """
 
 from __future__ import annotations
@@ -52,6 +61,7 @@ from openk3.serve.config import EngineConfig
 from openk3.serve.paged_views import DecodeBatch, KDAPool, PagedKDAView, PagedMLAView, PrefillBatch
 from openk3.serve.scheduler import SchedulerOutput
 from openk3.serve.sequence import Sequence
+from openk3.vision.preprocess import PackedImages
 
 
 MAX_TOP_LOGPROBS = 20  # the most alternatives a request may ask for (OpenAI's limit)
@@ -96,6 +106,20 @@ class StepResult:
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
     features: torch.Tensor | None = None
     feature_spans: list[tuple[Sequence, int, int]] = field(default_factory=list)
+
+
+@dataclass
+class _RequestImages:
+    """A request's images: ``pixels`` on the host and, once encoded, ``features`` [N, d] on the
+    device (rows image after image, N = the request's image tokens)."""
+
+    pixels: PackedImages
+    features: torch.Tensor | None = None
+
+
+def _in_prefill_group(seq: Sequence, n: int) -> bool:
+    """Several tokens, or one at an image position (its embedding is an image feature)."""
+    return n > 1 or bool(seq.image_keys(seq.num_computed_tokens - 1, seq.num_computed_tokens))
 
 
 class _Views:
@@ -151,6 +175,8 @@ class ModelRunner:
         # the AttnRes bank entries (lo, mid) whose values ``execute`` returns with h, set by the
         # engine when an EAGLE-3 draft reads them (``StepResult.features``); None: nothing extra
         self.feature_blocks: tuple[int, int] | None = None
+        self.images: dict[str, _RequestImages] = {}  # by request id, from add_images
+        self.num_images_encoded = 0  # images run through the tower (a prefix hit skips them)
 
     def cache_bytes(self) -> dict[str, int]:
         sizes = {"mla": sum(t.numel() * t.element_size() for t in self.mla_cache.values()),
@@ -163,6 +189,55 @@ class ModelRunner:
         """One host -> device copy for several lists of ints: int64 device tensors, one per list."""
         host = torch.tensor(list(itertools.chain.from_iterable(parts)), dtype=torch.long, pin_memory=self._pin)
         return list(host.to(self.device, non_blocking=True).split([len(p) for p in parts]))
+
+    # Images.
+
+    def add_images(self, request_id: str, images: PackedImages) -> None:
+        """Hold the images of ``request_id`` (whose sequence's ``image_spans`` say where each
+        goes) until ``drop_images``."""
+        self.images[request_id] = _RequestImages(images)
+
+    def drop_images(self, request_id: str) -> None:
+        """The request finished or was aborted (unknown ids are ignored)."""
+        self.images.pop(request_id, None)
+
+    def _encode_images(self, request_ids: list[str]) -> None:
+        """Tower + projector over the images of ``request_ids``, in one packed call."""
+        entries = [self.images[r] for r in request_ids]
+        packed = PackedImages(torch.cat([e.pixels.pixel_values for e in entries]).to(self.device),
+                              tuple(g for e in entries for g in e.pixels.grid_hws))
+        features = self.model.encode_images(packed)  # [sum of image tokens, d]
+        vcfg = self.cfg.vision_config
+        for e, f in zip(entries, features.split([sum(e.pixels.tokens_per_image(vcfg)) for e in entries])):
+            e.features = f
+        self.num_images_encoded += len(packed.grid_hws)
+
+    def _image_rows(self, chunks: list[tuple[Sequence, int]]) -> tuple[list[int], torch.Tensor | None]:
+        """The rows of a packed prefill pass over ``chunks`` that hold image positions, and their
+        features [len(rows), d] (None without any), encoding the images not at hand yet."""
+        rows, pieces, T = [], [], 0
+        for seq, n in chunks:
+            start, first = seq.num_computed_tokens - n, 0  # first: the span's row in the features
+            for span in seq.image_spans:
+                lo, hi = max(start, span.offset), min(start + n, span.offset + span.length)
+                if lo < hi:
+                    rows += range(T + lo - start, T + hi - start)
+                    pieces.append((seq.request_id, first + lo - span.offset, hi - lo))
+                first += span.length
+            T += n
+        if not pieces:
+            return [], None
+        missing = [r for r in dict.fromkeys(r for r, _, _ in pieces) if self.images[r].features is None]
+        if missing:
+            self._encode_images(missing)
+        return rows, torch.cat([self.images[r].features[a:a + m] for r, a, m in pieces])
+
+    def _release_image_features(self, chunks: list[tuple[Sequence, int]]) -> None:
+        """Free the features of requests whose prefill is past their last image."""
+        for seq, _ in chunks:
+            last = seq.image_spans[-1] if seq.image_spans else None
+            if last is not None and seq.num_computed_tokens >= last.offset + last.length:
+                self.images[seq.request_id].features = None
 
     # Cache instructions from the scheduler.
 
@@ -223,8 +298,9 @@ class ModelRunner:
         if out.num_draft_tokens:
             self.snapshot_kda([s.state_slot for s, _ in out.scheduled if s.request_id in out.num_draft_tokens])
         # sampled decode rows first: their logits are then a prefix of the decode pass's
-        decode = sorted((s for s, n in out.scheduled if n == 1), key=lambda s: s.num_computed_tokens < s.num_tokens)
-        prefill = [(s, n) for s, n in out.scheduled if n > 1]
+        decode = sorted((s for s, n in out.scheduled if not _in_prefill_group(s, n)),
+                        key=lambda s: s.num_computed_tokens < s.num_tokens)
+        prefill = [(s, n) for s, n in out.scheduled if _in_prefill_group(s, n)]
         result = StepResult(torch.empty(0, self.cfg.vocab_size, device=self.device))
         logits, features = [], []
         if decode:
@@ -289,7 +365,10 @@ class ModelRunner:
                 last_rows.append(T + n - 1)
                 sampled.append(seq)
             T += n
-        hidden, rows, cu_q, bank = self._forward_segments(segments, last_rows + verify_rows)
+        image_rows, image_features = self._image_rows(chunks)
+        hidden, rows, cu_q, bank = self._forward_segments(segments, last_rows + verify_rows,
+                                                          image_rows, image_features)
+        self._release_image_features(chunks)
         feats = self._features(hidden, bank)
         for (seq, n), a, b in zip(chunks, cu_q[:-1], cu_q[1:]):
             if seq.wants_prompt_logprobs:  # in pieces: [rows, vocab] fp32 logits are large
@@ -315,11 +394,13 @@ class ModelRunner:
         return torch.cat([bank[lo].reshape(-1, d), bank[mid].reshape(-1, d), hidden.reshape(-1, d)], dim=-1)
 
     def _forward_segments(self, segments: list[tuple[int, int, list[int]]], rows: list[int],
+                          image_rows: list[int] = (), image_features: torch.Tensor | None = None,
                           ) -> tuple[torch.Tensor, torch.Tensor, list[int], list[torch.Tensor]]:
         """One packed forward over segments (state slot, position of the first token, token
-        ids), each continuing its slot's cache. Returns the hidden states [sum T_i, D], ``rows``
-        (indices into them) uploaded with the inputs, the segments' offsets ``cu_q`` and the
-        AttnRes bank of the pass (``_forward``)."""
+        ids), each continuing its slot's cache; ``image_features`` [len(image_rows), d] replace
+        the token embeddings at ``image_rows`` (indices into the packed tokens). Returns the
+        hidden states [sum T_i, D], ``rows`` (indices into them) uploaded with the inputs, the
+        segments' offsets ``cu_q`` and the AttnRes bank of the pass (``_forward``)."""
         ids, cu_q, cu_k, starts, slots = [], [0], [0], [], []
         for slot, start, token_ids in segments:
             ids += token_ids
@@ -327,9 +408,14 @@ class ModelRunner:
             cu_k.append(cu_k[-1] + start + len(token_ids))  # the segment attends over its whole prefix
             starts.append(start)
             slots.append(slot)
-        ids, cu_q_dev, cu_k_dev, starts, slots, rows = self._upload(ids, cu_q, cu_k, starts, slots, rows)
+        ids, cu_q_dev, cu_k_dev, starts, slots, rows, image_rows = self._upload(
+            ids, cu_q, cu_k, starts, slots, rows, list(image_rows))
         batch = self._prefill_batch(cu_q_dev, cu_k_dev, starts, slots, torch.tensor(cu_q), torch.tensor(cu_k))
-        hidden, bank = self._forward(ids[None], batch, slots, batch.cu_seqlens_q, batch.cu_seqlens_q_cpu)
+        embeds = None
+        if image_features is not None:
+            embeds = self.model.model.embed_tokens(ids[None])  # [1, T, d]
+            embeds[0, image_rows] = image_features.to(embeds.dtype)
+        hidden, bank = self._forward(ids[None], batch, slots, batch.cu_seqlens_q, batch.cu_seqlens_q_cpu, embeds)
         return hidden[0], rows, cu_q, bank
 
     def _prefill_batch(self, cu_q: torch.Tensor, cu_k: torch.Tensor, starts: torch.Tensor,
@@ -398,14 +484,15 @@ class ModelRunner:
 
     def _forward(self, ids, batch: DecodeBatch | PrefillBatch, state_slots: torch.Tensor,
                  cu_seqlens: torch.Tensor | None, cu_seqlens_cpu: torch.Tensor | None,
-                 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+                 inputs_embeds: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The final hidden states [B, T, d] and the AttnRes bank (``hidden_and_blocks``: it exists
         during the pass anyway). cu_seqlens: the chunks' offsets (on the device and the host) for
-        a packed prefill."""
+        a packed prefill; ``inputs_embeds`` [B, T, d]: the embeddings, images spliced in (None:
+        the model embeds ``ids``)."""
         layers = [PagedMLAView(self.mla_cache[i], batch) if i in self.mla_cache else
                   PagedKDAView(self.kda_state, self.kda_index[i], state_slots, cu_seqlens, cu_seqlens_cpu)
                   for i in range(self.cfg.num_hidden_layers)]
-        return self.model.model.hidden_and_blocks(ids, _Views(layers))
+        return self.model.model.hidden_and_blocks(ids, _Views(layers), inputs_embeds)
 
 
 class _DecodeGraph:

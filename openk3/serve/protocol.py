@@ -7,12 +7,16 @@ number belongs is a 400 naming the field, not a silent conversion).
 
 from __future__ import annotations
 
+import base64
+import binascii
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
+from PIL import Image
 from pydantic import BaseModel, ConfigDict, Field
 
 from openk3.serve.engine import Logprob, RequestOutput
+from openk3.serve.multimodal import open_image
 from openk3.serve.sampler import SamplingParams
 
 MAX_N = 128  # choices per prompt, as OpenAI allows
@@ -81,10 +85,17 @@ class CompletionRequest(SamplingRequest):
     echo: bool = False  # the prompt comes back before the completion (and its log-probs)
 
 
+class ImageURL(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    url: str  # a data URL only: data:image/png;base64,...
+    detail: str | None = None  # accepted, ignored (the tower takes the image at its own resolution)
+
+
 class ContentPart(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
     type: str
     text: str | None = None
+    image_url: ImageURL | None = None
 
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -117,9 +128,12 @@ def prompt_list(prompt: str | list) -> list[str | list[int]]:
     return [prompt]
 
 
-def message_text(m: ChatMessage, index: int) -> str:
+def message_text(m: ChatMessage, index: int,
+                 image: Callable[[ContentPart, str], str] | None = None) -> str:
     """The text of ``messages[index]``; an unknown role, or no content where one is required
-    (every role but an assistant's), is a 400 naming the message."""
+    (every role but an assistant's), is a 400 naming the message. ``image(part, where)`` gives the
+    text standing for an ``image_url`` part (``where``: ``messages[i].content[j]``); without it
+    (a text-only model) an image part is a 400 naming the part."""
     if m.role not in CHAT_ROLES:
         raise APIError(400, f"messages[{index}].role {m.role!r} is not one of {list(CHAT_ROLES)}",
                        "messages")
@@ -129,9 +143,54 @@ def message_text(m: ChatMessage, index: int) -> str:
         return ""
     if isinstance(m.content, str):
         return m.content
-    if any(p.type != "text" or p.text is None for p in m.content):
-        raise APIError(400, f"messages[{index}]: only text content parts are supported", "messages")
-    return "".join(p.text for p in m.content)
+    texts = []
+    for j, p in enumerate(m.content):
+        where = f"messages[{index}].content[{j}]"
+        if p.type == "text" and p.text is not None:
+            texts.append(p.text)
+        elif p.type == "image_url" and image is None:
+            raise APIError(400, f"{where}: this model is text-only (no vision tower): image_url "
+                                "parts are not supported", "messages")
+        elif p.type == "image_url":
+            texts.append(image(p, where))
+        else:
+            raise APIError(400, f"{where}: a content part must be {{'type': 'text', 'text': ...}} or "
+                                f"{{'type': 'image_url', 'image_url': {{'url': ...}}}}, got type {p.type!r}",
+                           "messages")
+    return "".join(texts)
+
+
+def image_from_part(part: ContentPart, where: str, max_bytes: int) -> Image.Image:
+    """The decoded image of an ``image_url`` content part, which must hold a base64 data URL
+    (``data:image/png;base64,...``): nothing is downloaded. A missing URL, another scheme, bad
+    base64, more than ``max_bytes`` decoded bytes or data that is no image is a 400 naming
+    ``{where}.image_url``."""
+    where += ".image_url"
+    if part.image_url is None:
+        raise APIError(400, f"{where} is required: {{'url': 'data:image/png;base64,...'}}", "messages")
+    url = part.image_url.url
+    scheme = url.split(":", 1)[0].lower() if ":" in url else ""
+    if scheme in ("http", "https"):
+        raise APIError(400, f"{where}: http(s) URLs are not fetched (no downloads); send the image "
+                            "inline as a data URL: data:image/png;base64,...", "messages")
+    if scheme != "data":
+        raise APIError(400, f"{where}: unsupported URL {url[:32]!r}; only data URLs are accepted "
+                            "(data:image/png;base64,...)", "messages")
+    header, comma, payload = url[5:].partition(",")
+    media_type, _, encoding = header.partition(";")
+    if not comma or encoding.lower() != "base64" or not media_type.lower().startswith("image/"):
+        raise APIError(400, f"{where}: a data URL must be data:image/<type>;base64,<data>, got "
+                            f"{url[:40]!r}", "messages")
+    if len(payload) > (max_bytes + 2) // 3 * 4 + 4:  # refuse before decoding
+        raise APIError(400, f"{where}: the image is over the limit of {max_bytes} bytes", "messages")
+    try:
+        data = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise APIError(400, f"{where}: the data is not valid base64 ({e})", "messages") from e
+    try:
+        return open_image(data, where, max_bytes)
+    except ValueError as e:
+        raise APIError(400, str(e), "messages") from e
 
 
 # Responses and stream chunks. A request has one or more choices (prompts x n); ``outputs`` are

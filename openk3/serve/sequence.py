@@ -4,12 +4,24 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 
 class SequenceStatus(enum.Enum):
     WAITING = enum.auto()
     RUNNING = enum.auto()
     FINISHED = enum.auto()
+
+
+@dataclass(frozen=True)
+class ImageSpan:
+    """Where one image's features go: positions ``[offset, offset + length)`` of the prompt (its
+    placeholder tokens), and a digest of the image's content (``PackedImages.content_hashes``),
+    which keys the prefix cache of those positions."""
+
+    offset: int
+    length: int
+    content_hash: bytes
 
 
 class Sequence:
@@ -26,6 +38,7 @@ class Sequence:
         prompt_token_ids: list[int],
         max_tokens: int,
         eos_token_ids: Iterable[int] = (),
+        image_spans: tuple[ImageSpan, ...] = (),
     ):
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r}: the prompt is empty")
@@ -38,6 +51,8 @@ class Sequence:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.max_tokens = max_tokens
         self.eos_token_ids = frozenset(eos_token_ids)
+        # the prompt's images, in order (the model runner holds their pixels and features)
+        self.image_spans = tuple(image_spans)
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None  # "stop", "length" or "abort"
         self.num_computed_tokens = 0
@@ -95,6 +110,12 @@ class Sequence:
         if end <= self.num_tokens:
             return self.token_ids[start:end]
         return (self.token_ids + self.draft_token_ids)[start:end]
+
+    def image_keys(self, start: int, end: int) -> tuple[tuple[bytes, int], ...]:
+        """(content digest, offset) of the images with positions in [start, end): with the token
+        ids, the prefix-cache key of those positions (equal ids, other image: another key)."""
+        return tuple((s.content_hash, s.offset) for s in self.image_spans
+                     if s.offset < end and start < s.offset + s.length)
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)

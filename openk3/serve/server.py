@@ -10,6 +10,10 @@ HTTP 400 naming the request parameter at fault. A completion request may hold se
 ask for ``n`` choices of each; every choice is its own engine request. ``echo`` with ``logprobs``
 (and ``max_tokens`` 0) scores the prompt's own tokens, which lm-evaluation-harness relies on.
 A client that goes away, streaming or not, aborts its request: the engine frees its cache.
+Chat messages may hold ``image_url`` content parts (a model with a vision tower; base64 data
+URLs only, never downloaded): each image's block of tokens goes where its part is
+(``chat.encode_with_images``), and a malformed part is a 400 naming it
+(``messages[0].content[1].image_url``).
 
 The wire format (request models, response and chunk JSON) is ``protocol.py``; this file is the
 app: endpoints, auth, disconnects, error handling. ``build_app`` wraps an engine for tests and
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import secrets
@@ -35,9 +40,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from openk3.serve.chat import ChatTemplate, ChatTemplateError
+from openk3.serve.chat import ChatTemplate, ChatTemplateError, encode_with_images
 from openk3.serve.engine import AsyncEngine, RequestOutput
 from openk3.serve.metrics import ServerMetrics
+from openk3.serve.multimodal import MultiModalInput, special_token_id
 from openk3.serve.protocol import (
     UNSUPPORTED,
     APIError,
@@ -49,11 +55,13 @@ from openk3.serve.protocol import (
     completion_choice,
     completion_chunks,
     error_body,
+    image_from_part,
     message_text,
     prompt_list,
     usage,
 )
 from openk3.serve.sampler import InvalidRequest, SamplingParams
+from openk3.vision.preprocess import image_prompt_ids
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -214,12 +222,12 @@ class OpenAIServer:
             if value is not None and value != off:
                 raise APIError(400, f"{name}={value!r} is not supported (only {off!r})", name)
 
-    async def _generate(self, ids: list[int], params: SamplingParams,
-                        request_id: str) -> AsyncIterator[RequestOutput]:
+    async def _generate(self, ids: list[int], params: SamplingParams, request_id: str,
+                        images: MultiModalInput | None = None) -> AsyncIterator[RequestOutput]:
         """The engine's outputs for one request, timed for /metrics. Closing it aborts the request."""
         start, last, reason = time.monotonic(), None, "abort"  # unless the engine finishes it
         try:
-            async with contextlib.aclosing(self.engine.generate(ids, params, request_id)) as outputs:
+            async with contextlib.aclosing(self.engine.generate(ids, params, request_id, images)) as outputs:
                 async for out in outputs:
                     now = time.monotonic()
                     if out.delta_token_ids:
@@ -259,11 +267,12 @@ class OpenAIServer:
 
     async def _reply(self, req: SamplingRequest, request: Request,
                      choices: list[tuple[list[int], SamplingParams, str | None]], head: dict,
-                     chunks, choice) -> Response:
+                     chunks, choice, images: MultiModalInput | None = None) -> Response:
         """Run every choice (prompt ids, engine parameters, echoed prompt text) as its own engine
-        request. Stream ``chunks(...)`` as server-sent events, or wait for every choice and answer
-        ``choice(...)`` for each with the usage; 499 if the client left first."""
-        outputs = _merged([self._generate(ids, params, f"{head['id']}-{i}")
+        request (each with the prompt's ``images``). Stream ``chunks(...)`` as server-sent events,
+        or wait for every choice and answer ``choice(...)`` for each with the usage; 499 if the
+        client left first."""
+        outputs = _merged([self._generate(ids, params, f"{head['id']}-{i}", images)
                            for i, (ids, params, _) in enumerate(choices)])
         echoes = [echo for _, _, echo in choices]
         if req.stream:
@@ -283,9 +292,22 @@ class OpenAIServer:
             raise APIError(400, "messages is empty", "messages")
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
-        messages = [{**m.model_dump(exclude_none=True), "content": message_text(m, i)}
+        slot = f"<openk3-image-{uuid.uuid4().hex}>"  # stands for an image in the rendered text
+        parts: list[tuple] = []
+
+        def image_slot(part, where: str) -> str:
+            parts.append((part, where))
+            return slot
+
+        take_image = image_slot if self.engine.engine.model.cfg.vision_config is not None else None
+        messages = [{**m.model_dump(exclude_none=True), "content": message_text(m, i, take_image)}
                     for i, m in enumerate(req.messages)]
-        ids = self.tokenizer.encode(self.chat_template.render(messages))
+        text = self.chat_template.render(messages)
+        images = None
+        if parts:  # decoding and packing images is CPU work: off the event loop
+            ids, images = await asyncio.to_thread(self._image_prompt, text, slot, parts)
+        else:
+            ids = self.tokenizer.encode(text)
         limit = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if max_tokens is None:
@@ -294,13 +316,28 @@ class OpenAIServer:
             raise APIError(400, f"{limit}: {max_tokens} must be >= 1", limit)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         try:
-            self.engine.validate(ids, req.sampling_params(max_tokens, logprobs))
+            self.engine.validate(ids, req.sampling_params(max_tokens, logprobs), images)
         except InvalidRequest as e:  # name the chat request's fields, not the engine's
             param = {"prompt": "messages", "max_tokens": limit, "logprobs": "top_logprobs"}.get(e.param, e.param)
             raise APIError(400, f"{param}: {e.message}", param) from e
         head = self._head("chatcmpl", "chat.completion.chunk" if req.stream else "chat.completion")
         choices = [(ids, req.sampling_params(max_tokens, logprobs, j), None) for j in range(req.n)]
-        return await self._reply(req, request, choices, head, chat_chunks, chat_choice)
+        return await self._reply(req, request, choices, head, chat_chunks, chat_choice, images)
+
+    def _image_prompt(self, text: str, slot: str, parts: list[tuple]) -> tuple[list[int], MultiModalInput]:
+        """The prompt ids of rendered chat ``text`` whose ``slot``s stand for the image ``parts``
+        ((content part, where) in order) and the packed images: each slot becomes the image's
+        block (``image_prompt_ids``, the release's format), its placeholders expanded."""
+        engine = self.engine.engine
+        pad = engine.model.cfg.vision_config.media_placeholder_token_id
+        pics = [image_from_part(part, where, engine.config.max_image_bytes) for part, where in parts]
+        encode = self.tokenizer.encode
+        blocks = [image_prompt_ids(functools.partial(special_token_id, self.tokenizer), encode,
+                                   [p.size], [1], pad) for p in pics]
+        try:
+            return engine.prepare_images(encode_with_images(text, slot, blocks, encode), pics)
+        except InvalidRequest as e:  # the prompt is the messages'
+            raise APIError(400, f"messages: {e.message}", "messages") from e
 
     # The rest.
 
