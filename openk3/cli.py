@@ -207,7 +207,7 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
 
 
 def cmd_rl(args: argparse.Namespace, defaults: dict | None = None) -> int:
-    """``openk3 rl`` and, with ``DISTILL_DEFAULTS``, ``openk3 distill`` (docs/posttraining_rl.md)."""
+    """``openk3 rl`` and, with ``DISTILL_DEFAULTS``, ``openk3 distill`` (docs/posttraining.md)."""
     from openk3.posttrain.config import PostTrainConfig, resolve_posttrain_config
     from openk3.posttrain.plot import plot_posttrain
     from openk3.posttrain.rl import run
@@ -315,7 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
     from openk3.posttrain.config import DISTILL_DEFAULTS, PostTrainConfig
 
     r = sub.add_parser("rl", help="RL on verifiable tasks with rollouts from the serving engine "
-                                  "(docs/posttraining_rl.md)")
+                                  "(docs/posttraining.md)")
     _add_config_flags(r, PostTrainConfig)
     r.set_defaults(fn=cmd_rl)
     d = sub.add_parser("distill", help="multi-teacher on-policy distillation (MOPD): --teacher "

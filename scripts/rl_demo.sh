@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The CPU RL demo (docs/posttraining_rl.md): pre-train the debug model briefly on arithmetic text
+# The CPU RL demo (docs/posttraining.md): pre-train the debug model briefly on arithmetic text
 # written by the task itself ("3+5=8" lines), then RL it on the arithmetic task with rollouts
 # from the serving engine; prints reward and accuracy per step, writes RUN/plots. A few minutes.
 #   OUT_DIR=runs/rl-demo PRETRAIN_STEPS=150 RL_STEPS=40 bash scripts/rl_demo.sh [extra openk3 rl flags]

@@ -1,5 +1,5 @@
 """``PostTrainConfig``: every setting of ``openk3 rl`` and ``openk3 distill`` and its default, in
-one place (each flag is a field of the same name). Design and the formulas: docs/posttraining_rl.md."""
+one place (each flag is a field of the same name). Design and the formulas: docs/posttraining.md."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def effort_prefix(effort: str) -> str:
 @dataclass
 class PostTrainConfig(_DictIO):
     """One RL / distillation run. The task reward, the length penalty and MOPD's per-token
-    reward combine as docs/posttraining_rl.md ("Objective") writes them.
+    reward combine as docs/posttraining.md ("Objective") writes them.
 
     Policy and data:
         checkpoint: the initial policy, a training run or an HF checkpoint directory (required).

@@ -7,7 +7,7 @@ The teacher is the one registered for the sample's (domain, effort) (``*`` serve
 It reads the prompt *without* the effort control text: a teacher is a specialist trained for
 its domain and effort, and the control text is the student's way of being told which one to
 imitate. ``log pi_S`` is the log-probability recorded at sampling, from the same forward as the
-rollout (docs/posttraining_rl.md, "MOPD"). Teachers and student share one tokenizer.
+rollout (docs/posttraining.md, "MOPD"). Teachers and student share one tokenizer.
 """
 
 from __future__ import annotations

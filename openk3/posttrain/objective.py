@@ -1,4 +1,4 @@
-"""Rewards, advantages and the policy losses of ``openk3 rl`` (docs/posttraining_rl.md, "Objective").
+"""Rewards, advantages and the policy losses of ``openk3 rl`` (docs/posttraining.md, "Objective").
 
 Shapes: B trajectories (a step's groups, G consecutive rows per group), L the longest
 completion; per-token tensors are ``[B, L]`` with ``mask`` true on real completion tokens.

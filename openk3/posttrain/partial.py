@@ -11,7 +11,7 @@ finished; a round hands out its completed groups in the order they were admitted
 
 Every token records the policy version that sampled it (``versions``) beside its log-probability
 under that policy (``logprobs``): a trajectory resumed after a weight update is a mixture of
-policies, and the trainer corrects each token by its own importance ratio (docs/posttraining_rl.md,
+policies, and the trainer corrects each token by its own importance ratio (docs/posttraining.md,
 "Partial rollouts").
 """
 

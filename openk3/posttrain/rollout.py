@@ -12,7 +12,7 @@ i.e. the behaviour policy's log-probability, as the importance ratio needs it. S
 another temperature or with a truncation would make the behaviour policy a different
 distribution from the one the trainer differentiates, and these log-probabilities would then
 have to be the tempered / truncated ones (``openk3.serve.sampler.sample`` returns those); RL
-here does not do it (docs/posttraining_rl.md, "Rollouts").
+here does not do it (docs/posttraining.md, "Rollouts").
 """
 
 from __future__ import annotations

@@ -232,7 +232,10 @@ def test_qat_grouped_mm_matches_fp32_reference_loop_on_gpu(monkeypatch):
     """CUDA, fp32 master weights, bf16 rows (as under autocast): the grouped-matmul QAT path
     against the fp32 loop reference on the same rows. The quantised weights are identical (MXFP4
     values are exact in bf16); the GLU output is bf16 on one side and fp32 on the other, so a few
-    of its MXFP8 roundings differ: 1e-2 relative, as the unquantised grouped path's test."""
+    of its MXFP8 roundings differ (one E4M3 step is up to 12.5% of an element). Measured on the
+    H200 on 2026-11-30: 1.76e-2 relative for the output (a first bound of 1e-2, copied from the
+    unquantised grouped path's test, failed); bound 2.5e-2, below the 3e-2 that separates QAT
+    from no QAT."""
     cfg = preset("debug").replace(num_experts=16, moe_intermediate_size=128)
     E, F, D, P = 16, 128, 256, 2000
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -255,9 +258,9 @@ def test_qat_grouped_mm_matches_fp32_reference_loop_on_gpu(monkeypatch):
     fast, fast_grads = run(False)
     ref, ref_grads = run(True)
     assert fast.dtype == torch.bfloat16 and ref.dtype == torch.float32
-    assert _rel(fast, ref) < 1e-2
+    assert _rel(fast, ref) < 2.5e-2
     for got, want in zip(fast_grads, ref_grads):
-        assert _rel(got, want) < 1e-2
+        assert _rel(got, want) < 2.5e-2
     plain = run_experts(cfg, *ws, xs.float(), counts)
     assert _rel(plain, ref) > 3e-2  # and the comparison can tell QAT from no QAT
 
