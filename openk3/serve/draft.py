@@ -61,6 +61,33 @@ class DraftProposer:
         """The step's target output, after postprocess; nothing by default."""
 
 
+def sample_drafts(logits: torch.Tensor, ks: list[int], params: list[SamplingParams],
+                  generators: list[torch.Generator | None], advance) -> tuple[torch.Tensor, torch.Tensor]:
+    """The drafting loop of both drafters: draw d_1 of every chain from ``logits`` [B, V], then
+    ``advance(i, active, more, drawn)`` returns the logits [len(active), V] of d_{i+2} for the
+    chains ``active`` still drafting (``more``: their rows in the previous ``active``, ``drawn``
+    the previous draws). Chain b makes ``ks[b]`` draws.
+
+    Returns (tokens [B, K] int64, probabilities [B, K, V] fp32: the distributions, after
+    ``sampling_probs``, the tokens were drawn from), K = max(ks); row b beyond ``ks[b]`` is -1 / 0."""
+    B, K, V = len(ks), max(ks), logits.shape[-1]
+    tokens = torch.full((B, K), -1, dtype=torch.long, device=logits.device)
+    probs = torch.zeros(B, K, V, device=logits.device)
+    active = list(range(B))  # rows still drafting; ``logits`` follows them
+    for i in range(K):
+        p, g = [params[b] for b in active], [generators[b] for b in active]
+        drawn, _ = sample(logits, p, g)
+        idx = torch.tensor(active, device=logits.device)
+        tokens[idx, i] = drawn
+        probs[idx, i] = sampling_probs(logits[:, None], p)[:, 0]
+        more = [j for j, b in enumerate(active) if ks[b] > i + 1]
+        if not more:
+            break
+        active = [active[j] for j in more]
+        logits = advance(i, active, more, drawn)
+    return tokens, probs
+
+
 class Drafter(DraftProposer):
     """A draft model with its own caches. ``num_blocks`` / ``max_model_len``: the target
     runner's, so that both runners share the scheduler's block layout."""
@@ -100,27 +127,15 @@ class Drafter(DraftProposer):
             return None
         runner.snapshot_kda([s.state_slot for s in seqs])
         ks = [out.num_draft_tokens[s.request_id] for s in seqs]
-        B, K, V = len(seqs), max(ks), runner.cfg.vocab_size
-        tokens = torch.full((B, K), -1, dtype=torch.long, device=runner.device)
-        probs = torch.zeros(B, K, V, device=runner.device)
-        active = list(range(B))  # rows still drafting; ``logits`` [len(active), V] follows them
-        logits = runner.model.lm_head(hidden[rows]).float()
-        for i in range(K):
-            p, g = [params[b] for b in active], [generators[b] for b in active]
-            drawn, _ = sample(logits, p, g)
-            idx = torch.tensor(active, device=runner.device)
-            tokens[idx, i] = drawn
-            probs[idx, i] = sampling_probs(logits[:, None], p)[:, 0]
-            more = [j for j, b in enumerate(active) if ks[b] > i + 1]
-            if not more:
-                break
-            active = [active[j] for j in more]
+
+        def advance(i: int, active: list[int], more: list[int], drawn: torch.Tensor) -> torch.Tensor:
             # d_{i+1} sits at position num_tokens + i: the context then holds num_tokens + i + 1
             ctx = [seqs[b].num_tokens + i + 1 for b in active]
             inputs = torch.stack([drawn[more], torch.tensor(ctx, device=runner.device),
                                   torch.tensor([seqs[b].state_slot for b in active], device=runner.device)])
-            logits = runner._decode_forward(inputs, _cdiv(max(ctx), runner.block_size))
-        return tokens, probs
+            return runner._decode_forward(inputs, _cdiv(max(ctx), runner.block_size))
+
+        return sample_drafts(runner.model.lm_head(hidden[rows]).float(), ks, params, generators, advance)
 
     @torch.inference_mode()
     def rollback(self, kept: list[tuple[Sequence, list[int]]]) -> None:

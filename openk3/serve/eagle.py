@@ -38,13 +38,12 @@ from openk3.model.draft import Eagle3Draft, target_fingerprint
 from openk3.model.fuse import fuse_projections
 from openk3.model.model import _keep_fp32
 from openk3.serve.config import EngineConfig
-from openk3.serve.draft import DraftProposer
+from openk3.serve.draft import DraftProposer, sample_drafts
 from openk3.serve.model_runner import ModelRunner, StepResult
 from openk3.serve.paged_views import PagedMLAView, PrefillBatch
-from openk3.serve.sampler import SamplingParams, sample
+from openk3.serve.sampler import SamplingParams
 from openk3.serve.scheduler import SchedulerOutput
 from openk3.serve.sequence import SequenceStatus
-from openk3.serve.speculative import sampling_probs
 
 
 class EagleDrafter(DraftProposer):
@@ -153,31 +152,20 @@ class EagleDrafter(DraftProposer):
                                    f"{self.length[s.state_slot]}, the sequence has {s.num_tokens} tokens")
         runner = self.runner
         ks = [out.num_draft_tokens[s.request_id] for s in seqs]
-        B, K, V = len(seqs), max(ks), runner.cfg.vocab_size
-        tokens = torch.full((B, K), -1, dtype=torch.long, device=runner.device)
-        probs = torch.zeros(B, K, V, device=runner.device)
         (slots_d,) = runner._upload([s.state_slot for s in seqs])
         state = self.last.index_select(0, slots_d)  # g at position num_tokens - 2: drafts x_{num_tokens}
-        logits = self.lm_head(state).float()
-        active = list(range(B))  # rows still drafting; ``state`` / ``logits`` follow them
-        for i in range(K):
-            p, g = [params[b] for b in active], [generators[b] for b in active]
-            drawn, _ = sample(logits, p, g)
-            idx = torch.tensor(active, device=runner.device)
-            tokens[idx, i] = drawn
-            probs[idx, i] = sampling_probs(logits[:, None], p)[:, 0]
-            more = [j for j, b in enumerate(active) if ks[b] > i + 1]
-            if not more:
-                break
-            active = [active[j] for j in more]
+
+        def advance(i: int, active: list[int], more: list[int], drawn: torch.Tensor) -> torch.Tensor:
+            nonlocal state  # follows the rows still drafting
             sel = torch.tensor(more, device=runner.device)
             # step i + 1 of each chain: keys = its real positions, then its speculative rows 0..i
             # (row i new), as the training-time test's attention
             batch = self._batch([(seqs[b].state_slot, self.base[seqs[b].state_slot], seqs[b].num_tokens - 1,
                                   i + 1, 1) for b in active])
             state = self._forward(state[sel], drawn[sel], batch)
-            logits = self.lm_head(state).float()
-        return tokens, probs
+            return self.lm_head(state).float()
+
+        return sample_drafts(self.lm_head(state).float(), ks, params, generators, advance)
 
 
 @torch.no_grad()

@@ -7,8 +7,6 @@ plain, unpaged decoding loop) token for token, alone or in a batch of concurrent
 from __future__ import annotations
 
 import json
-import socket
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
@@ -30,6 +28,7 @@ from openk3.serve.config import EngineConfig  # noqa: E402
 from openk3.serve.engine import AsyncEngine, LLMEngine  # noqa: E402
 from openk3.serve.server import build_app  # noqa: E402
 from openk3.tokenizer import ByteTokenizer  # noqa: E402
+from tests.helpers import uvicorn_thread  # noqa: E402
 
 MODEL, KEY = "openk3-debug", "sk-test"
 MAX_MODEL_LEN = 512
@@ -54,21 +53,10 @@ def srv():
         kda_checkpoint_interval=64, max_model_len=MAX_MODEL_LEN, cuda_graphs=False),
         eos_token_ids=(), model_name=MODEL)  # no EOS: outputs run to max_tokens or a stop string
     async_engine = AsyncEngine(engine)
-    server = uvicorn.Server(uvicorn.Config(build_app(async_engine, MODEL, api_key=KEY), log_level="warning"))
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.02)
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=30) as http:
+    with (uvicorn_thread(build_app(async_engine, MODEL, api_key=KEY)) as url,
+          httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=30) as http):
         yield SimpleNamespace(url=url, http=http, model=model, engine=async_engine, client=openai.OpenAI(
             base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=30))
-    server.should_exit = True
-    thread.join(timeout=10)
     async_engine.shutdown()
 
 
@@ -494,35 +482,27 @@ def test_shutdown_ends_streams_with_an_error_event_and_waiting_requests_with_503
         max_model_len=MAX_MODEL_LEN, cuda_graphs=False), eos_token_ids=())
     async_engine = AsyncEngine(engine)
     app = build_app(async_engine, MODEL)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.02)
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1/completions"
     body = {"prompt": "Go on and on", "max_tokens": MAX_MODEL_LEN - 20}
     try:
-        with ThreadPoolExecutor(1) as pool, httpx.Client(timeout=30) as http, \
-                http.stream("POST", url, json={**body, "stream": True}) as r:
-            waiting = pool.submit(httpx.post, url, json=body, timeout=30)
-            lines = r.iter_lines()
-            assert json.loads(next(line for line in lines if line.startswith("data: "))[6:])["choices"]
-            while len(async_engine._streams) < 2:  # the non-streaming request is in the engine too
-                time.sleep(0.01)
-            loop = next(iter(async_engine._streams.values()))[0]
-            loop.call_soon_threadsafe(app.state.draining.begin, 0.05)
-            events = [line for line in lines if line.startswith("data: ")]
-            assert events[-1] == "data: [DONE]"
-            assert json.loads(events[-2][6:])["error"]["message"] == SHUTDOWN_MESSAGE
-            assert waiting.result().status_code == 503
-            assert httpx.post(url, json=body, timeout=30).status_code == 503
-        deadline = time.monotonic() + 10
-        while engine.requests or engine.block_manager.num_free_blocks != engine.block_manager.num_blocks:
-            assert time.monotonic() < deadline, "the engine kept what the cut requests held"
-            time.sleep(0.02)
+        with uvicorn_thread(app) as base:
+            url = base + "/v1/completions"
+            with ThreadPoolExecutor(1) as pool, httpx.Client(timeout=30) as http, \
+                    http.stream("POST", url, json={**body, "stream": True}) as r:
+                waiting = pool.submit(httpx.post, url, json=body, timeout=30)
+                lines = r.iter_lines()
+                assert json.loads(next(line for line in lines if line.startswith("data: "))[6:])["choices"]
+                while len(async_engine._streams) < 2:  # the non-streaming request is in the engine too
+                    time.sleep(0.01)
+                loop = next(iter(async_engine._streams.values()))[0]
+                loop.call_soon_threadsafe(app.state.draining.begin, 0.05)
+                events = [line for line in lines if line.startswith("data: ")]
+                assert events[-1] == "data: [DONE]"
+                assert json.loads(events[-2][6:])["error"]["message"] == SHUTDOWN_MESSAGE
+                assert waiting.result().status_code == 503
+                assert httpx.post(url, json=body, timeout=30).status_code == 503
+            deadline = time.monotonic() + 10
+            while engine.requests or engine.block_manager.num_free_blocks != engine.block_manager.num_blocks:
+                assert time.monotonic() < deadline, "the engine kept what the cut requests held"
+                time.sleep(0.02)
     finally:
-        server.should_exit = True
-        thread.join(timeout=10)
         async_engine.shutdown()

@@ -11,9 +11,6 @@ from __future__ import annotations
 import base64
 import dataclasses
 import io
-import socket
-import threading
-import time
 from contextlib import contextmanager
 from types import SimpleNamespace
 
@@ -28,6 +25,7 @@ from openk3.serve.engine import AsyncEngine, LLMEngine
 from openk3.serve.sampler import InvalidRequest, SamplingParams
 from openk3.tokenizer import VisibleTokenizer
 from openk3.vision.preprocess import pack_images
+from tests.helpers import uvicorn_thread
 
 PAD, BEGIN, CONTENT, END = 300, 301, 302, 303
 MEDIA_TOKENS = {"<|media_pad|>": PAD, "<|media_begin|>": BEGIN, "<|media_content|>": CONTENT,
@@ -186,27 +184,14 @@ def serving(engine: LLMEngine):
     serving extras are test dependencies; without them these tests skip)."""
     httpx = pytest.importorskip("httpx")
     openai = pytest.importorskip("openai")
-    uvicorn = pytest.importorskip("uvicorn")
     from openk3.serve.server import build_app
 
     async_engine = AsyncEngine(engine)
-    server = uvicorn.Server(uvicorn.Config(build_app(async_engine, "vl"), log_level="warning"))
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.02)
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     try:
-        with httpx.Client(base_url=url, timeout=30) as http:
+        with uvicorn_thread(build_app(async_engine, "vl")) as url, httpx.Client(base_url=url, timeout=30) as http:
             yield SimpleNamespace(http=http, client=openai.OpenAI(base_url=url + "/v1", api_key="x",
                                                                   max_retries=0, timeout=30))
     finally:
-        server.should_exit = True
-        thread.join(timeout=10)
         async_engine.shutdown()
 
 
