@@ -93,9 +93,9 @@ def load_model(checkpoint: str | Path | None = None, preset: str | None = None, 
     ``VisibleTokenizer``, whose every id decodes to visible text.
 
     A training run trained with ``qat="mxfp4"`` is loaded from its MXFP4 export and runs the
-    run's quantisation-aware forward (``openk3.model.moe.set_qat``), so that it computes what the
-    run computed; an HF directory, or ``experts="packed"`` (whose kernels take unquantised
-    inputs), runs the experts on the same MXFP4 weights with unquantised inputs.
+    run's quantisation-aware forward (``openk3.model.moe.set_qat``: MXFP8 expert inputs), with
+    ``experts="packed"`` too, so that it computes what the run computed; an HF directory runs
+    the experts on the same MXFP4 weights with unquantised inputs.
 
     ``device`` and ``dtype`` default as in ``resolve_device`` / ``default_dtype``; ``seed`` seeds
     random weights. ``experts="packed"`` keeps the routed experts MXFP4-packed for serving

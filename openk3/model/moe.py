@@ -193,15 +193,19 @@ class RoutedExperts(nn.Module):
 def set_qat(model: nn.Module, qat: str) -> None:
     """Run every routed-expert layer of ``model`` (``RoutedExperts``, including the MTP layer's)
     with ``qat``: ``"mxfp4"`` fake-quantises expert weights to MXFP4 and expert inputs to MXFP8
-    in the forward (``run_experts``), ``"none"`` turns it off. Call it before
-    ``openk3.parallel.parallelize``: MoonEP's expert shares copy the setting.
+    in the forward (``run_experts``), ``"none"`` turns it off. Packed experts
+    (``openk3.model.packed_experts.PackedRoutedExperts``, already MXFP4) take the same setting
+    for their inputs. Call it before ``openk3.parallel.parallelize``: MoonEP's expert shares
+    copy the setting.
 
     Raises ValueError for an unknown mode, or when an expert's input width (D, or F for w2) is
     not a multiple of the MX block of 32, naming the config field."""
     if qat not in QAT_MODES:
         raise ValueError(f"qat={qat!r}: choose one of {QAT_MODES}")
+    from openk3.model.packed_experts import PackedRoutedExperts  # it builds on this module
+
     for module in model.modules():
-        if isinstance(module, RoutedExperts):
+        if isinstance(module, (RoutedExperts, PackedRoutedExperts)):
             if qat != "none":
                 check_qat_dims(module.cfg)
             module.qat = qat

@@ -13,6 +13,11 @@ On CUDA they run through the Triton kernels of ``openk3.ops.mx_moe`` (decode GEM
 dequantise in registers; on the CPU (or with ``OPENK3_REFERENCE=1``) each used expert is decoded and
 multiplied as ``RoutedExperts`` does, so a CPU model gives the same outputs either way.
 
+``qat``: ``"none"``, or ``"mxfp4"`` (set by ``openk3.model.moe.set_qat``, as for
+``RoutedExperts``): the expert inputs are then rounded to MXFP8 E4M3 as the QAT forward rounds
+them, so a model trained with ``--qat mxfp4`` gives the same outputs packed as in training (its
+weights are already the packed bytes). ``openk3.runtime.load_model`` sets it from the run.
+
 Buffers, not parameters: nothing to train (a forward that needs gradients is refused), nothing
 for an optimizer, and ``model.to(dtype)`` leaves the bytes alone. ``load_pretrained(...,
 experts="packed")`` builds a model with these modules; ``pack_experts`` converts a built one.
@@ -69,6 +74,7 @@ class PackedRoutedExperts(nn.Module):
                 cfg.num_experts, rows, cols // 2, dtype=torch.uint8, device=device))
             self.register_buffer(f"{name}_scale", torch.empty(
                 cfg.num_experts, rows, cols // MX_BLOCK_SIZE, dtype=torch.uint8, device=device))
+        self.qat = "none"
 
     @classmethod
     def from_experts(cls, experts: RoutedExperts) -> PackedRoutedExperts:
@@ -90,11 +96,13 @@ class PackedRoutedExperts(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"experts={self.cfg.num_experts}, dim={self.dim}, "
-                f"hidden={self.cfg.moe_intermediate_size}, mxfp4")
+                f"hidden={self.cfg.moe_intermediate_size}, mxfp4"
+                + (", mxfp8 inputs" if self.qat == "mxfp4" else ""))
 
     def _act(self) -> dict:
         cfg = self.cfg
-        return {"hidden_act": cfg.hidden_act, "situ_beta1": cfg.situ_beta1, "situ_beta2": cfg.situ_beta2}
+        return {"hidden_act": cfg.hidden_act, "situ_beta1": cfg.situ_beta1, "situ_beta2": cfg.situ_beta2,
+                "mxfp8_inputs": self.qat == "mxfp4"}
 
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor) -> torch.Tensor:
         """x: [N, D]; topk_idx, topk_weight: [N, k]. Returns sum_j w_j E_j(x) in fp32, [N, D].

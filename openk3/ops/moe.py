@@ -44,6 +44,7 @@ Example::
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 
@@ -87,15 +88,19 @@ def _glu_fp32(gate: torch.Tensor, up: torch.Tensor, hidden_act: str, situ_beta1:
 
 def moe_gemv_ref(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
                  topk_idx: torch.Tensor, topk_weight: torch.Tensor, *, hidden_act: str,
-                 situ_beta1: float, situ_beta2: float) -> torch.Tensor:
+                 situ_beta1: float, situ_beta2: float,
+                 quant_inputs: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """``moe_gemv`` in plain PyTorch, all math in fp32. It gathers every pair's expert weights
-    ([N k, F, D] each): reference-sized inputs only. Arguments as ``moe_gemv``'s."""
+    ([N k, F, D] each): reference-sized inputs only. Arguments as ``moe_gemv``'s;
+    ``quant_inputs`` (e.g. ``openk3.ops.mx.fake_quant_mxfp8_e4m3``) rounds x and the GLU output
+    before the projections they enter."""
+    quant = quant_inputs or (lambda t: t)
     N, k = topk_idx.shape
     experts = topk_idx.reshape(-1)                                    # [P], P = N k
-    x_P = x.float().repeat_interleave(k, dim=0)[:, :, None]           # [P, D, 1]
+    x_P = quant(x.float()).repeat_interleave(k, dim=0)[:, :, None]    # [P, D, 1]
     gate = torch.bmm(w1[experts].float(), x_P)[..., 0]                # [P, F]
     up = torch.bmm(w3[experts].float(), x_P)[..., 0]
-    h = _glu_fp32(gate, up, hidden_act, situ_beta1, situ_beta2)       # [P, F] fp32
+    h = quant(_glu_fp32(gate, up, hidden_act, situ_beta1, situ_beta2))  # [P, F] fp32
     y_P = torch.bmm(w2[experts].float(), h[:, :, None])[..., 0]       # [P, D]
     return (y_P * topk_weight.reshape(-1, 1).float()).view(N, k, -1).sum(1)
 

@@ -41,6 +41,7 @@ import triton
 import triton.language as tl
 
 from openk3.ops.moe_kernels import _glu
+from openk3.ops.mx import fake_quant_mxfp8_e4m3
 
 ROWS = 16        # GEMV: output rows per program, as the bf16 kernels
 BLOCKS = 16      # GEMV: MX blocks (32 inputs, 16 bytes) per row per step: 256 bytes, 512 inputs
@@ -140,8 +141,10 @@ def _mx_down_kernel(h_ptr, w2_ptr, s2_ptr, idx_ptr, weight_ptr, y_ptr, F, D,
 
 def mxfp4_moe_gemv_triton(x: torch.Tensor, w1, w3, w2, topk_idx: torch.Tensor,
                           topk_weight: torch.Tensor, *, hidden_act: str, situ_beta1: float,
-                          situ_beta2: float) -> torch.Tensor:
+                          situ_beta2: float, mxfp8_inputs: bool = False) -> torch.Tensor:
     """``mxfp4_moe_gemv`` on CUDA; arguments as its, already validated. Returns ``[N, D]`` fp32."""
+    if mxfp8_inputs:
+        x = fake_quant_mxfp8_e4m3(x)
     N, D = x.shape
     F = w1.packed.shape[1]
     k = topk_idx.shape[1]
@@ -155,6 +158,8 @@ def mxfp4_moe_gemv_triton(x: torch.Tensor, w1, w3, w2, topk_idx: torch.Tensor,
         *w1.packed.stride(), *w1.scale.stride(),
         SITU=hidden_act == "situ", BETA1=situ_beta1, BETA2=situ_beta2,
         ROWS=ROWS, BLOCKS=BLOCKS, num_warps=NUM_WARPS)
+    if mxfp8_inputs:
+        h = fake_quant_mxfp8_e4m3(h)
     _mx_down_kernel[(P, triton.cdiv(D, ROWS))](
         h, w2.packed, w2.scale, experts, weights, y_pairs, F, D,
         *w2.packed.stride(), *w2.scale.stride(), ROWS=ROWS, BLOCKS=BLOCKS, num_warps=NUM_WARPS)
@@ -251,9 +256,11 @@ def _grouped_pass(a, wa, wb, tiling, out, act: dict) -> None:
 
 
 def mxfp4_grouped_triton(xs: torch.Tensor, counts: torch.Tensor, w1, w3, w2, *, hidden_act: str,
-                         situ_beta1: float, situ_beta2: float) -> torch.Tensor:
+                         situ_beta1: float, situ_beta2: float, mxfp8_inputs: bool = False) -> torch.Tensor:
     """``mxfp4_grouped_experts`` on CUDA; arguments as its, already validated. Returns ``[P, D]``
     fp32; ``h`` between the passes is in ``xs.dtype``."""
+    quant = fake_quant_mxfp8_e4m3 if mxfp8_inputs else (lambda t: t)
+    xs = quant(xs)
     P, D = xs.shape
     F = w1.packed.shape[1]
     act = {"hidden_act": hidden_act, "situ_beta1": situ_beta1, "situ_beta2": situ_beta2}
@@ -263,5 +270,5 @@ def mxfp4_grouped_triton(xs: torch.Tensor, counts: torch.Tensor, w1, w3, w2, *, 
     tiling = _tiles(counts, P)
     h = torch.empty(P, F, device=xs.device, dtype=xs.dtype)
     _grouped_pass(xs, w1, w3, tiling, h, act)
-    _grouped_pass(h, w2, None, tiling, y, act)
+    _grouped_pass(quant(h), w2, None, tiling, y, act)
     return y

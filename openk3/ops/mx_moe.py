@@ -15,6 +15,13 @@ Each has a plain PyTorch reference beside it (``*_ref``: ``mxfp4_dequantize``, t
 own math in fp32), which is also the CPU path, and a ``backend`` argument like ``moe_gemv``'s.
 Inference only: inputs that need gradients are refused.
 
+``mxfp8_inputs=True`` rounds each projection's input to MXFP8 E4M3 (blocks of 32 along its
+width: ``x`` before the gate/up projections, ``h`` before the down projection) with
+``openk3.ops.mx.fake_quant_mxfp8_e4m3``, the quantiser of the QAT forward
+(``openk3.model.moe.run_experts(qat="mxfp4")``): a QAT model served packed computes what it was
+trained to compute. The rounding runs as PyTorch ops between the kernels (``h`` is in memory
+between them anyway), so the kernels are the same with and without it.
+
 Bytes one pair reads (W1, W3, W2 of its expert), packed vs bf16: ``3 F D (1/2 + 1/32)`` vs
 ``3 F D 2``, 3.76x fewer (``small``: 0.21 vs 0.79 MB; K3: 17.6 vs 66.1 MB).
 
@@ -38,7 +45,7 @@ import torch
 
 from openk3.ops.fast import use_fast_path
 from openk3.ops.moe import _glu_fp32, moe_gemv_ref, needs_grad
-from openk3.ops.mx import MX_BLOCK_SIZE, mxfp4_dequantize, mxfp4_quantize
+from openk3.ops.mx import MX_BLOCK_SIZE, fake_quant_mxfp8_e4m3, mxfp4_dequantize, mxfp4_quantize
 
 
 class MXFP4Weight(NamedTuple):
@@ -145,16 +152,19 @@ def _refuse_grad(fn: str, *tensors: torch.Tensor) -> None:
 
 def mxfp4_moe_gemv_ref(x: torch.Tensor, w1: MXFP4Weight, w3: MXFP4Weight, w2: MXFP4Weight,
                        topk_idx: torch.Tensor, topk_weight: torch.Tensor, *, hidden_act: str,
-                       situ_beta1: float, situ_beta2: float) -> torch.Tensor:
+                       situ_beta1: float, situ_beta2: float, mxfp8_inputs: bool = False) -> torch.Tensor:
     """``mxfp4_moe_gemv`` in plain PyTorch: every expert decoded to fp32 (``mxfp4_dequantize``),
-    then ``openk3.ops.moe.moe_gemv_ref``. Reference-sized inputs only."""
+    then ``openk3.ops.moe.moe_gemv_ref`` (with the MXFP8 rounding of its inputs when
+    ``mxfp8_inputs``). Reference-sized inputs only."""
     return moe_gemv_ref(x, w1.dequantize(), w3.dequantize(), w2.dequantize(), topk_idx, topk_weight,
-                        hidden_act=hidden_act, situ_beta1=situ_beta1, situ_beta2=situ_beta2)
+                        hidden_act=hidden_act, situ_beta1=situ_beta1, situ_beta2=situ_beta2,
+                        quant_inputs=fake_quant_mxfp8_e4m3 if mxfp8_inputs else None)
 
 
 def mxfp4_moe_gemv(x: torch.Tensor, w1: MXFP4Weight, w3: MXFP4Weight, w2: MXFP4Weight,
                    topk_idx: torch.Tensor, topk_weight: torch.Tensor, *, hidden_act: str,
-                   situ_beta1: float, situ_beta2: float, backend: str = "auto") -> torch.Tensor:
+                   situ_beta1: float, situ_beta2: float, backend: str = "auto",
+                   mxfp8_inputs: bool = False) -> torch.Tensor:
     """Routed experts of a few tokens from packed weights, each (token, slot) pair reading its
     expert by id (``openk3.ops.moe.moe_gemv`` with MXFP4 weights).
 
@@ -164,6 +174,7 @@ def mxfp4_moe_gemv(x: torch.Tensor, w1: MXFP4Weight, w3: MXFP4Weight, w2: MXFP4W
         topk_idx: ``[N, k]`` integer expert ids in ``[0, E)``; topk_weight: ``[N, k]``.
         hidden_act: ``"situ"`` (with ``situ_beta1``, ``situ_beta2``) or ``"silu"``.
         backend: ``"triton"`` (CUDA), ``"torch"`` (the reference) or ``"auto"``.
+        mxfp8_inputs: round ``x`` and the GLU output to MXFP8 E4M3 (module docstring).
 
     Returns:
         ``[N, D]`` fp32 ``sum_j topk_weight[t, j] E_{topk_idx[t, j]}(x_t)``; products, the
@@ -182,7 +193,8 @@ def mxfp4_moe_gemv(x: torch.Tensor, w1: MXFP4Weight, w3: MXFP4Weight, w2: MXFP4W
         if t.device != x.device:
             raise ValueError(f"`{name}` is on {t.device}, x on {x.device}")
     _refuse_grad("mxfp4_moe_gemv", x, topk_weight)
-    act = {"hidden_act": hidden_act, "situ_beta1": situ_beta1, "situ_beta2": situ_beta2}
+    act = {"hidden_act": hidden_act, "situ_beta1": situ_beta1, "situ_beta2": situ_beta2,
+           "mxfp8_inputs": mxfp8_inputs}
     if _resolve_backend(backend, x) == "torch":
         return mxfp4_moe_gemv_ref(x, w1, w3, w2, topk_idx, topk_weight, **act)
     from openk3.ops.mx_kernels import mxfp4_moe_gemv_triton
@@ -192,20 +204,23 @@ def mxfp4_moe_gemv(x: torch.Tensor, w1: MXFP4Weight, w3: MXFP4Weight, w2: MXFP4W
 
 def mxfp4_grouped_experts_ref(xs: torch.Tensor, counts: torch.Tensor, w1: MXFP4Weight,
                               w3: MXFP4Weight, w2: MXFP4Weight, *, hidden_act: str,
-                              situ_beta1: float, situ_beta2: float) -> torch.Tensor:
+                              situ_beta1: float, situ_beta2: float,
+                              mxfp8_inputs: bool = False) -> torch.Tensor:
     """``mxfp4_grouped_experts`` in plain PyTorch, all math fp32: the experts that received rows
     are decoded (``mxfp4_dequantize``, one call per projection) and multiplied in a loop, as
-    ``run_experts``' loop does. Syncs once (``counts.tolist()``): the CPU path and the tests'
-    reference."""
+    ``run_experts``' loop does (with ``mxfp8_inputs``, also its QAT rounding of xs and h). Syncs
+    once (``counts.tolist()``): the CPU path and the tests' reference."""
     rows = counts.tolist()
     used = [e for e, n in enumerate(rows) if n]
     if not used:
         return xs.new_zeros(xs.shape, dtype=torch.float32)
+    quant = fake_quant_mxfp8_e4m3 if mxfp8_inputs else (lambda t: t)
+    xs = quant(xs)
     W1, W3, W2 = (mxfp4_dequantize(w.packed[used], w.scale[used], torch.float32) for w in (w1, w3, w2))
     outs, start = [], 0
     for i, e in enumerate(used):
         xe = xs[start:start + rows[e]].float()
-        h = _glu_fp32(xe @ W1[i].T, xe @ W3[i].T, hidden_act, situ_beta1, situ_beta2)
+        h = quant(_glu_fp32(xe @ W1[i].T, xe @ W3[i].T, hidden_act, situ_beta1, situ_beta2))
         outs.append(h @ W2[i].T)
         start += rows[e]
     return torch.cat(outs)
@@ -214,14 +229,15 @@ def mxfp4_grouped_experts_ref(xs: torch.Tensor, counts: torch.Tensor, w1: MXFP4W
 def mxfp4_grouped_experts(xs: torch.Tensor, counts: torch.Tensor, w1: MXFP4Weight,
                           w3: MXFP4Weight, w2: MXFP4Weight, *, hidden_act: str,
                           situ_beta1: float, situ_beta2: float,
-                          backend: str = "auto") -> torch.Tensor:
+                          backend: str = "auto", mxfp8_inputs: bool = False) -> torch.Tensor:
     """GLU experts over expert-sorted rows from packed weights (``run_experts`` with MXFP4).
 
     Args:
         xs: ``[P, D]``: ``counts[0]`` rows for expert 0, then ``counts[1]`` for expert 1, ...
             (bf16 on the tensor cores; fp16, and fp32 without TF32, also work).
         counts: ``[E]`` integer rows per expert, summing to P (not checked: that would sync).
-        w1, w3, w2, hidden_act, situ_beta1, situ_beta2, backend: as ``mxfp4_moe_gemv``'s.
+        w1, w3, w2, hidden_act, situ_beta1, situ_beta2, backend, mxfp8_inputs: as
+            ``mxfp4_moe_gemv``'s.
 
     Returns:
         ``[P, D]`` fp32 expert outputs, unweighted, in xs' row order. The Triton path
@@ -235,7 +251,8 @@ def mxfp4_grouped_experts(xs: torch.Tensor, counts: torch.Tensor, w1: MXFP4Weigh
     if counts.device != xs.device:
         raise ValueError(f"`counts` is on {counts.device}, xs on {xs.device}")
     _refuse_grad("mxfp4_grouped_experts", xs)
-    act = {"hidden_act": hidden_act, "situ_beta1": situ_beta1, "situ_beta2": situ_beta2}
+    act = {"hidden_act": hidden_act, "situ_beta1": situ_beta1, "situ_beta2": situ_beta2,
+           "mxfp8_inputs": mxfp8_inputs}
     if _resolve_backend(backend, xs) == "torch":
         return mxfp4_grouped_experts_ref(xs, counts, w1, w3, w2, **act)
     if xs.dtype not in (torch.bfloat16, torch.float16, torch.float32):

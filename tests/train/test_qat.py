@@ -169,6 +169,11 @@ def test_export_is_bit_exact_and_reloads_to_the_same_logits(tmp_path, monkeypatc
         # bits, at most 2^-4 relative per element): close, and not equal.
         set_qat(loaded, "none")
         unquantised_inputs = loaded(ids).logits
+        # Served packed (the bytes stay MXFP4; on the CPU each used expert is decoded), with the
+        # QAT setting the packed experts round their inputs to MXFP8 too: the same logits.
+        served = openk3.load_pretrained(tmp_path / "mx", experts="packed")
+        set_qat(served, "mxfp4")
+        assert torch.equal(served(ids).logits, logits)
     assert not torch.equal(unquantised_inputs, logits)
     torch.testing.assert_close(unquantised_inputs, logits, rtol=0, atol=0.1)
 
