@@ -109,7 +109,12 @@ def bench_model(args) -> None:
     from openk3.train.config import RunConfig
     from openk3.train.trainer import build_training, setup_env, train_step
 
-    rows = []
+    if dist.get_rank() == 0:  # rows print as they are measured: a later OOM or time limit keeps them
+        print(f"\n{args.preset} training, bf16, batch 1 per data-parallel group, "
+              f"activation checkpointing {args.activation_checkpointing}, "
+              f"{dist.get_world_size()} GPUs")
+        print(f"{'cp':>4}{'seq_len':>10}{'tok/s (all GPUs)':>20}{'s/step':>10}{'peak GiB rank 0':>18}",
+              flush=True)
     for cp_size in args.cp:
         for T in args.seq_lens:
             cfg = RunConfig(preset=args.preset, seq_len=T, batch_size=1, cp=cp_size,
@@ -130,16 +135,11 @@ def bench_model(args) -> None:
                 train_step(t, b, cfg)
             torch.cuda.synchronize()
             s = (time.perf_counter() - t0) / args.steps
-            tokens = T * t.parallel.dp_size
-            rows.append((cp_size, T, tokens / s, torch.cuda.max_memory_allocated() / 2**30))
+            tok_s = T * t.parallel.dp_size / s
+            if dist.get_rank() == 0:
+                print(f"{cp_size:>4}{T:>10}{tok_s:>20,.0f}{s:>10.2f}"
+                      f"{torch.cuda.max_memory_allocated() / 2**30:>18.1f}", flush=True)
             del t
-    if dist.get_rank() == 0:
-        print(f"\n{args.preset} training, bf16, batch 1 per data-parallel group, "
-              f"activation checkpointing {args.activation_checkpointing}, "
-              f"{dist.get_world_size()} GPUs")
-        print(f"{'cp':>4}{'seq_len':>10}{'tok/s (all GPUs)':>20}{'peak GiB rank 0':>18}")
-        for cp_size, T, tok_s, mem in rows:
-            print(f"{cp_size:>4}{T:>10}{tok_s:>20,.0f}{mem:>18.1f}")
 
 
 def main() -> None:

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Fifth session's device runs (issues P7, P9-P12), one call per phase on nvidia-h200-x2:
+#   run(command="bash benchmarks/device_s5.sh N", kind="nvidia-h200-x2", carry=[".whl", ".triton-cache"], timeout_s=590)
+# then unpack the call's autotune.tgz into the repo root. Results in docs/benchmarks.md.
+#   1: P10 GPU tests (QAT, packed kernels with MXFP8 inputs) on GPU 0 while GPU 1 trains `small`
+#      alone; then `small` on both GPUs (FSDP2, same per-GPU batch: P7's scaling); then P11's
+#      2-GPU context-parallel test and the KDA KCP benchmark at 256K tokens.
+#   2: P11: `small` training at 128K-512K tokens with and without --cp 2; then serving one
+#      1M-token prompt on one GPU.
+#   3: P9 speculative decoding and P12 rollouts (one GPU each).
+source "$(dirname "$0")/device_common.sh"
+phase=${1:?phase 1, 2 or 3}
+small() {  # small SECONDS NAME NPROC: 40 steps of `small` for tokens/s (no compile: startup)
+  train_run "$1" "$2" "$3" --preset small --max-steps 40 --warmup-steps 5 --log-interval 5 --no-compile
+}
+if [ "$phase" = 1 ]; then
+  ( export CUDA_VISIBLE_DEVICES=0
+    gpu_tests 200 tests/train/test_qat.py tests/ops/test_mx_kernels.py tests/checkpoint/test_packed_load.py ) & a=$!
+  ( export CUDA_VISIBLE_DEVICES=1; small 200 small_1gpu 1 ) & b=$!
+  wait $a $b
+  small 150 small_2gpu 2
+  gpu_tests 90 tests/parallel/test_context_parallel.py
+  timeout 80 torchrun --standalone --nproc-per-node 2 benchmarks/kcp_bench.py kda --seq-len 262144 \
+    > "$OUT/kcp_kda.log" 2>&1; echo "== rc $?" >> "$OUT/kcp_kda.log"
+elif [ "$phase" = 2 ]; then
+  timeout 380 torchrun --standalone --nproc-per-node 2 benchmarks/kcp_bench.py model \
+    --seq-lens 131072 262144 --cp 1 > "$OUT/kcp_model_cp1.log" 2>&1; echo "== rc $?" >> "$OUT/kcp_model_cp1.log"
+fi
+summary
