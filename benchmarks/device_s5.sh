@@ -23,7 +23,16 @@ if [ "$phase" = 1 ]; then
   timeout 80 torchrun --standalone --nproc-per-node 2 benchmarks/kcp_bench.py kda --seq-len 262144 \
     > "$OUT/kcp_kda.log" 2>&1; echo "== rc $?" >> "$OUT/kcp_kda.log"
 elif [ "$phase" = 2 ]; then
-  timeout 380 torchrun --standalone --nproc-per-node 2 benchmarks/kcp_bench.py model \
-    --seq-lens 131072 262144 --cp 1 > "$OUT/kcp_model_cp1.log" 2>&1; echo "== rc $?" >> "$OUT/kcp_model_cp1.log"
+  gpu_tests 110 tests/parallel/test_context_parallel.py
+  timeout 60 torchrun --standalone --nproc-per-node 2 benchmarks/kcp_bench.py kda --seq-len 262144 \
+    > "$OUT/kcp_kda.log" 2>&1; echo "== rc $?" >> "$OUT/kcp_kda.log"
+  model() {  # model SECONDS CP STEPS SEQ_LEN...: rows print as measured; an OOM ends the list
+    local limit=$1 cp=$2 steps=$3; shift 3
+    timeout -k 10 "$limit" torchrun --standalone --nproc-per-node 2 benchmarks/kcp_bench.py model \
+      --cp "$cp" --steps "$steps" --seq-lens "$@" >> "$OUT/kcp_model.log" 2>&1
+    echo "== cp $cp: rc $?" >> "$OUT/kcp_model.log"
+  }
+  model 150 1 2 131072 262144 524288
+  model 230 2 2 131072 262144 524288
 fi
 summary

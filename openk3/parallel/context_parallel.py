@@ -99,11 +99,13 @@ class _AllGather(torch.autograd.Function):
 class ContextParallel:
     """The CP group and the layout of the batch in flight; the CP layers read it.
 
-    ``group``: the ranks that share each sequence (None: the default group). Built by
-    ``parallelize`` (``RunConfig.cp``), or directly in tests and benchmarks."""
+    ``group``: the ranks that share each sequence (None: the default group, stored as
+    ``dist.group.WORLD`` so that libraries which need an explicit group, such as fla's
+    ``build_cp_context``, can take it). Built by ``parallelize`` (``RunConfig.cp``), or directly
+    in tests and benchmarks."""
 
     def __init__(self, group=None):
-        self.group = group
+        self.group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
         self.shard: SequenceShard | None = None

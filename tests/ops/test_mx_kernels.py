@@ -374,6 +374,25 @@ def test_grouped_triton_matches_reference(shape, act, dtype):
 MXFP8_TOL = 3e-3
 
 
+def grouped_mxfp8_expected(xs, counts, w1, w3, w2, act, h_dtype):
+    """What the grouped kernel computes with MXFP8 inputs, in plain fp32 PyTorch: ``h`` is rounded
+    to the activations' dtype and then to MXFP8, as the QAT forward's bf16 grouped_mm path does
+    (bf16 h, then the quantiser). Rounding fp32 h straight to E4M3 (the library reference) differs
+    from that double rounding for ~3% of bf16 elements, by one E4M3 step."""
+    from openk3.ops.moe import _glu_fp32
+    from openk3.ops.mx import fake_quant_mxfp8_e4m3
+
+    xq = fake_quant_mxfp8_e4m3(xs).float()
+    outs, start = [], 0
+    for e, n in enumerate(counts.tolist()):
+        xe = xq[start:start + n]
+        h = _glu_fp32(xe @ w1.dequantize()[e].T, xe @ w3.dequantize()[e].T, act["hidden_act"],
+                      act["situ_beta1"], act["situ_beta2"])
+        outs.append(fake_quant_mxfp8_e4m3(h.to(h_dtype)).float() @ w2.dequantize()[e].T)
+        start += n
+    return torch.cat(outs)
+
+
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.usefixtures("exact_fp32_matmuls")
@@ -382,22 +401,26 @@ def test_kernels_with_mxfp8_inputs_match_the_references(dtype):
     E, k, F, D = SHAPES["small"]
     w1, w3, w2 = packed_weights(E, F, D, "cuda")
     act = ACT["situ"]
+    errors = {}
     with torch.no_grad():
         for N in (1, 5, 33):
             x = torch.randn(N, D, device="cuda").to(dtype)
             args = (x, w1, w3, w2, *routing(N, E, k, "cuda", seed=N))
             want = mxfp4_moe_gemv_ref(*args, **act, mxfp8_inputs=True)
             fast = mxfp4_moe_gemv(*args, **act, backend="triton", mxfp8_inputs=True)
-            assert rel_err(fast, want) <= MXFP8_TOL, ("gemv", N, rel_err(fast, want))
+            errors["gemv", N] = rel_err(fast, want)
             assert rel_err(mxfp4_moe_gemv_ref(*args, **act), want) > 5 * MXFP8_TOL
         for N in (7, 300):
             x = torch.randn(N, D, device="cuda").to(dtype)
             xs, counts = sorted_rows(routing(N, E, k, "cuda", seed=N)[0], x, E)
-            want = mxfp4_grouped_experts_ref(xs, counts, w1, w3, w2, **act, mxfp8_inputs=True)
+            want = grouped_mxfp8_expected(xs, counts, w1, w3, w2, act, dtype)
+            if dtype == torch.float32:
+                assert torch.equal(want, mxfp4_grouped_experts_ref(xs, counts, w1, w3, w2, **act,
+                                                                   mxfp8_inputs=True))
             fast = mxfp4_grouped_experts(xs, counts, w1, w3, w2, **act, backend="triton",
                                          mxfp8_inputs=True)
-            tol = MXFP8_TOL + GROUPED_TOL[dtype]  # bf16: h is also rounded to bf16 first
-            assert rel_err(fast, want) <= tol, ("grouped", N, rel_err(fast, want))
+            errors["grouped", N] = rel_err(fast, want)
+    assert all(e <= MXFP8_TOL for e in errors.values()), errors
 
 
 @pytest.mark.gpu
