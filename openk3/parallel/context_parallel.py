@@ -251,9 +251,15 @@ class _GlobalCausalAttention:
         return torch.cat(outs, dim=2).transpose(1, 2)
 
 
+@torch.compiler.disable  # torch 2.11: compiling the memory-efficient attention's backward
 def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal attention of the last Tq of Tk positions: q [B, H, Tq, D], k [B, H, Tk, D],
-    v [B, H, Tk, Dv] -> [B, H, Tq, Dv] (the mask aligned bottom right; flash on CUDA)."""
+    v [B, H, Tk, Dv] -> [B, H, Tq, Dv] (the mask aligned bottom right).
+
+    MLA's q/k (192) and v (128) widths differ, which flash attention does not take, so SDPA runs
+    its memory-efficient kernel. It runs eagerly, outside the compiled MLA body: on the H200
+    (torch 2.11) compiling it fails in the fake-tensor rule of its backward ("meta__efficient_
+    attention_backward() got multiple values for argument 'scale'")."""
     mask = causal_lower_right(q.shape[2], k.shape[2])
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 

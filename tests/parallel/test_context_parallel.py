@@ -13,6 +13,7 @@ per world size and runs every case; a failing case is reported by name.
 from __future__ import annotations
 
 import copy
+import faulthandler
 import json
 import os
 import socket
@@ -320,6 +321,7 @@ def _gpu_worker(rank: int, port: int, out_dir: str) -> None:
     from fla.ops.cp import build_cp_context
     from fla.ops.kda import chunk_kda
 
+    faulthandler.dump_traceback_later(100, exit=True)  # a hung collective shows where, and fails
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", rank=rank, world_size=2, timeout=timedelta(seconds=120))
