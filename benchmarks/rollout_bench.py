@@ -211,7 +211,7 @@ def main() -> None:
     for r in rows:
         print(f"{r['mode']} seconds per step: {', '.join(f'{s:.2f}' for s in r['step_s'])}")
     if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], f"rollout_bench_{args.lengths}.json"), "w") as fh:
+        with open(os.path.join(os.environ["OUT"], f"rollout_bench_{args.lengths}_{args.max_new_tokens}.json"), "w") as fh:
             json.dump({"env": environment(), "args": vars(args), "rows": rows}, fh, indent=1)
 
 
