@@ -15,8 +15,8 @@ Both modes keep at most prompts_per_step x group_size trajectories in flight.
 
 Workload: sample k's length is drawn in advance from its own seed (sample k is the same in every
 mode) and it ends exactly there (no eos or stop string). ``--lengths light``: log-normal, median
-cap/8, sigma 1.2 (a few samples 10-20x the median); ``--lengths heavy`` (long chains of thought):
-log-normal, median cap/32, sigma 1.2, and 7% of samples run to the cap.
+cap/8, sigma 1.2 (~4% reach the cap); ``--lengths heavy`` (long chains of thought): log-normal,
+median cap/32, sigma 1.2, and 7% of samples run to the cap.
 
 Reported per mode, over all steps from an empty engine (the ramp-up included) and every second
 each step takes: ``tokens_per_s``, tokens of the trajectories handed to the trainer per second;
@@ -30,9 +30,10 @@ resumed trajectories, mean length of the delivered samples (partial rollouts del
 ones first), staleness of the delivered tokens (policy versions behind), seconds per step.
 The warm-up captures every decode batch size's CUDA graph before anything is timed.
 
-    python benchmarks/rollout_bench.py --preset debug --device cpu --prompts-per-step 4 --group-size 4 \\
-        --max-new-tokens 64 --steps 3                          # CPU: correctness only
-    python benchmarks/rollout_bench.py --preset small --lengths heavy   # one H200 (docs/posttraining.md)
+    python benchmarks/rollout_bench.py --preset debug --device cpu --prompts-per-step 2 --group-size 4 \\
+        --max-new-tokens 32 --steps 3 --prompt-tokens 8       # CPU: correctness only
+    python benchmarks/rollout_bench.py --preset small          # one H200: heavy tail, cap 1024, 16 x 8
+    bash benchmarks/device_p12.sh                              # the three H200 runs (docs/posttraining.md)
 
 Target (issue P12): partial >= 1.5x sync under a long-tailed length distribution. On a CPU a
 decode step costs in proportion to its batch, so CPU numbers say nothing about the GPU.
