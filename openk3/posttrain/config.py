@@ -37,12 +37,15 @@ class PostTrainConfig(_DictIO):
         task_options: keyword arguments for every ``get_task`` call (JSON on the command line).
         teacher: MOPD teachers, ``DOMAIN:EFFORT=PATH`` each; EFFORT ``*`` serves every effort.
     Rollouts (from the serving engine, temperature 1, no top-p / top-k):
-        prompts_per_step: prompt groups admitted per generation round without partial rollouts.
+        prompts_per_step: complete prompt groups per training step (the batch); the engine
+            keeps up to ``prompts_per_step x group_size`` trajectories in flight.
         group_size: G samples per prompt (the group of the baseline and the length penalty).
         max_new_tokens: completion budget; a completion also ends at its first newline or eos.
-        partial_rollouts: stop a round once ``finish_fraction`` of its trajectories finished and
-            resume the rest first in the next round (off: every round runs to the end).
-        finish_fraction: lambda, the fraction of a round's trajectories that ends it.
+        partial_rollouts: keep the engine's batch full: generation goes in rounds, and a step
+            ends as soon as ``prompts_per_step`` groups are complete; the unfinished trajectories
+            are resumed first in the next step (off: each step's groups run to the end).
+        finish_fraction: lambda, the fraction of a round's trajectories whose finishing ends the
+            round; the freed slots then take new groups (``openk3/posttrain/partial.py``).
         max_model_len: the engine's context (prompt + completion).
     Effort (prompt-side control text ``<low>``, ``<medium>``, ``<high>``):
         effort: "none" (no control text), one level, or "mixed" (each group draws one).

@@ -1,13 +1,24 @@
-"""Rollout rounds with partial rollouts (Kimi k1.5, K3): which trajectories generate, when a
-round stops, and what waits for the next one. Pure bookkeeping: no tensors, no model.
+"""The rollouts of one training step, with or without partial rollouts (Kimi k1.5, K3): which
+trajectories generate, when generation pauses, and what waits for the next step. Pure
+bookkeeping: no tensors, no model.
 
-A round starts the queued unfinished trajectories first (their prompt plus the tokens they have,
-as a new request: nothing of the old weights' cache is reused), then admits new prompt groups of
-G trajectories until ``capacity`` trajectories are in flight. With partial rollouts the round
-stops once a fraction ``finish_fraction`` of them finished and at least one group is complete;
-the unfinished are aborted and queued, keeping their tokens. Without, it runs until every
-trajectory finished. A group is handed out (to the trainer) once all G of its trajectories have
-finished; a round hands out its completed groups in the order they were admitted.
+``PartialRollouts.generate(new_groups, version, num_groups)`` runs under one policy version and
+returns ``num_groups`` complete groups (all G samples of a prompt finished), the trainer's batch.
+
+* Without partial rollouts it admits ``num_groups`` new groups and runs until every trajectory
+  finished: the batch drains to the longest samples at the end of every step.
+* With partial rollouts the queued unfinished trajectories of earlier steps start first (their
+  prompt plus the tokens they have, as a new request: the policy changed since, so nothing of the
+  old cache is reused), then new groups fill the ``capacity``. Generation goes in **rounds**: a
+  round ends once a fraction ``finish_fraction`` (lambda) of the trajectories it started with
+  finished; the freed slots are then refilled with new groups while the unfinished ones keep
+  running in the engine (same weights: nothing to recompute). The step ends as soon as
+  ``num_groups`` groups are complete; the trajectories still running are aborted and queued
+  with their tokens, and complete groups beyond ``num_groups`` wait for the next step. The
+  oldest complete groups (in admission order) are handed out first.
+
+Lambda trades prefill passes for a full batch: each refill is one more prefill in the engine,
+while the batch shrinks by up to lambda of its trajectories before a refill.
 
 Every token records the policy version that sampled it (``versions``) beside its log-probability
 under that policy (``logprobs``): a trajectory resumed after a weight update is a mixture of
@@ -35,7 +46,7 @@ class Piece:
 
 
 class RolloutBackend(Protocol):
-    """A generator (the serving engine, ``rollout.EngineBackend``; a fake in tests)."""
+    """A generator (the serving engine, ``rollout.RolloutEngine``; fakes in tests and benchmarks)."""
 
     def submit(self, key: int, token_ids: list[int], max_tokens: int, stop: tuple[str, ...]) -> None:
         """Continue ``token_ids`` (prompt + the trajectory so far) by up to ``max_tokens`` tokens,
@@ -61,7 +72,7 @@ class Trajectory:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     finish_reason: str | None = None
-    segments: int = 0  # rounds it generated in (1 when never interrupted)
+    segments: int = 0  # requests it generated in (1 when never interrupted)
 
     @property
     def finished(self) -> bool:
@@ -84,25 +95,35 @@ class Group:
 
 
 @dataclass
-class RoundStats:
-    tokens: int = 0  # tokens generated this round
-    resumed: int = 0  # trajectories resumed from earlier rounds
+class StepStats:
+    """What one ``generate`` call did; every field is an exact count."""
+
+    tokens: int = 0  # tokens generated
+    rounds: int = 0  # rounds (1 + refills that admitted a group)
+    engine_steps: int = 0  # backend steps
+    slot_steps: int = 0  # trajectories in flight, summed over backend steps (/ engine_steps: mean batch)
+    resumed: int = 0  # trajectories resumed from earlier steps
+    resumed_tokens: int = 0  # their prompt + tokens, prefilled again
     admitted_groups: int = 0
-    queued: int = 0  # unfinished trajectories left for the next round
+    queued: int = 0  # unfinished trajectories left for the next step
+    waiting: int = 0  # complete groups left for the next step
 
 
 class PartialRollouts:
     """The rollout scheduler. ``new_groups(n)`` returns up to ``n`` new groups as (prompt ids,
-    payload, stop strings)."""
+    payload, stop strings); ``capacity``: trajectories in flight at most (the engine's
+    ``max_num_seqs``)."""
 
     def __init__(self, backend: RolloutBackend, group_size: int, capacity: int, max_tokens: int,
                  finish_fraction: float = 1.0, partial: bool = True):
         if capacity < group_size:
             raise ValueError(f"capacity {capacity} holds no group of {group_size}")
+        if not 0 < finish_fraction <= 1:
+            raise ValueError(f"finish_fraction {finish_fraction} must be in (0, 1]")
         self.backend, self.G, self.capacity, self.max_tokens = backend, group_size, capacity, max_tokens
-        self.finish_fraction = finish_fraction if partial else 1.0
+        self.finish_fraction, self.partial = finish_fraction, partial
         self.groups: dict[int, Group] = {}  # admitted, not yet handed out; admission order
-        self.queue: list[Trajectory] = []  # unfinished, resumed first
+        self.queue: list[Trajectory] = []  # unfinished, resumed first, oldest first
         self._next_group = self._next_traj = 0
 
     def _admit(self, prompt_ids: list[int], payload: Any, stop: tuple[str, ...]) -> Group:
@@ -113,25 +134,45 @@ class PartialRollouts:
         self._next_group += 1
         return group
 
-    def round(self, new_groups: Callable[[int], list[tuple[list[int], Any, tuple[str, ...]]]], version: int,
-              ) -> tuple[list[Group], RoundStats]:
-        """Run one round under policy ``version``; returns the groups it completed (with any
-        completed in earlier rounds but not yet handed out) and its statistics."""
-        stats = RoundStats(resumed=len(self.queue))
-        active, self.queue = self.queue, []
-        for prompt_ids, payload, stop in new_groups(max(0, (self.capacity - len(active)) // self.G)):
-            active += self._admit(prompt_ids, payload, stop).members
-            stats.admitted_groups += 1
-        by_key = {t.uid: t for t in active}
-        for t in active:  # the resumed ones first: the engine admits in submission order
+    def generate(self, new_groups: Callable[[int], list[tuple[list[int], Any, tuple[str, ...]]]], version: int,
+                 num_groups: int) -> tuple[list[Group], StepStats]:
+        """Generate under policy ``version`` until ``num_groups`` groups are complete; returns
+        them (fewer only when ``new_groups`` runs dry) and the step's statistics."""
+        if num_groups < 1:
+            raise ValueError(f"num_groups {num_groups} must be positive")
+        if not self.partial and num_groups * self.G > self.capacity:
+            raise ValueError(f"num_groups {num_groups} x group size {self.G} exceeds capacity {self.capacity}")
+        stats = StepStats()
+        active: dict[int, Trajectory] = {}  # in flight, by uid
+
+        def start(t: Trajectory) -> None:
             group = self.groups[t.group]
             self.backend.submit(t.uid, group.prompt_ids + t.tokens, t.max_tokens - len(t.tokens), group.stop)
             t.segments += 1
-        target = math.ceil(self.finish_fraction * len(active))
-        finished = 0
-        while self.backend.has_unfinished():
-            for piece in self.backend.step():
-                t = by_key[piece.key]
+            active[t.uid] = t
+
+        def fill(n: int) -> None:
+            for prompt_ids, payload, stop in new_groups(max(n, 0)):
+                for t in self._admit(prompt_ids, payload, stop).members:
+                    start(t)
+                stats.admitted_groups += 1
+
+        complete = sum(g.done for g in self.groups.values())
+        if complete >= num_groups:  # enough were left over: nothing runs, the queue waits
+            return self._hand_out(num_groups, stats)
+        for t in self.queue:  # the engine admits in submission order: these go first
+            start(t)
+            stats.resumed_tokens += len(self.groups[t.group].prompt_ids) + len(t.tokens)
+        stats.resumed, self.queue = len(self.queue), []
+        fill((self.capacity - len(active)) // self.G if self.partial else num_groups - len(self.groups))
+        stats.rounds = 1
+        target, finished = math.ceil(self.finish_fraction * len(active)), 0
+        while complete < num_groups and self.backend.has_unfinished():
+            pieces = self.backend.step()
+            stats.engine_steps += 1
+            stats.slot_steps += len(active)
+            for piece in pieces:
+                t = active[piece.key]
                 if len(piece.logprobs) != len(piece.token_ids):
                     raise RuntimeError(f"rollout backend: trajectory {t.uid} got {len(piece.token_ids)} "
                                        f"tokens but {len(piece.logprobs)} log-probabilities")
@@ -141,15 +182,23 @@ class PartialRollouts:
                 stats.tokens += len(piece.token_ids)
                 if piece.finish_reason is not None:
                     t.finish_reason = piece.finish_reason
+                    del active[t.uid]
                     finished += 1
-            if finished >= target and any(g.done for g in self.groups.values()):
-                break
+                    complete += self.groups[t.group].done
+            if self.partial and finished >= target and complete < num_groups:  # the round ends: refill
+                admitted = stats.admitted_groups
+                fill((self.capacity - len(active)) // self.G)
+                stats.rounds += stats.admitted_groups > admitted
+                target, finished = math.ceil(self.finish_fraction * len(active)), 0
         self.backend.abort_all()
-        self.queue = [t for t in active if not t.finished]
-        stats.queued = len(self.queue)
-        ready = [g for g in self.groups.values() if g.done]
+        self.queue = sorted(active.values(), key=lambda t: t.uid)
+        return self._hand_out(num_groups, stats)
+
+    def _hand_out(self, num_groups: int, stats: StepStats) -> tuple[list[Group], StepStats]:
+        ready = [g for g in self.groups.values() if g.done][:num_groups]
         for g in ready:
             del self.groups[g.uid]
+        stats.queued, stats.waiting = len(self.queue), sum(g.done for g in self.groups.values())
         return ready, stats
 
     def state_dict(self, payload_to_json: Callable[[Any], Any]) -> dict:

@@ -2,9 +2,10 @@
 
 Per step:
 
-1. **rollouts**: rounds of ``PartialRollouts`` on the serving engine until at least one group
-   of G samples is complete (one round does it: a round stops only once one is); new groups
-   draw a task in turn, a problem, and an effort level whose control text precedes the prompt;
+1. **rollouts**: ``PartialRollouts.generate`` on the serving engine until ``prompts_per_step``
+   groups of G samples are complete (the step's batch; with partial rollouts the unfinished
+   trajectories wait for the next step); new groups draw a task in turn, a problem, and an
+   effort level whose control text precedes the prompt;
 2. **rewards**: the task's score of each completion (its text before the problem's first stop
    string, ``Problem.stop``, a newline by default), plus the length reward of k1.5 weighted by the group's effort, times
    ``reward_weight``; with teachers, MOPD's per-token rewards (``mopd.py``);
@@ -187,7 +188,7 @@ def run(cfg: PostTrainConfig, tasks: list | None = None,
     with _StopFlag() as flag, _RLProgress(cfg.max_steps, start) as bar:
         for step in range(start + 1, cfg.max_steps + 1):
             t0 = time.perf_counter()
-            ready, stats = scheduler.round(new_groups, version)
+            ready, stats = scheduler.generate(new_groups, version, cfg.prompts_per_step)
             t_roll = time.perf_counter() - t0
             batch = _score(ready, tasks, tokenizer, eos_ids, cfg)
             row = _update(cfg, policy, optimizers, parallel, autocast, batch, version, teachers, reference,
@@ -200,7 +201,9 @@ def run(cfg: PostTrainConfig, tasks: list | None = None,
             engine.sync(policy)
             row.update(step=step, version=version, rollout_s=t_roll, train_s=time.perf_counter() - t0 - t_roll,
                        rollout_tokens=stats.tokens, rollout_tokens_per_s=stats.tokens / max(t_roll, 1e-9),
-                       resumed=stats.resumed, queued=stats.queued, admitted_groups=stats.admitted_groups)
+                       resumed=stats.resumed, resumed_tokens=stats.resumed_tokens, queued=stats.queued,
+                       admitted_groups=stats.admitted_groups, rounds=stats.rounds,
+                       mean_batch=stats.slot_steps / max(stats.engine_steps, 1))
             rewards_log.append(row["reward"])
             acc_log.append(row["accuracy"])
             bar.update_rl(step, row["reward"], row["accuracy"])

@@ -5,6 +5,12 @@ dtype (its projections fused for inference, so it cannot share the trainer's fp3
 ``RolloutEngine.sync`` copies the trainer's state dict into it on the same device after every
 update (``LLMEngine.load_weights``: in place, prefix cache emptied). No file is written.
 
+The prefix cache is off by default here: every sync empties it, a group's G samples are
+submitted together (admitted in the same step, none can hit another's prompt), and a resumed
+trajectory's prefix was computed under older weights, so in RL it never hits; on, it would end
+every prefill chunk at the prompt's last hash boundary and at every ``kda_checkpoint_interval``
+(one prefill pass per boundary: a resumed 1,300-token trajectory takes 4 passes instead of 1).
+
 Sampling is at temperature 1 without top-p / top-k, so the distribution sampled from is the
 model's own ``softmax(logits)``. The log-probability returned with each token is
 ``log_softmax`` of the very logits the token was sampled from (the engine's ``logprobs=0``),
@@ -28,10 +34,11 @@ from openk3.serve.engine import LLMEngine
 from openk3.serve.sampler import SamplingParams
 
 
-
 class RolloutEngine:
     """The engine as a ``partial.RolloutBackend``. ``policy``: the trainer's model (its config
-    and weights); the engine's copy lives on ``device`` in ``dtype``. ``eos_token_ids``: None for the model's; the other keywords are ``EngineConfig`` fields."""
+    and weights); the engine's copy lives on ``device`` in ``dtype``. ``eos_token_ids``: None for
+    the model's; the other keywords are ``EngineConfig`` fields (``enable_prefix_caching=True``
+    turns the prefix cache back on)."""
 
     def __init__(self, policy: torch.nn.Module, tokenizer, device: torch.device, dtype: torch.dtype,
                  max_num_seqs: int, max_model_len: int, eos_token_ids: tuple[int, ...] | None = None, **engine_config):
@@ -40,7 +47,8 @@ class RolloutEngine:
         config = EngineConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                               max_num_batched_tokens=max(16384, max_num_seqs),
                               **{"physical_block_size": 512, "hash_block_size": 64,
-                                 "kda_checkpoint_interval": 512, **engine_config})
+                                 "kda_checkpoint_interval": 512, "enable_prefix_caching": False,
+                                 **engine_config})
         self.engine = LLMEngine(model.eval(), tokenizer, config, eos_token_ids=eos_token_ids)
         self._rids = itertools.count()
         self._keys: dict[str, int] = {}  # request id -> trajectory key

@@ -32,7 +32,7 @@ def _perturbed(model, seed):
 def _check_sync(device, dtype, **kw):
     torch.manual_seed(0)
     policy = build_model(tiny_config(kda=True), device=device, seed=1)
-    rollouts = _engine(policy, device, dtype, **kw)
+    rollouts = _engine(policy, device, dtype, enable_prefix_caching=True, **kw)
     eng = rollouts.engine
     before = [eng.generate([p], GREEDY)[0].token_ids for p in PROMPTS]  # the second hits the first's prefix
     assert eng.snapshot_stats().prefix_hits > 0
@@ -49,6 +49,23 @@ def _check_sync(device, dtype, **kw):
 
 def test_sync_serves_new_weights_and_flushes_prefix_cache():
     _check_sync("cpu", torch.float32, cuda_graphs=False)
+
+
+def test_resumed_trajectory_prefills_in_one_pass():
+    """The rollout engine's prefix cache is off: a long resubmitted prefix is one prefill pass
+    (with the cache on, its chunks end at every KDA checkpoint boundary and the prompt's last
+    hash boundary)."""
+    policy = build_model(tiny_config(kda=True), seed=1)
+    prefix = [3 + i % 11 for i in range(37)]
+    steps = {}
+    for caching in (False, True):
+        rollouts = _engine(policy, cuda_graphs=False, enable_prefix_caching=caching)
+        rollouts.submit(0, prefix, 1)
+        while rollouts.has_unfinished():
+            rollouts.step()
+        steps[caching] = rollouts.engine.stats.num_steps
+    assert _engine(policy).engine.config.enable_prefix_caching is False
+    assert steps == {False: 1, True: 6}  # with the cache: chunks end at 8, 16, 24, 32, 36 and 37
 
 
 def test_sync_refused_while_running():
