@@ -17,13 +17,20 @@
     forward over the same prompt and weights.
 (f) server: 64 concurrent streams through the OpenAI server (official client) vs the same
     requests through the engine directly. Target: the server adds at most 10%.
+(g) million: one prompt of ``--million-tokens`` tokens (default 1,048,576; several values run
+    one after another) with ``max_model_len`` just above it, prefilled in chunks of
+    ``--million-chunk`` tokens, prefix caching off: time to first token, prefill tokens/s, peak
+    GPU memory against the memory floor, then a few batch-1 decode steps at that context
+    (CUDA graph) against their bandwidth floor (``docs/long_context.md``, "Serving at 1M tokens").
 
-Run on the device: ``python benchmarks/serve_bench.py [--parts ttft decode peer long]``.
+Run on the device: ``python benchmarks/serve_bench.py [--parts ttft decode peer long]``;
+``--parts million --million-tokens 524288 1048576`` for the long prompts.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import tempfile
 import time
 import traceback
@@ -145,6 +152,57 @@ def part_long(model, contexts=(4096, 32768, 131072), new: int = 64) -> None:
         row = decode_throughput(eng, 1, prompt_len=context, new=new)
         row.update(part="long", model="small", context=context, graphs=len(eng.runner._graphs))
         record(row)
+
+
+def mla_attention_flop(cfg, tokens: int) -> float:
+    """Causal attention of a ``tokens``-token prompt in every MLA layer, expanded form: about
+    tokens^2 / 2 (query, key) pairs per head, each 2 * (qk_head_dim + v_head_dim) FLOPs."""
+    n_mla = sum(cfg.is_mla_layer(i) for i in range(cfg.num_hidden_layers))
+    return n_mla * cfg.num_attention_heads * tokens ** 2 * (cfg.qk_head_dim + cfg.v_head_dim)
+
+
+def part_million(model, tokens: int, chunk: int, decode_steps: int = 8) -> None:
+    """One ``tokens``-token prompt, batch 1: TTFT (``add_request`` to the first token, every
+    prefill pass included), peak memory, then ``decode_steps`` decode steps at that context."""
+    vocab, gib = model.cfg.vocab_size, 2**30
+    gc.collect()  # the previous length's engine and its cache
+    torch.cuda.empty_cache()
+    eng = engine(model, max_num_seqs=1, max_model_len=tokens + 64, max_num_batched_tokens=chunk,
+                 enable_prefix_caching=False)
+    # warm-up on this engine: kernels and autotuning at the chunk's shape, the batch-1 decode graph
+    eng.generate([random_ids(min(2 * chunk + 100, tokens), vocab, 20)], SamplingParams(temperature=0, max_tokens=4))
+    prompt = random_ids(tokens, vocab, 21)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    t = time.perf_counter()
+    eng.add_request(prompt, SamplingParams(temperature=0, max_tokens=1 + decode_steps))
+    passes = 1
+    while not eng.step():  # prefill passes until the one that samples the first token
+        passes += 1
+    torch.cuda.synchronize()
+    ttft = time.perf_counter() - t
+    peak, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+    step_ms = []
+    while eng.has_unfinished():
+        t = time.perf_counter()
+        eng.step()
+        torch.cuda.synchronize()
+        step_ms.append(1e3 * (time.perf_counter() - t))
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    latents = tokens * eng.runner.latent_bytes_per_token
+    kda_state = eng.runner.kda_state.nbytes() // (eng.config.max_num_seqs + 1)  # one slot
+    flop = mla_attention_flop(model.cfg, tokens)
+    decode_ms = sorted(step_ms)[len(step_ms) // 2]
+    record({"part": "million", "prompt": tokens, "chunk": chunk, "prefill_passes": passes,
+            "ttft_s": ttft, "prefill_tok_s": tokens / ttft,
+            "mla_attention_tflop": flop / 1e12, "attention_tflops_lower_bound": flop / ttft / 1e12,
+            "peak_allocated_gib": peak / gib, "peak_reserved_gib": reserved / gib,
+            "weights_gib": weights / gib, "latents_gib": latents / gib, "kda_state_mib": kda_state / 2**20,
+            "floor_gib": (weights + latents + kda_state) / gib,
+            "mla_cache_gib": eng.runner.cache_bytes()["mla"] / gib,
+            "decode_ms": decode_ms, "decode_steps_ms": step_ms,
+            "decode_floor_ms": bandwidth_floor(model, decode_ms, tokens)["floor_ms"],
+            "cuda_graphs": len(eng.runner._graphs)})
 
 
 def bandwidth_floor(model, ms_per_token: float, context: int = 192) -> dict:
@@ -319,6 +377,10 @@ def main() -> None:
                     help="run in this order; 'eager' is decode without CUDA graphs")
     ap.add_argument("--preset", default="small", help="the random model served (debug: a CPU check)")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--million-tokens", type=int, nargs="+", default=[1 << 20],
+                    help="prompt lengths of the 'million' part (e.g. 524288 1048576)")
+    ap.add_argument("--million-chunk", type=int, default=EngineConfig().max_num_batched_tokens,
+                    help="the 'million' part's max_num_batched_tokens (prefill chunk)")
     args = ap.parse_args()
     print(environment())
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
@@ -336,6 +398,9 @@ def main() -> None:
             part_long(model)
         elif part == "server":
             part_server(model)
+        elif part == "million":
+            for tokens in args.million_tokens:
+                part_million(model, tokens, args.million_chunk)
         else:
             raise SystemExit(f"unknown part {part!r}")
 

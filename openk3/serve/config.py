@@ -25,14 +25,19 @@ class EngineConfig:
             budget would stall the decodes sharing a step for longer. With prefix caching
             chunks still end at every ``kda_checkpoint_interval``.
         max_model_len: prompt + max_tokens limit per request (None: the model's
-            ``max_position_embeddings``, capped by what the MLA cache holds).
+            ``max_position_embeddings``, capped by what the MLA cache holds). A value the cache
+            cannot hold once (``num_blocks``, or ``cache_memory_gb``) is an error that names the
+            memory it needs; 1,048,576 + a margin serves ``small`` on one GPU
+            (``docs/long_context.md``, "Serving at 1M tokens").
         max_tokens_limit: requests asking for more ``max_tokens`` than this are refused.
         max_image_bytes: the largest encoded image a request may carry (a chat ``image_url``
             data URL after base64 decoding, or bytes handed to the engine); 20 MiB, OpenAI's limit.
     Cache (block manager and model runner):
         num_blocks: physical MLA blocks (None: enough for ``max_num_seqs`` sequences of
             ``max_model_len`` tokens, capped by ``cache_memory_gb``).
-        cache_memory_gb: budget for the MLA block pool when ``num_blocks`` is None.
+        cache_memory_gb: budget for the MLA block pool when ``num_blocks`` is None, in GiB (the
+            engine's ``gpu_memory_utilization``: a fixed size, not a share of the GPU). A pool
+            larger than the GPU's free memory is refused at start-up.
         physical_block_size: tokens per physical MLA block.
         hash_block_size: tokens per prefix-hash block; must divide ``physical_block_size``.
         num_kda_checkpoints: KDA checkpoint storage entries (the checkpoint memory budget).

@@ -50,6 +50,7 @@ hit that covers the images skips the tower; a preempted request encodes them aga
 from __future__ import annotations
 
 import itertools
+import math
 import warnings
 from dataclasses import dataclass, field
 
@@ -70,6 +71,49 @@ PROMPT_LOGITS_ROWS = 1024  # prompt positions turned into log-probabilities at a
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _size(num_bytes: float) -> str:
+    return f"{num_bytes / 2**30:.2f} GiB" if num_bytes >= 2**30 else f"{num_bytes / 2**20:.2f} MiB"
+
+
+def _num_blocks(config: EngineConfig, cfg, bytes_per_token: int) -> int:
+    """Physical MLA blocks: ``config.num_blocks``, else room for ``max_num_seqs`` sequences of the
+    context, capped by ``cache_memory_gb``. A ``max_model_len`` that is given but that the pool
+    cannot hold once is an error naming the memory it needs, not a silent cap."""
+    bs = config.physical_block_size
+    per_block = bs * bytes_per_token
+    max_len = config.max_model_len or cfg.max_position_embeddings
+    needed = _cdiv(max_len + 1, bs)  # rows for every token and the first decode token's
+    if config.num_blocks is not None:
+        num_blocks = config.num_blocks
+    else:
+        budget = max(1, int(config.cache_memory_gb * 2**30 // per_block))
+        num_blocks = min(config.max_num_seqs * needed, budget)
+    if config.max_model_len is not None and num_blocks < needed:
+        if config.num_blocks is not None:
+            limit, fix = f"EngineConfig.num_blocks={num_blocks}", f"raise num_blocks to {needed}"
+        else:
+            limit = f"EngineConfig.cache_memory_gb={config.cache_memory_gb} ({num_blocks} blocks)"
+            fix = f"raise cache_memory_gb to at least {math.ceil(needed * per_block / 2**28) / 4}"
+        raise ValueError(
+            f"EngineConfig.max_model_len={max_len}: one sequence needs {needed} MLA blocks of {bs} "
+            f"tokens, {_size(needed * per_block)} of latent cache ({bytes_per_token} bytes per token), "
+            f"but {limit} holds {num_blocks * bs - 1} tokens; {fix} or lower max_model_len")
+    return num_blocks
+
+
+def _check_device_memory(config: EngineConfig, num_bytes: int, device: torch.device) -> None:
+    """An MLA cache larger than the GPU's free memory is refused with the fields that size it,
+    rather than left to the allocator's out-of-memory error."""
+    if device.type != "cuda":
+        return
+    free, _ = torch.cuda.mem_get_info(device)
+    if num_bytes > free:
+        raise ValueError(
+            f"the MLA cache needs {_size(num_bytes)} but {device} has {_size(free)} free: lower "
+            f"EngineConfig.cache_memory_gb={config.cache_memory_gb}, num_blocks={config.num_blocks}, "
+            f"max_num_seqs={config.max_num_seqs} or max_model_len={config.max_model_len}")
 
 
 @dataclass
@@ -142,17 +186,13 @@ class ModelRunner:
         self.mla_layers = [i for i in range(cfg.num_hidden_layers) if cfg.is_mla_layer(i)]
         self.kda_layers = [i for i in range(cfg.num_hidden_layers) if not cfg.is_mla_layer(i)]
         width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
-        max_len = config.max_model_len or cfg.max_position_embeddings
-        if config.num_blocks is not None:
-            num_blocks = config.num_blocks
-        else:
-            per_block = max(1, len(self.mla_layers)) * bs * width * p.element_size()
-            budget = max(1, int(config.cache_memory_gb * 2**30 // per_block))
-            num_blocks = min(config.max_num_seqs * _cdiv(max_len + 1, bs), budget)
-        self.num_blocks = num_blocks
-        self.max_model_len = min(max_len, num_blocks * bs - 1)
+        # latent bytes per token: one row per MLA layer (small: 6 layers x 576 x 2 bytes in bf16)
+        self.latent_bytes_per_token = max(1, len(self.mla_layers)) * width * p.element_size()
+        self.num_blocks = num_blocks = _num_blocks(config, cfg, self.latent_bytes_per_token)
+        self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, num_blocks * bs - 1)
         if self.max_model_len < 2:
             raise ValueError(f"the MLA cache ({num_blocks} blocks of {bs}) holds no request")
+        _check_device_memory(config, (num_blocks + 1) * bs * self.latent_bytes_per_token, self.device)
         self.scratch_block, self.scratch_slot = num_blocks, config.max_num_seqs
         self.max_blocks_per_seq = _cdiv(self.max_model_len + 1, bs)
         self.mla_cache = {i: torch.zeros((num_blocks + 1) * bs, width, device=self.device,

@@ -116,7 +116,7 @@ def test_preemption_keeps_outputs(model):
     """Seven blocks of 32 tokens for four sequences of ~60-90 tokens: preemption by
     recomputation must happen, and the prefix cache must give identical results."""
     prompts = [tokens(10 + i, 50 + 13 * i) for i in range(4)]
-    results = _run_pair(model, [prompts], num_blocks=7)
+    results = _run_pair(model, [prompts], num_blocks=7, max_model_len=7 * 32 - 1)
     _assert_same(results)
     assert results[True, "engine"].stats.num_preemptions > 0
     for p, o in zip(prompts, results[True][0]):
@@ -202,7 +202,7 @@ def test_no_leaks_under_random_workloads(model, requests, num_blocks):
     preempt: every request that ran to the end gives exactly the plain generate path's tokens,
     the runner's device block table always holds each running sequence's blocks, and afterwards
     every block, state slot, reference and KDA checkpoint id is free or stored again."""
-    eng = make_engine(model, num_blocks=num_blocks, max_num_batched_tokens=24)
+    eng = make_engine(model, num_blocks=num_blocks, max_num_batched_tokens=24, max_model_len=num_blocks * 32 - 1)
     base = tokens(99, 70)
     prompts, cancel_at = {}, {}
     for j, (family, length, max_tokens, cancel) in enumerate(requests):

@@ -128,7 +128,7 @@ def test_one_token_chunks_at_image_positions(model):
 def test_preemption_recomputes_images(model):
     images = [noise(10 + i, 84, 84) for i in range(3)]  # 9 tokens each
     prompts = [{"prompt": f"describe pic number {i}", "images": [im]} for i, im in enumerate(images)]  # 44 tokens
-    eng = make_engine(model, num_blocks=7, max_num_batched_tokens=32)
+    eng = make_engine(model, num_blocks=7, max_num_batched_tokens=32, max_model_len=7 * 16 - 1)
     outs = eng.generate(prompts, GREEDY)
     assert eng.stats.num_preemptions > 0
     for out, im in zip(outs, images):
