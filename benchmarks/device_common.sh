@@ -19,7 +19,7 @@ trap 'kill $saver 2>/dev/null; save_autotune' EXIT
 summary() { for f in "$OUT"/*.log; do echo "== $f"; tail -n 6 "$f"; done; }
 export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-cache
 gpu_tests() { local limit=$1; shift; timeout "$limit" python3 -m pytest -m gpu "$@" -q -p no:cacheprovider \
-  -rfE --tb=short >> "$OUT/gpu_tests.log" 2>&1; echo "== $*: rc $?" >> "$OUT/gpu_tests.log"; }
+  -rfE --tb=short >> "$OUT/${GPU_LOG:-gpu_tests}.log" 2>&1; echo "== $*: rc $?" >> "$OUT/${GPU_LOG:-gpu_tests}.log"; }
 train_run() {  # train_run SECONDS NAME NPROC EXTRA...: `openk3 train` from the current directory's
   local limit=$1 name=$2 n=$3; shift 3  # package (python -m puts the directory first on sys.path)
   timeout -k 10 "$limit" torchrun --nproc-per-node "$n" -m openk3 train --out "/tmp/runs/$name" \

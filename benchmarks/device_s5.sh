@@ -34,5 +34,23 @@ elif [ "$phase" = 2 ]; then
   }
   model 150 1 2 131072 262144 524288
   model 230 2 2 131072 262144 524288
+elif [ "$phase" = 3 ]; then
+  # the last call of the session's device time: P11's 2-GPU test and --cp 2 (phase 2 found the
+  # compile failure), then one GPU each: P10's tests and the 1M-token prompt; P12's rollouts
+  gpu_tests 100 -s tests/parallel/test_context_parallel.py
+  timeout -k 10 180 torchrun --standalone --nproc-per-node 2 benchmarks/kcp_bench.py model --cp 2 \
+    --steps 1 --seq-lens 131072 262144 524288 > "$OUT/kcp_model.log" 2>&1
+  echo "== rc $?" >> "$OUT/kcp_model.log"
+  ( export CUDA_VISIBLE_DEVICES=0
+    gpu_tests 100 -k "mxfp8 or qat" tests/train/test_qat.py tests/ops/test_mx_kernels.py \
+      tests/checkpoint/test_packed_load.py
+    timeout -k 5 150 python3 benchmarks/serve_bench.py --parts million > "$OUT/million.log" 2>&1
+    echo "== rc $?" >> "$OUT/million.log" ) & a=$!
+  ( export CUDA_VISIBLE_DEVICES=1 GPU_LOG=gpu_tests_1
+    timeout -k 5 165 python3 benchmarks/rollout_bench.py --preset small --device cuda --lengths heavy \
+      --prompts-per-step 16 --group-size 8 --max-new-tokens 1024 --steps 6 --finish-fraction 0.5 0.75 \
+      > "$OUT/rollout_heavy1024.log" 2>&1; echo "== rc $?" >> "$OUT/rollout_heavy1024.log"
+    gpu_tests 55 tests/posttrain ) & b=$!
+  wait $a $b
 fi
 summary
