@@ -7,7 +7,8 @@
 #      2-GPU context-parallel test and the KDA KCP benchmark at 256K tokens.
 #   2: P11: `small` training at 128K-512K tokens with and without --cp 2; then serving one
 #      1M-token prompt on one GPU.
-#   3: P9 speculative decoding and P12 rollouts (one GPU each).
+#   3: P11's 2-GPU runs again, then P10 tests, the 1M-token prompt and P12 rollouts (not run:
+#      no 2-GPU machine was lent); 4: the single-GPU part of 3, run instead (kind nvidia-h200).
 source "$(dirname "$0")/device_common.sh"
 phase=${1:?phase 1, 2 or 3}
 small() {  # small SECONDS NAME NPROC: 40 steps of `small` for tokens/s (no compile: startup)
@@ -52,5 +53,16 @@ elif [ "$phase" = 3 ]; then
       > "$OUT/rollout_heavy1024.log" 2>&1; echo "== rc $?" >> "$OUT/rollout_heavy1024.log"
     gpu_tests 55 tests/posttrain ) & b=$!
   wait $a $b
+elif [ "$phase" = 4 ]; then
+  # phase 3 on one GPU (only nvidia-h200 was lent for the last call): P10's tests, the 1M-token
+  # prompt, P12's rollouts and tests, one after the other
+  gpu_tests 100 -k "mxfp8 or qat" tests/train/test_qat.py tests/ops/test_mx_kernels.py \
+    tests/checkpoint/test_packed_load.py
+  timeout -k 5 150 python3 benchmarks/serve_bench.py --parts million > "$OUT/million.log" 2>&1
+  echo "== rc $?" >> "$OUT/million.log"
+  timeout -k 5 165 python3 benchmarks/rollout_bench.py --preset small --device cuda --lengths heavy \
+    --prompts-per-step 16 --group-size 8 --max-new-tokens 1024 --steps 6 --finish-fraction 0.5 0.75 \
+    > "$OUT/rollout_heavy1024.log" 2>&1; echo "== rc $?" >> "$OUT/rollout_heavy1024.log"
+  gpu_tests 50 tests/posttrain
 fi
 summary
