@@ -140,7 +140,10 @@ def test_unroll_feeds_the_drafts_own_state():
     f2[:, 5] += 1.0
     outs2 = draft_unroll(draft, f2, target.model.embed_tokens, ids, 2)
     for i in range(2):
-        assert torch.equal(outs[i][:, :5], outs2[i][:, :5])  # causal: earlier chains unchanged
+        # causal: earlier chains unchanged, up to fp32 rounding: position 5's new routing changes
+        # how many rows each expert's matmul has, and on some CPUs (seen 2026-12-01) the BLAS
+        # blocking for another row count rounds the other rows differently in the last bit
+        torch.testing.assert_close(outs[i][:, :5], outs2[i][:, :5], rtol=1e-6, atol=1e-6)
         assert not torch.allclose(outs[i][:, 5], outs2[i][:, 5])
 
 
