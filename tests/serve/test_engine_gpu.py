@@ -123,9 +123,9 @@ def test_decode_step_copies_one_tensor_to_the_device_at_any_context(graphs):
     eng = make_engine(graphs)
     counts, execute = [], eng.runner.execute
 
-    def counting(out):
+    def counting(out, draft_tokens=None):
         with HostToDevice() as mode:
-            result = execute(out)
+            result = execute(out, draft_tokens)
         if all(n == 1 for _, n in out.scheduled):
             counts.append((mode.count, expected_copies(out), len(out.scheduled),
                            len(out.block_table_updates), len(out.kda_restores), len(out.kda_resets),
