@@ -170,8 +170,8 @@ class EagleDrafter(DraftProposer):
         table = runner.block_tables[slots, :width]
         paged = table.gather(1, pos // bs).long() * bs + pos % bs
         new_rows = torch.where(j < kept[:, None], paged, runner.scratch_block * bs)
-        batch = DecodeBatch(new_rows.flatten(), table.repeat_interleave(T, dim=0), (pos + 1).flatten(), bs,
-                            base.repeat_interleave(T))
+        batch = DecodeBatch(new_rows.flatten(), table[:, None].expand(-1, T, -1).flatten(0, 1), (pos + 1).flatten(),
+                            bs, base[:, None].expand(-1, T).flatten())
         g = self.draft(self.draft.fc(features), self.embed(next_ids), PagedMLAView(self.cache, batch))
         self.last.index_copy_(0, slots, g[torch.arange(len(g), device=g.device), kept - 1])
 

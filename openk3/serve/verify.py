@@ -119,10 +119,9 @@ class VerifyStep:
         are overwritten before anything reads them."""
         if self._commit is None:
             raise RuntimeError("verify: commit without a forward to commit")
-        pad = self._rows - len(num_kept)
-        (kept,) = self.runner.host_tensor(list(num_kept) + [1] * pad)
+        (kept,) = self.runner.host_tensor(list(num_kept) + [1] * (self._rows - len(num_kept)))
         commit, self._commit = self._commit, None
-        commit(kept if self.graphs.enabled else kept.to(self.runner.device, non_blocking=True))
+        commit(kept.to(self.runner.device, non_blocking=True))
 
     def _forward(self, meta: torch.Tensor, drafts: torch.Tensor, width: int):
         """The pass: meta [4, B] on the device (state slots, the last token's positions, draft
@@ -136,7 +135,8 @@ class VerifyStep:
         table = runner.block_tables[slots, :width]                                    # [B, W] int32
         paged = table.gather(1, pos // bs).long() * bs + pos % bs
         new_rows = torch.where(j <= ks[:, None], paged, runner.scratch_block * bs)
-        batch = DecodeBatch(new_rows.flatten(), table.repeat_interleave(T, dim=0), (pos + 1).flatten(), bs)
+        tables = table[:, None].expand(-1, T, -1).flatten(0, 1)  # [B*T, W]: one row per query
+        batch = DecodeBatch(new_rows.flatten(), tables, (pos + 1).flatten(), bs)
         segments: list[_Segment] = []
         cfg = runner.cfg
         views = [PagedMLAView(runner.mla_cache[i], batch) if i in runner.mla_cache else
