@@ -90,13 +90,14 @@ class EagleDrafter(DraftProposer):
 
     # The chain: propose.
 
-    def _chain_step(self, state: torch.Tensor, drawn: torch.Tensor, step: torch.Tensor | int, rows: torch.Tensor,
-                    width: int) -> torch.Tensor:
-        """Step i (``step``: an int, or a 0-d tensor in a CUDA graph) of every chain, in place: state [B, d] the previous step's g (the
-        new g on return), drawn [B] the draws d_i, rows [4, B] each row's tokens n, state slot,
-        ``base`` and draft count k (padding rows: k = 0). A row with k > i computes position
-        n - 2 + i of its chain, reading its cache from ``base`` up to it (``width`` block-table
-        columns); the others are padding rows. Returns the logits [B, V] fp32 of d_{i+1}."""
+    def _chain_step(self, state: torch.Tensor, drawn: torch.Tensor, step: torch.Tensor | int,
+                    rows: torch.Tensor, width: int) -> torch.Tensor:
+        """Step i (``step``: an int, or a 0-d tensor in a CUDA graph) of every chain, in place:
+        state [B, d] the previous step's g (the new g on return), drawn [B] the draws d_i, rows
+        [4, B] each row's tokens n, state slot, ``base`` and draft count k (padding rows: k = 0).
+        A row with k > i computes position n - 2 + i of its chain, reading its cache from
+        ``base`` up to it (``width`` block-table columns); the others are padding rows. Returns
+        the logits [B, V] fp32 of d_{i+1}."""
         runner, bs = self.runner, self.runner.block_size
         num_tokens, slots, base, ks = rows
         live = step < ks
@@ -126,7 +127,7 @@ class EagleDrafter(DraftProposer):
         runner = self.runner
         runner.update_block_tables(out)  # the chain writes latents in the blocks this step appends
         n, ks = len(seqs), [out.num_draft_tokens[s.request_id] for s in seqs]
-        graph = self.graphs.get(("chain", bucket(n)), lambda pool: self._capture_chain(bucket(n), pool))
+        graph = self.graphs.get_or_capture(("chain", bucket(n)), lambda pool: self._capture_chain(bucket(n), pool))
         B = bucket(n) if graph is not None else n
         pad = B - n
         rows = runner.host_tensor([s.num_tokens for s in seqs] + [0] * pad,
@@ -187,7 +188,7 @@ class EagleDrafter(DraftProposer):
         """``observe`` of the verified sequences (fixed shape)."""
         runner, T = self.runner, self.K + 1
         n = len(result.verified)
-        graph = self.graphs.get(("observe", bucket(n)), lambda pool: self._capture_observe(bucket(n), pool))
+        graph = self.graphs.get_or_capture(("observe", bucket(n)), lambda pool: self._capture_observe(bucket(n), pool))
         B = bucket(n) if graph is not None else n
         meta, end = [[0] * T + [0, runner.scratch_slot, 0, 1] for _ in range(B)], 1
         for b, seq in enumerate(result.verified):
@@ -195,7 +196,8 @@ class EagleDrafter(DraftProposer):
                 continue
             slot, first = seq.state_slot, self.length[seq.state_slot]
             kept = seq.num_computed_tokens - first
-            meta[b] = seq.token_ids[first + 1:first + kept + 1] + [0] * (T - kept) + [first, slot, self.base[slot], kept]
+            next_ids = seq.token_ids[first + 1:first + kept + 1] + [0] * (T - kept)
+            meta[b] = next_ids + [first, slot, self.base[slot], kept]
             self.length[slot], end = first + kept, max(end, first + kept)
         meta = torch.tensor(meta, dtype=torch.long, pin_memory=runner.device.type == "cuda")
         if graph is not None:

@@ -52,29 +52,29 @@ class CapturedGraph:
         return self.outputs
 
 
-class Graphs:
+class Graphs(dict):
     """Graphs by key (a batch bucket), captured on first use into one memory pool; ``enabled``
     False (or a capture that failed, after one warning) means the caller runs eagerly."""
 
     def __init__(self, enabled: bool):
+        super().__init__()
         self.enabled = enabled
-        self.graphs: dict = {}
         self.pool = None
 
-    def get(self, key, make: Callable):
+    def get_or_capture(self, key, make: Callable):
         """The graph of ``key``, captured by ``make(pool)`` the first time; None while disabled."""
         if not self.enabled:
             return None
-        if key not in self.graphs:
+        if key not in self:
             try:
                 if self.pool is None:
                     self.pool = torch.cuda.graph_pool_handle()
-                self.graphs[key] = make(self.pool)
+                self[key] = make(self.pool)
             except RuntimeError as e:  # an op of the pass cannot be captured
                 warnings.warn(f"CUDA graph capture failed ({e}); running this pass eagerly from now on")
                 self.enabled = False
                 return None
-        return self.graphs[key]
+        return self[key]
 
 
 def bucket(n: int) -> int:

@@ -484,7 +484,7 @@ class ModelRunner:
         features [B, 3d] (None without ``feature_blocks``); under a CUDA graph both are static
         tensors that the next decode pass overwrites."""
         B = inputs.shape[1]
-        graph = self._graphs.get(B, lambda pool: CapturedGraph(
+        graph = self._graphs.get_or_capture(B, lambda pool: CapturedGraph(
             lambda x: self._decode_forward(x, self.max_blocks_per_seq),
             [self.host_tensor([0] * B, [1] * B, [self.scratch_slot] * B).to(self.device)], pool))
         if graph is not None:

@@ -93,7 +93,7 @@ class VerifyStep:
         runner, n = self.runner, len(seqs)
         if drafts.shape != (n, self.T - 1):
             raise ValueError(f"verify: `drafts` must be [{n}, K={self.T - 1}], got {list(drafts.shape)}")
-        graph = self.graphs.get(bucket(n), lambda pool: _VerifyGraphs(self, bucket(n), pool))
+        graph = self.graphs.get_or_capture(bucket(n), lambda pool: _VerifyGraphs(self, bucket(n), pool))
         B = bucket(n) if graph is not None else n
         pad = B - n
         meta = runner.host_tensor([s.state_slot for s in seqs] + [runner.scratch_slot] * pad,

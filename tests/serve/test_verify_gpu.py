@@ -8,7 +8,6 @@ device: ``pytest -m gpu tests/serve/test_verify_gpu.py``."""
 from __future__ import annotations
 
 import copy
-import dataclasses
 
 import pytest
 import torch
