@@ -2,12 +2,14 @@
 
 For a target (a training run or HF checkpoint directory, or a preset with random weights) and
 one or more drafts (EAGLE-3 draft directories from ``openk3 train-draft``, ``mtp`` for the
-target's own MTP layer, ``random`` for an untrained EAGLE-3 draft, or a separate draft model's
-directory), the engine generates ``--max-tokens`` tokens for each of ``--num-prompts`` prompts
-taken from the embedded corpus (``openk3/train/corpus.py``: the stdlib, tokenised with the
-target's tokenizer), at every temperature, batch size (``max_num_seqs``: at most that many
-requests run at once) and K of the arguments, and without speculation (K = 0) in the same run as
-the baseline. Stop tokens are off, so every request generates exactly ``--max-tokens`` tokens.
+target's own MTP layer, ``random`` for an untrained EAGLE-3 draft, ``self`` for the target as its
+own separate draft model (every draft accepted: the ``Drafter`` path at full acceptance), or a
+separate draft model's directory), the engine generates ``--max-tokens`` tokens for each of
+``--num-prompts`` prompts taken from the embedded corpus (``openk3/train/corpus.py``: the stdlib,
+tokenised with the target's tokenizer), at every temperature, batch size (``max_num_seqs``: at
+most that many requests run at once) and K of the arguments, and without speculation (K = 0) in
+the same run as the baseline. Stop tokens are off, so every request generates exactly
+``--max-tokens`` tokens.
 
 Columns:
     accepted/verify: accepted draft tokens per verify step of one sequence
@@ -15,26 +17,44 @@ Columns:
     tokens/verify: tokens emitted per verify step, ``1 + accepted/verify`` (the accepted drafts
         and the corrected or bonus token; vLLM's "mean acceptance length");
     acceptance: accepted / proposed draft tokens;
+    ms/step: mean wall time of an engine step in which every scheduled sequence decodes (K = 0)
+        or verifies drafts (K > 0): a plain decode step, or a verify step with its K draft
+        proposals, the verification, the rollback and the draft's update;
+    plain ms/step: the K = 0 row's, for comparison;
     tok/s: generated tokens per second of wall time (all requests, prefill included);
     speed-up: tok/s over the K = 0 row of the same temperature and batch.
+
+``--profile`` runs the first speculative configuration once more under ``torch.profiler`` over a
+window of steady-state verify steps (every sequence decoding) and writes a summary to
+``$OUT/spec_profile.txt`` (stdout without $OUT): the top ops by self device time (self CPU time
+on a CPU), and per verify step the kernels run, the kernel and graph launch calls, and the host
+synchronisations (``cudaStreamSynchronize`` and the like). On a CPU, where nothing synchronises,
+it counts instead what would on a GPU: ops dispatched (kernel equivalents), device reads
+(``tolist``, ``item``, ``cpu``) and host tensors built straight onto a device
+(``torch.tensor(..., device=...)``, a blocking copy on a GPU).
 
 Issue #14's targets (on the device, ``small`` trained on the corpus, its draft trained with LK
 and KL): tokens/verify >= 3 at K = 7 and a batch-1 speed-up >= 2x.
 
     python benchmarks/spec_bench.py --checkpoint runs/small --drafts runs/draft-lk runs/draft-kl \
         --json $OUT/spec_bench.json
+    python benchmarks/spec_bench.py --preset small --drafts random self --batch 1 --K 3 7 \
+        --temperatures 0 --num-prompts 4 --max-tokens 64 --profile     # mechanics, ~2 min on an H200
     python benchmarks/spec_bench.py --preset debug --drafts random --device cpu --num-prompts 4 \
-        --max-tokens 16 --batch 1 2 --K 3       # a CPU sanity run
+        --max-tokens 16 --batch 1 2 --K 3 --profile                    # a CPU sanity run
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
 import time
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from openk3.model.draft import DraftConfig, Eagle3Draft
 from openk3.runtime import load_draft_model, load_model
@@ -64,6 +84,8 @@ def make_draft(spec: str, target, device, dtype):
             draft = Eagle3Draft(DraftConfig.for_target(target.cfg, "random"))
         draft.init_weights(0)
         return draft
+    if spec == "self":
+        return target
     return load_draft_model(spec, device, dtype, target=target)
 
 
@@ -72,33 +94,164 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def run(target, tokenizer, prompts, args, temperature: float, batch: int, K: int, draft) -> dict:
+def make_engine(target, tokenizer, args, batch: int, K: int, draft) -> LLMEngine:
     config = EngineConfig(max_num_seqs=batch, max_model_len=args.prompt_len + args.max_tokens + 8,
                           enable_prefix_caching=False, num_speculative_tokens=K,
                           max_num_batched_tokens=max(args.prompt_len, 1024))
-    eng = LLMEngine(target, tokenizer, config, eos_token_ids=(), draft_model=draft)
+    return LLMEngine(target, tokenizer, config, eos_token_ids=(), draft_model=draft)
+
+
+def steady(eng: LLMEngine) -> bool:
+    """Every unfinished request is running and decoding: the next step decodes or verifies only."""
+    s = eng.scheduler
+    return not s.waiting and bool(s.running) and not any(q.is_prefill for q in s.running)
+
+
+def timed_generate(eng: LLMEngine, prompts, params) -> tuple[float, list[float]]:
+    """Run the requests to completion: (seconds, wall times of the steady steps in seconds)."""
+    device = eng.runner.device
+    for p, sp in zip(prompts, params):
+        eng.add_request(p, sp)
+    steps = []
+    sync(device)
+    t0 = time.perf_counter()
+    while eng.has_unfinished():
+        was_steady = steady(eng)
+        t = time.perf_counter()
+        eng.step()
+        if was_steady:
+            sync(device)
+            steps.append(time.perf_counter() - t)
+    sync(device)
+    return time.perf_counter() - t0, steps
+
+
+def run(target, tokenizer, prompts, args, temperature: float, batch: int, K: int, draft) -> dict:
+    eng = make_engine(target, tokenizer, args, batch, K, draft)
     params = [SamplingParams(temperature=temperature, seed=i, max_tokens=args.max_tokens)
               for i in range(len(prompts))]
     eng.generate(prompts[:batch], params[:batch])  # warm-up: kernels, graphs, allocator
     eng.stats = type(eng.stats)()
-    device = eng.runner.device
-    sync(device)
-    t0 = time.perf_counter()
-    outs = eng.generate(prompts, params)
-    sync(device)
-    dt = time.perf_counter() - t0
+    dt, steps = timed_generate(eng, prompts, params)
     s = eng.stats
-    n = sum(len(o.token_ids) for o in outs)
+    n = s.generation_tokens
     accepted = s.spec_mean_accepted_tokens
     return {"temperature": temperature, "batch": batch, "K": K, "tokens": n, "seconds": dt,
             "tok_s": n / dt, "accepted_per_verify": accepted if K else None,
             "tokens_per_verify": accepted + 1 if K else None,
-            "acceptance": s.spec_acceptance_rate if K else None, "verify_steps": s.spec_verifications}
+            "acceptance": s.spec_acceptance_rate if K else None, "verify_steps": s.spec_verifications,
+            "ms_per_step": 1e3 * sum(steps) / max(1, len(steps)), "steady_steps": len(steps)}
+
+
+def serving_code(frame) -> bool:
+    """Whether ``frame`` runs openk3 code outside the ops and the model."""
+    name = frame.f_code.co_filename.replace(os.sep, "/")
+    return "/openk3/" in name and "/openk3/ops/" not in name and "/openk3/model/" not in name
+
+
+class HostCounts(TorchDispatchMode):
+    """On a CPU: ops dispatched (each a kernel on a GPU; views excluded), device reads
+    (``tolist``, ``item``, ``cpu`` of a tensor that would live on the GPU: each a
+    synchronisation there) and tensors built from host data with ``device=``
+    (``torch.tensor(data, device=...)``: a blocking copy on a GPU). A tensor built from host data
+    without ``device=`` is a host tensor on a GPU too: reading it is not counted. Reads and uploads
+    are counted in the serving code only: ``openk3/ops`` and ``openk3/model`` run their plain
+    PyTorch references on a CPU, which read the host where the GPU kernels do not."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = self.reads = self.blocking_uploads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += not func.is_view
+        return func(*args, **(kwargs or {}))
+
+    @contextlib.contextmanager
+    def patched(self):
+        originals = {name: getattr(torch.Tensor, name) for name in ("tolist", "item", "cpu")}
+        make = torch.tensor
+
+        def read(original):
+            def counted(t, *a, **kw):
+                self.reads += not getattr(t, "_host_data", False) and serving_code(sys._getframe(1))
+                return original(t, *a, **kw)
+            return counted
+
+        def tensor(*a, **kw):
+            t = make(*a, **kw)
+            if kw.get("device") is None:
+                t._host_data = True
+            else:
+                self.blocking_uploads += serving_code(sys._getframe(1))
+            return t
+
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, read(original))
+        torch.tensor = tensor
+        try:
+            with self:
+                yield self
+        finally:
+            for name, original in originals.items():
+                setattr(torch.Tensor, name, original)
+            torch.tensor = make
+
+
+def profile_steps(target, tokenizer, prompts, args, temperature: float, batch: int, K: int, draft,
+                  num_steps: int = 8) -> str:
+    """The summary of ``--profile``: ``num_steps`` steady verify steps under the profiler."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    eng = make_engine(target, tokenizer, args, batch, K, draft)
+    params = [SamplingParams(temperature=temperature, seed=i, max_tokens=args.max_tokens)
+              for i in range(len(prompts))]
+    eng.generate(prompts[:batch], params[:batch])  # warm-up
+    for p, sp in zip(prompts[:batch], params[:batch]):
+        eng.add_request(p, sp)
+    while eng.has_unfinished() and not steady(eng):
+        eng.step()
+    device = eng.runner.device
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda
+    counts = HostCounts()
+    verified, steps = eng.stats.spec_verifications, 0
+    sync(device)
+    t = time.perf_counter()
+    with torch_profile(activities=activities) as prof, (contextlib.nullcontext() if cuda else counts.patched()):
+        while steps < num_steps and eng.has_unfinished() and steady(eng):
+            eng.step()
+            steps += 1
+        sync(device)
+    wall = time.perf_counter() - t
+    verified = eng.stats.spec_verifications - verified
+    while eng.has_unfinished():
+        eng.step()
+    per = max(1, steps)
+    lines = [(f"profile: batch {batch}, K {K}, temperature {temperature}, {steps} steady steps "
+              f"({verified} sequence verifications), {1e3 * wall / per:.2f} ms per step under the profiler")]
+    events = prof.events()
+    if cuda:
+        kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+        names = {"launches": ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC"),
+                 "graph launches": ("cudaGraphLaunch",),
+                 "host syncs": ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
+                                "cudaMemcpy")}
+        lines.append(f"per step: {len(kernels) / per:.1f} kernels run, " + ", ".join(
+            f"{sum(e.name in n for e in events) / per:.1f} {what}" for what, n in names.items()))
+        lines.append(f"GPU busy per step: {sum(e.time_range.elapsed_us() for e in kernels) / per / 1e3:.2f} ms")
+        sort = "self_device_time_total"
+    else:
+        lines.append(f"per step: {counts.ops / per:.1f} ops dispatched (kernel equivalents), "
+                     f"{counts.reads / per:.1f} device reads, {counts.blocking_uploads / per:.1f} blocking uploads")
+        sort = "self_cpu_time_total"
+    lines.append(prof.key_averages().table(sort_by=sort, row_limit=30))
+    return "\n".join(lines)
 
 
 def print_table(rows: list[dict]) -> None:
     cols = ["draft", "temperature", "batch", "K", "accepted_per_verify", "tokens_per_verify", "acceptance",
-            "tok_s", "speed_up"]
+            "ms_per_step", "plain_ms_per_step", "tok_s", "speed_up"]
     print(" | ".join(cols))
     for r in rows:
         print(" | ".join("-" if r.get(c) is None else f"{r[c]:.3g}" if isinstance(r[c], float) else str(r[c])
@@ -111,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--checkpoint", help="the target: a training run or HF checkpoint directory")
     g.add_argument("--preset", help="the target: a preset with random weights (a sanity run)")
     p.add_argument("--drafts", nargs="+", required=True,
-                   help="EAGLE-3 draft directories, 'mtp', 'random', or draft model directories")
+                   help="EAGLE-3 draft directories, 'mtp', 'random', 'self', or draft model directories")
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=128)
@@ -121,6 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
     p.add_argument("--json", default=None, help="write the rows here")
+    p.add_argument("--profile", action="store_true",
+                   help="profile the first speculative configuration (summary in $OUT/spec_profile.txt)")
     args = p.parse_args(argv)
 
     target, tokenizer, name = load_model(args.checkpoint, args.preset, random_init=args.preset is not None,
@@ -139,7 +294,8 @@ def main(argv: list[str] | None = None) -> int:
             for spec, draft in drafts.items():
                 for K in args.K:
                     r = run(target, tokenizer, prompts, args, temperature, batch, K, draft)
-                    rows.append({"draft": spec, **r, "speed_up": r["tok_s"] / base["tok_s"]})
+                    rows.append({"draft": spec, **r, "plain_ms_per_step": base["ms_per_step"],
+                                 "speed_up": r["tok_s"] / base["tok_s"]})
                     print_table(rows[-1:])
     print()
     print_table(rows)
@@ -147,6 +303,17 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as fh:
             json.dump({"target": name, "device": str(device), "dtype": str(dtype), "args": vars(args),
                        "rows": rows}, fh, indent=1)
+    if args.profile:
+        spec = args.drafts[0]
+        summary = f"draft {spec}\n" + profile_steps(target, tokenizer, prompts, args, args.temperatures[0],
+                                                     args.batch[0], args.K[0], drafts[spec])
+        out = os.environ.get("OUT")
+        if out:
+            with open(os.path.join(out, "spec_profile.txt"), "w") as fh:
+                fh.write(summary + "\n")
+            print(f"profile summary in {os.path.join(out, 'spec_profile.txt')}", file=sys.stderr)
+        else:
+            print(summary)
     return 0
 
 

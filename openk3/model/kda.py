@@ -12,7 +12,7 @@ from openk3.config import ModelConfig
 from openk3.model.cache import KDAState
 from openk3.model.fuse import fuse_weights, is_fused
 from openk3.ops.conv import causal_conv1d
-from openk3.ops.kda import kda
+from openk3.ops.kda import kda, kda_verify
 from openk3.ops.norm import gated_rms_norm
 
 
@@ -66,31 +66,46 @@ class KDAttention(nn.Module):
 
         ``state`` is anything with ``recurrent``, ``conv_q/k/v``, ``cu_seqlens`` and
         ``cu_seqlens_cpu`` attributes:
-        the generate path's ``KDAState`` or the serving engine's view onto its state pool."""
+        the generate path's ``KDAState`` or the serving engine's view onto its state pool.
+
+        A state with a ``keep_segment`` method (the serving engine's speculative verify step,
+        ``openk3/serve/verify.py``: T = K + 1 positions per row, of which only the first few
+        will be kept) is read and not written: the segment runs from it with ``kda_verify``,
+        and ``keep_segment(self, q, k, v, f, beta, conv_inputs)`` receives what writing the state
+        after the kept positions needs (``rollback_recompute_``, ``conv_state_rollback``):
+        q, k, v ``[B, T, H, K]`` after the short convolutions, f ``[B, T, H, K]``, beta
+        ``[B, T, H]`` and the convolutions' inputs (q, k, v ``[B, T, H*K]`` each)."""
         B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
         st = state or KDAState()
-        (q, k, v), conv_states, (gate, f, b) = self._convolved_projections(x, st)
+        (q, k, v), conv_states, (gate, f, b), conv_inputs = self._convolved_projections(x, st)
+        q, k, v = (t.view(B, T, H, K) for t in (q, k, v))
         f = self.f_b_proj(f).view(B, T, H, K)
         beta = torch.sigmoid(b.float())  # [B, T, H]
-        o, final = kda(
-            q.view(B, T, H, K), k.view(B, T, H, K), v.view(B, T, H, K), f, beta,
-            self.A_log, self.dt_bias, lower_bound=self.cfg.kda_gate_lower_bound,
-            initial_state=st.recurrent, output_final_state=state is not None,
-            cu_seqlens=st.cu_seqlens, cu_seqlens_cpu=st.cu_seqlens_cpu,
-        )
-        if state is not None:
-            state.recurrent = final
-            state.conv_q, state.conv_k, state.conv_v = conv_states
+        keep_segment = getattr(state, "keep_segment", None)
+        if keep_segment is not None:
+            o, _ = kda_verify(q, k, v, f, beta, self.A_log, self.dt_bias, initial_state=st.recurrent,
+                              lower_bound=self.cfg.kda_gate_lower_bound, output_states=False)
+            keep_segment(self, q, k, v, f, beta, conv_inputs)
+        else:
+            o, final = kda(
+                q, k, v, f, beta, self.A_log, self.dt_bias, lower_bound=self.cfg.kda_gate_lower_bound,
+                initial_state=st.recurrent, output_final_state=state is not None,
+                cu_seqlens=st.cu_seqlens, cu_seqlens_cpu=st.cu_seqlens_cpu,
+            )
+            if state is not None:
+                state.recurrent = final
+                state.conv_q, state.conv_k, state.conv_v = conv_states
         if not self.cfg.is_k3:
             gate = self.g_b_proj(gate)
         o = gated_rms_norm(o, self.o_norm.weight, gate.view(B, T, H, K), self.cfg.rms_norm_eps)
         return self.o_proj(o.reshape(B, T, H * K))
 
-    def _convolved_projections(self, x: torch.Tensor, st: KDAState) -> tuple[tuple, tuple, tuple]:
+    def _convolved_projections(self, x: torch.Tensor, st: KDAState) -> tuple[tuple, tuple, tuple, tuple]:
         """The projections of x [B, T, d] and the short convolutions of q, k, v: returns
         ``(q, k, v)`` [B, T, H*K] after the convolutions, their new conv states [B, H*K, W-1]
-        (``[N, H*K, W-1]`` packed) and the first projections of the gate, f and beta.
+        (``[N, H*K, W-1]`` packed), the first projections of the gate, f and beta, and the
+        convolutions' inputs (q, k, v [B, T, H*K] before them).
 
         Fused: one GEMM, then one convolution over the q|k|v columns with the three conv states
         side by side (the convolution is depthwise: the same result as one call per part)."""
@@ -99,15 +114,15 @@ class KDAttention(nn.Module):
         projections, convs = self.input_projections(), self.short_convs()
         if is_fused(self.fused_proj, projections) and is_fused(self.fused_conv, convs):
             HK = self.num_heads * self.head_dim
-            qkv, *rest = F.linear(x, self.fused_proj).split(
+            qkv_in, *rest = F.linear(x, self.fused_proj).split(
                 [3 * HK] + [m.out_features for m in projections[3:]], dim=-1)
             state = None if states[0] is None else torch.cat(states, dim=1)  # [B, 3*H*K, W-1]
-            qkv, state = causal_conv1d(qkv, self.fused_conv, state, cu, cu_cpu)
-            return qkv.split(HK, dim=-1), state.split(HK, dim=1), tuple(rest)
+            qkv, state = causal_conv1d(qkv_in, self.fused_conv, state, cu, cu_cpu)
+            return qkv.split(HK, dim=-1), state.split(HK, dim=1), tuple(rest), qkv_in.split(HK, dim=-1)
         q, k, v, *rest = (m(x) for m in projections)
         outs = [causal_conv1d(t, conv.weight, state, cu, cu_cpu)
                 for t, conv, state in zip((q, k, v), convs, states)]
-        return tuple(y for y, _ in outs), tuple(state for _, state in outs), tuple(rest)
+        return tuple(y for y, _ in outs), tuple(state for _, state in outs), tuple(rest), (q, k, v)
 
     @torch.no_grad()
     def init_weights(self) -> None:

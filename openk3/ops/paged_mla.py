@@ -9,6 +9,11 @@ same rows (multi-query attention with head dim R + P, values = the R-wide latent
     scores[b, h, t] = scale * (q_lat[b, h] . c[b, t] + q_rope[b, h] . k_r[b, t]),  t < context_lens[b]
     out[b, h]       = softmax_t(scores[b, h]) @ c[b]                                [B, H, R]
 
+Optionally a row reads only positions ``first_pos[b] <= t < context_lens[b]`` (the EAGLE-3 draft
+attends from where its cache of a sequence starts, ``openk3/serve/eagle.py``). Several query
+rows may share one cache row's blocks: a speculative verify step gives each of a sequence's
+``K + 1`` positions its own row, whose context ends at that position (the causal mask).
+
 * ``paged_mla_decode_ref``: plain PyTorch, the reference: gathers the table's blocks, masks past
   ``context_lens`` (the serving engine's former gather path).
 * ``paged_mla_decode``: the entry point. On CUDA (bf16, fp16 or fp32) a Triton kernel reads only
@@ -32,7 +37,7 @@ MAX_SPLITS = 128
 
 def paged_mla_decode_ref(q_lat: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor,
                          block_table: torch.Tensor, context_lens: torch.Tensor, block_size: int,
-                         scale: float) -> torch.Tensor:
+                         scale: float, first_pos: torch.Tensor | None = None) -> torch.Tensor:
     """The reference: gathers ``block_table``'s whole width (pass only the columns in use)."""
     B, W = block_table.shape
     R = q_lat.shape[-1]
@@ -42,12 +47,15 @@ def paged_mla_decode_ref(q_lat: torch.Tensor, q_rope: torch.Tensor, cache: torch
     c, k_r = ctx[..., :R], ctx[..., R:]
     scores = (torch.einsum("bhc,btc->bht", q_lat, c)
               + torch.einsum("bhr,btr->bht", q_rope, k_r)).float() * scale
-    scores = scores.masked_fill(pos[None, None, :] >= context_lens[:, None, None], float("-inf"))
+    outside = pos[None, :] >= context_lens[:, None]  # [B, L]
+    if first_pos is not None:
+        outside |= pos[None, :] < first_pos[:, None]
+    scores = scores.masked_fill(outside[:, None, :], float("-inf"))
     p = torch.softmax(scores, dim=-1).to(c.dtype)
     return torch.einsum("bht,btc->bhc", p, c)
 
 
-def _validate(q_lat, q_rope, cache, block_table, context_lens, block_size) -> None:
+def _validate(q_lat, q_rope, cache, block_table, context_lens, block_size, first_pos) -> None:
     if q_lat.dim() != 3 or q_rope.dim() != 3 or q_lat.shape[:2] != q_rope.shape[:2]:
         raise ValueError(f"`q_lat` [B, H, R] and `q_rope` [B, H, P] must agree, got "
                          f"{list(q_lat.shape)} and {list(q_rope.shape)}")
@@ -62,17 +70,20 @@ def _validate(q_lat, q_rope, cache, block_table, context_lens, block_size) -> No
         raise ValueError(f"`block_table` must be [B, max_blocks] with B = {B}, got {list(block_table.shape)}")
     if context_lens.shape != (B,):
         raise ValueError(f"`context_lens` must be [B] = [{B}], got {list(context_lens.shape)}")
+    if first_pos is not None and (first_pos.shape != (B,) or first_pos.dtype != context_lens.dtype):
+        raise ValueError(f"`first_pos` must be [B] = [{B}] of context_lens' dtype {context_lens.dtype}, "
+                         f"got {first_pos.dtype} {list(first_pos.shape)}")
     if block_size <= 0:
         raise ValueError(f"`block_size` must be positive, got {block_size}")
     for name, t in (("q_rope", q_rope), ("cache", cache), ("block_table", block_table),
-                    ("context_lens", context_lens)):
-        if t.device != q_lat.device:
+                    ("context_lens", context_lens), ("first_pos", first_pos)):
+        if t is not None and t.device != q_lat.device:
             raise ValueError(f"`{name}` is on {t.device}, q_lat on {q_lat.device}")
 
 
 def paged_mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor,
                      block_table: torch.Tensor, context_lens: torch.Tensor, block_size: int,
-                     scale: float) -> torch.Tensor:
+                     scale: float, first_pos: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention of one token per row over its paged latent cache.
 
     Args:
@@ -84,6 +95,8 @@ def paged_mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, cache: torch.Ten
         context_lens: [B] int tokens per row, >= 1 (the row's new token included).
         block_size: tokens per block.
         scale: softmax scale.
+        first_pos: [B] the first position each row reads (None: 0), below its context length;
+            the blocks before it are not read.
 
     Returns:
         [B, H, R] the attention-weighted latent, in the queries' dtype.
@@ -96,10 +109,11 @@ def paged_mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, cache: torch.Ten
         >>> out.shape
         torch.Size([2, 2, 32])
     """
-    _validate(q_lat, q_rope, cache, block_table, context_lens, block_size)
+    _validate(q_lat, q_rope, cache, block_table, context_lens, block_size, first_pos)
     if use_fast_path(q_lat):
-        return _paged_mla_decode_triton(q_lat, q_rope, cache, block_table, context_lens, block_size, scale)
-    return paged_mla_decode_ref(q_lat, q_rope, cache, block_table, context_lens, block_size, scale)
+        return _paged_mla_decode_triton(q_lat, q_rope, cache, block_table, context_lens, block_size, scale,
+                                        first_pos)
+    return paged_mla_decode_ref(q_lat, q_rope, cache, block_table, context_lens, block_size, scale, first_pos)
 
 
 @functools.cache
@@ -113,7 +127,8 @@ def num_splits(batch: int, num_heads: int, device: torch.device) -> int:
     return max(1, min(MAX_SPLITS, 2 * _num_sms(device.index or 0) // tiles))
 
 
-def _paged_mla_decode_triton(q_lat, q_rope, cache, block_table, context_lens, block_size, scale):
+def _paged_mla_decode_triton(q_lat, q_rope, cache, block_table, context_lens, block_size, scale,
+                             first_pos=None):
     from openk3.ops.paged_mla_triton import paged_mla_decode_kernel
 
     B, H, R = q_lat.shape
@@ -128,11 +143,12 @@ def _paged_mla_decode_triton(q_lat, q_rope, cache, block_table, context_lens, bl
     fp32 = cache.dtype == torch.float32
     grid = (B, -(-H // BLOCK_H), splits)
     paged_mla_decode_kernel[grid](
-        q_lat, q_rope, cache, block_table, context_lens, o_part, lse_part,
+        q_lat, q_rope, cache, block_table, context_lens,
+        context_lens if first_pos is None else first_pos, o_part, lse_part,  # a pointer never read without it
         q_lat.stride(0), q_lat.stride(1), q_rope.stride(0), q_rope.stride(1), cache.stride(0),
         block_table.stride(0), H, block_size, scale,
         R=R, P=P, BLOCK_R=_next_power_of_2(R), BLOCK_P=_next_power_of_2(max(P, 16)),
-        BLOCK_H=BLOCK_H, BLOCK_N=16 if fp32 else 32, NUM_SPLITS=splits,
+        BLOCK_H=BLOCK_H, BLOCK_N=16 if fp32 else 32, NUM_SPLITS=splits, HAS_FIRST=first_pos is not None,
         PRECISION="ieee" if fp32 else "tf32", num_warps=4, num_stages=2,
     )
     if splits == 1:

@@ -1,8 +1,9 @@
 """The Triton kernel behind ``openk3.ops.paged_mla.paged_mla_decode`` (imported only on CUDA).
 
 One program per (row b, tile of BLOCK_H heads, context split). It walks its split of row b's
-tokens BLOCK_N at a time, fetching each token's cache row through the block table (so any
-block size works, 64 or 6144), and keeps an online softmax: running max ``m``, running sum
+tokens (positions ``first_pos[b] .. context_lens[b] - 1``, from 0 without ``HAS_FIRST``)
+BLOCK_N at a time, fetching each token's cache row through the block table (so any block size
+works, 64 or 6144), and keeps an online softmax: running max ``m``, running sum
 ``row_sum`` and the unnormalised output ``acc`` [BLOCK_H, R]. The split's normalised output and its
 log-sum-exp go to ``o_part`` / ``lse_part``; the caller merges the splits.
 """
@@ -15,11 +16,12 @@ import triton.language as tl
 
 @triton.jit
 def paged_mla_decode_kernel(
-    q_lat_ptr, q_rope_ptr, cache_ptr, block_table_ptr, context_lens_ptr, o_part_ptr, lse_part_ptr,
+    q_lat_ptr, q_rope_ptr, cache_ptr, block_table_ptr, context_lens_ptr, first_pos_ptr, o_part_ptr, lse_part_ptr,
     stride_ql_b, stride_ql_h, stride_qr_b, stride_qr_h, stride_cache, stride_table,
     num_heads, block_size, scale,
     R: tl.constexpr, P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_FIRST: tl.constexpr,
 ):
     b = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -34,10 +36,14 @@ def paged_mla_decode_kernel(
         q_rope = tl.load(q_rope_ptr + b * stride_qr_b + heads[:, None] * stride_qr_h + p[None, :],
                          mask=head_ok[:, None] & (p[None, :] < P), other=0.0)  # [BLOCK_H, BLOCK_P]
 
-    # this split's tokens: whole tiles of BLOCK_N, the last split possibly short or empty
+    # this split's tokens: whole tiles of BLOCK_N from the row's first position, the last split
+    # possibly short or empty
     context_len = tl.load(context_lens_ptr + b).to(tl.int32)
-    tiles_per_split = tl.cdiv(tl.cdiv(context_len, BLOCK_N), NUM_SPLITS)
-    start = split * tiles_per_split * BLOCK_N
+    first = 0
+    if HAS_FIRST:
+        first = tl.load(first_pos_ptr + b).to(tl.int32)
+    tiles_per_split = tl.cdiv(tl.cdiv(context_len - first, BLOCK_N), NUM_SPLITS)
+    start = first + split * tiles_per_split * BLOCK_N
     end = tl.minimum(context_len, start + tiles_per_split * BLOCK_N)
 
     m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)

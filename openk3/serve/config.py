@@ -52,7 +52,8 @@ class EngineConfig:
             ``openk3 train-draft``, or ``mtp`` (the target's own MTP layer); required when K > 0
             unless the engine is handed a draft model object.
     Runner:
-        cuda_graphs: capture decode steps as CUDA graphs, one per batch bucket (GPU fast paths
+        cuda_graphs: capture decode steps, and with speculative decoding the verify step, its
+            rollback and the drafts' steps, as CUDA graphs, one per batch bucket (GPU fast paths
             only: not with ``OPENK3_REFERENCE=1``).
     """
 

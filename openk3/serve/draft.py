@@ -13,12 +13,17 @@ MLA blocks, one KDA state slot per sequence slot), so the scheduler's block tabl
 resets, prefix-cache restores and KDA checkpoint saves apply to both models unchanged: the
 draft's caches hold, for every running sequence, exactly the tokens the target's hold.
 
-Per step (``propose``): the draft computes everything the target computes this step, except that
-a speculating sequence feeds only its last token; the draft's state after that token is kept
-(the runner's KDA snapshot pool), then the draft decodes ``k - 1`` more positions, sampling
-``d_1 .. d_k``. After verification (``rollback``) each speculating sequence's draft state is
-restored to that snapshot and its accepted drafts are run again, so the draft state again covers
-exactly the target's kept tokens.
+Per step (``propose``): the draft computes everything the target computes this step except the
+speculating sequences' tokens; it keeps their KDA states (a snapshot pool), then decodes their
+last token and ``k - 1`` drafts one position at a time, sampling ``d_1 .. d_k`` on the device
+(the runner's decode pass, a CUDA graph per batch bucket; rows that have made their ``k`` draws
+become padding rows). After verification (``rollback``) each speculating sequence's draft states
+go back to the snapshot and the draft runs the target's verify step over the same last token
+and drafts (``VerifyStep``: one fixed-shape pass, then the commit of the accepted positions), so
+its caches again hold exactly the target's kept tokens.
+
+Neither drafter reads the device while drafting: the loop (``sample_drafts``) draws every
+draft on the device, and its inputs travel to the device once per step.
 """
 
 from __future__ import annotations
@@ -26,10 +31,13 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+import torch.nn.functional as F
 
 from openk3.serve.config import EngineConfig
-from openk3.serve.model_runner import ModelRunner, StepResult, _cdiv
-from openk3.serve.sampler import SamplingParams, sample
+from openk3.serve.graphs import bucket
+from openk3.serve.model_runner import ModelRunner, StepResult
+from openk3.serve.paged_views import KDAPool
+from openk3.serve.sampler import SamplingParams, host_to_device, sample
 from openk3.serve.scheduler import SchedulerOutput
 from openk3.serve.sequence import Sequence
 from openk3.serve.speculative import sampling_probs
@@ -61,30 +69,28 @@ class DraftProposer:
         """The step's target output, after postprocess; nothing by default."""
 
 
-def sample_drafts(logits: torch.Tensor, ks: list[int], params: list[SamplingParams],
+def sample_drafts(logits: torch.Tensor, ks: list[int], K: int, params: list[SamplingParams],
                   generators: list[torch.Generator | None], advance) -> tuple[torch.Tensor, torch.Tensor]:
-    """The drafting loop of both drafters: draw d_1 of every chain from ``logits`` [B, V], then
-    ``advance(i, active, more, drawn)`` returns the logits [len(active), V] of d_{i+2} for the
-    chains ``active`` still drafting (``more``: their rows in the previous ``active``, ``drawn``
-    the previous draws). Chain b makes ``ks[b]`` draws.
+    """The drafting loop of both drafters, without reading the device: draw d_1 of every chain
+    from ``logits`` [n, V], then ``advance(i, drawn)`` (``drawn`` [n]: the draws d_{i+1}) returns
+    the logits [n, V] of d_{i+2} of every chain (fixed shapes: a chain that has made its draws is
+    computed on, and ignored). Chain b makes ``ks[b]`` <= K draws; a seeded request's generator
+    makes exactly those (``sampler.sample``), whatever the batch.
 
-    Returns (tokens [B, K] int64, probabilities [B, K, V] fp32: the distributions, after
-    ``sampling_probs``, the tokens were drawn from), K = max(ks); row b beyond ``ks[b]`` is -1 / 0."""
-    B, K, V = len(ks), max(ks), logits.shape[-1]
-    tokens = torch.full((B, K), -1, dtype=torch.long, device=logits.device)
-    probs = torch.zeros(B, K, V, device=logits.device)
-    active = list(range(B))  # rows still drafting; ``logits`` follows them
-    for i in range(K):
-        p, g = [params[b] for b in active], [generators[b] for b in active]
-        drawn, _ = sample(logits, p, g)
-        idx = torch.tensor(active, device=logits.device)
-        tokens[idx, i] = drawn
-        probs[idx, i] = sampling_probs(logits[:, None], p)[:, 0]
-        more = [j for j, b in enumerate(active) if ks[b] > i + 1]
-        if not more:
-            break
-        active = [active[j] for j in more]
-        logits = advance(i, active, more, drawn)
+    Returns (tokens [n, K] int64, probabilities [n, K, V] fp32: the distributions, after
+    ``sampling_probs``, the tokens were drawn from); row b beyond ``ks[b]`` is -1 / 0."""
+    n, V = logits.shape
+    tokens = torch.full((n, K), -1, dtype=torch.long, device=logits.device)
+    probs = torch.zeros(n, K, V, device=logits.device)
+    drafting = host_to_device(ks, logits.device)  # [n]
+    steps = max(ks)
+    for i in range(steps):
+        drawn, _ = sample(logits, params, [g if k > i else None for g, k in zip(generators, ks)])
+        live = drafting > i
+        tokens[:, i] = torch.where(live, drawn, -1)
+        probs[:, i] = sampling_probs(logits[:, None], params)[:, 0] * live[:, None]
+        if i + 1 < steps:
+            logits = advance(i, drawn)
     return tokens, probs
 
 
@@ -93,9 +99,13 @@ class Drafter(DraftProposer):
     runner's, so that both runners share the scheduler's block layout."""
 
     def __init__(self, model, config: EngineConfig, num_blocks: int, max_model_len: int):
-        # eager: the draft decodes a few rows at a time, with host-side control between them
-        self.runner = ModelRunner(model, dataclasses.replace(
-            config, num_blocks=num_blocks, max_model_len=max_model_len, cuda_graphs=False))
+        self.runner = runner = ModelRunner(model, dataclasses.replace(
+            config, num_blocks=num_blocks, max_model_len=max_model_len))
+        self.K = config.num_speculative_tokens
+        # the speculating sequences' KDA states from before their drafts
+        self.snapshots = KDAPool(runner.cfg, len(runner.kda_layers), config.max_num_seqs + 1,
+                                 runner.device, runner.dtype)
+        self._proposal: tuple[list[Sequence], list[int], torch.Tensor, torch.Tensor] | None = None
 
     @torch.inference_mode()
     def propose(self, out: SchedulerOutput, params: list[SamplingParams],
@@ -103,43 +113,51 @@ class Drafter(DraftProposer):
         """Run the step's work on the draft and draft for the speculating sequences (those in
         ``out.num_draft_tokens``, in ``out.scheduled`` order; ``params`` / ``generators`` theirs).
 
-        Returns (draft tokens [B, K] int64, the draft's probabilities [B, K, V] fp32: the
-        distributions, after ``sampling_probs``, that the tokens were drawn from), K the step's
-        largest ``k``; row b beyond its own ``k_b`` is -1 / 0. None when nobody speculates. A
-        seeded request's generator makes ``k_b`` draws (``sampler.sample``), whatever the batch.
+        Returns (draft tokens [n, K] int64, the draft's probabilities [n, K, V] fp32: the
+        distributions, after ``sampling_probs``, that the tokens were drawn from), K =
+        ``num_speculative_tokens``; row b beyond its own ``k_b`` is -1 / 0. None when nobody
+        speculates. A seeded request's generator makes ``k_b`` draws (``sampler.sample``),
+        whatever the batch.
         """
         runner = self.runner
         runner._before_forward(out)
-        segments, rows, seqs, T = [], [], [], 0
-        for seq, n in out.scheduled:
-            if seq.request_id in out.num_draft_tokens:  # only the last token: the drafts come next
-                segments.append((seq.state_slot, seq.num_tokens - 1, seq.token_ids[-1:]))
-                seqs.append(seq)
-                rows.append(T)
-                T += 1
-            else:
-                end = seq.num_computed_tokens
-                segments.append((seq.state_slot, end - n, seq.token_ids[end - n:end]))
-                T += n
-        hidden, rows, _, _ = runner._forward_segments(segments, rows)
+        runner.advance(out)
         runner._after_forward(out)
+        seqs = [s for s, _ in out.scheduled if s.request_id in out.num_draft_tokens]
         if not seqs:
             return None
-        runner.snapshot_kda([s.state_slot for s in seqs])
-        ks = [out.num_draft_tokens[s.request_id] for s in seqs]
+        n, ks = len(seqs), [out.num_draft_tokens[s.request_id] for s in seqs]
+        B = bucket(n) if runner.use_graphs else n
+        pad = B - n
+        # per row: the context with its last token, state slot, drafts, last token (padding: none)
+        ctx, slots, ks_d, last = runner.host_tensor(
+            [s.num_tokens for s in seqs] + [1] * pad, [s.state_slot for s in seqs] + [runner.scratch_slot] * pad,
+            ks + [0] * pad, [s.token_ids[-1] for s in seqs] + [0] * pad).to(runner.device, non_blocking=True)
+        self.snapshots.copy_(slots[:n], runner.kda_state, slots[:n])
+        max_context = max(s.num_tokens for s in seqs) + self.K
 
-        def advance(i: int, active: list[int], more: list[int], drawn: torch.Tensor) -> torch.Tensor:
-            # d_{i+1} sits at position num_tokens + i: the context then holds num_tokens + i + 1
-            ctx = [seqs[b].num_tokens + i + 1 for b in active]
-            inputs = torch.stack([drawn[more], torch.tensor(ctx, device=runner.device),
-                                  torch.tensor([seqs[b].state_slot for b in active], device=runner.device)])
-            return runner._decode_forward(inputs, _cdiv(max(ctx), runner.block_size))
+        def decode(j: int, tokens: torch.Tensor) -> torch.Tensor:
+            """Position j of every chain (the last token, then d_j); rows done drafting pad."""
+            feeds = j < ks_d
+            inputs = torch.stack([torch.where(feeds, tokens, 0), torch.where(feeds, ctx + j, 1),
+                                  torch.where(feeds, slots, runner.scratch_slot)])
+            return runner.decode_rows(inputs, max_context)[0][:n]
 
-        return sample_drafts(runner.model.lm_head(hidden[rows]).float(), ks, params, generators, advance)
+        tokens, probs = sample_drafts(decode(0, last), ks, self.K, params, generators,
+                                      lambda i, drawn: decode(i + 1, F.pad(drawn, (0, pad))))
+        self._proposal = (seqs, ks, slots[:n], tokens)
+        return tokens, probs
 
     @torch.inference_mode()
     def rollback(self, kept: list[tuple[Sequence, list[int]]]) -> None:
         """(sequence, its accepted drafts) for every verified sequence, before
-        ``Scheduler.postprocess``: back to the snapshot after the last token, then the accepted
-        drafts again (from position ``num_tokens``)."""
-        self.runner.rollback([(seq.state_slot, seq.num_tokens, accepted) for seq, accepted in kept])
+        ``Scheduler.postprocess``: the snapshot back, then the verify step over the last token and
+        the drafts, committing the accepted ones."""
+        seqs, ks, slots, tokens = self._proposal
+        self._proposal = None
+        if [s for s, _ in kept] != seqs:
+            raise RuntimeError("Drafter.rollback: the verified sequences differ from the proposal's")
+        runner = self.runner
+        runner.kda_state.copy_(slots, self.snapshots, slots)
+        runner.verifier.forward(seqs, ks, tokens)
+        runner.verifier.commit([len(accepted) + 1 for _, accepted in kept])

@@ -11,20 +11,28 @@ so position t of the draft can run once the target has computed t *and* x_{t+1} 
 engine calls ``observe`` after ``Scheduler.postprocess``, when both hold for every position the
 target kept this step (prompt chunks, plain decodes, the kept part of a verify segment: the last
 token, the accepted drafts, and the corrected or bonus token as the next input): the draft runs
-over them in one packed pass, writing their MLA latents into its cache and keeping ``g`` of
-each sequence's last kept position, ``n - 2`` for a sequence of ``n`` tokens, whose head gives
-the distribution of ``d_1 = x_n``. ``propose`` then needs no pass for ``d_1``; draft ``d_{i+1}``
-comes from ``draft(g_prev, embed(d_i))`` (EAGLE's training-time test: the draft's own output
-replaces f), attending over the real positions and the chain's earlier speculative latents.
+over them, writing their MLA latents into its cache and keeping ``g`` of each sequence's last
+kept position, ``n - 2`` for a sequence of ``n`` tokens, whose head gives the distribution of
+``d_1 = x_n``. ``propose`` then needs no pass for ``d_1``; draft ``d_{i+1}`` comes from
+``draft(g_prev, embed(d_i))`` (EAGLE's training-time test: the draft's own output replaces f),
+attending over the real positions and the chain's earlier speculative latents.
+
+Fixed shapes (CUDA graphs by batch bucket, as the target's decode and verify passes): a chain
+step runs every speculating row, a row that has made its ``k`` draws as a padding row (the
+scratch slot); ``observe`` runs the verified sequences as ``[B, K + 1]`` (the verify segment's
+positions, those past the kept ones writing to the scratch block). Prompt chunks and plain decodes
+go through one packed pass (eager).
 
 Cache: the draft's one MLA layer keeps its latents in a paged tensor addressed through the
 *target's* block tables (rows ``block * block_size + offset``, as a target MLA layer), so it costs
-one MLA layer of memory and needs no allocator of its own; speculative latents go to ``K - 1``
-scratch rows per state slot after the pages and are never kept (``observe`` writes the real
-latents of accepted positions at their pages). A sequence's draft attends over positions
-``[base, ..)``: ``base`` is where the target started computing it at admission, 0 unless a
-prefix-cache hit skipped the target's forward (and so the features) of the cached positions.
-Acceptance may then drop for that request; the output distribution does not change.
+one MLA layer of memory and needs no allocator of its own. The chain's speculative latents go to
+the pages of their positions (``n - 1 ..``, which the step's verify positions have blocks for),
+past the sequence's kept positions: ``observe`` overwrites them with the real latents of the
+accepted positions, and the rest is never read before being written again. A sequence's draft
+attends over positions ``[base, ..)``: ``base`` is where the target started computing it at
+admission, 0 unless a prefix-cache hit skipped the target's forward (and so the features) of the
+cached positions. Acceptance may then drop for that request; the output distribution does not
+change.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ from __future__ import annotations
 import itertools
 
 import torch
+import torch.nn.functional as F
 
 from openk3.model.cache import MLAState
 from openk3.model.draft import Eagle3Draft, target_fingerprint
@@ -39,8 +48,9 @@ from openk3.model.fuse import fuse_projections
 from openk3.model.model import _keep_fp32
 from openk3.serve.config import EngineConfig
 from openk3.serve.draft import DraftProposer, sample_drafts
+from openk3.serve.graphs import CapturedGraph, Graphs, bucket
 from openk3.serve.model_runner import ModelRunner, StepResult
-from openk3.serve.paged_views import PagedMLAView, PrefillBatch
+from openk3.serve.paged_views import DecodeBatch, PagedMLAView, PrefillBatch
 from openk3.serve.sampler import SamplingParams
 from openk3.serve.scheduler import SchedulerOutput
 from openk3.serve.sequence import SequenceStatus
@@ -65,51 +75,160 @@ class EagleDrafter(DraftProposer):
         fuse_projections(draft.layer)  # not the draft itself: its ``fuse`` is the feature fusion
         self.runner, self.feature_blocks = runner, tuple(draft.cfg.fused_blocks)
         self.embed, self.lm_head = runner.model.model.embed_tokens, runner.model.lm_head
+        self.K = config.num_speculative_tokens
         attn = self.draft.layer.self_attn
         slots = config.max_num_seqs + 1  # the runner's state slots, scratch included
-        self.spec_rows = max(1, config.num_speculative_tokens - 1)  # speculative latents per slot
-        self.spec_offset = (runner.num_blocks + 1) * runner.block_size
-        self.cache = torch.zeros(self.spec_offset + slots * self.spec_rows, attn.rank + attn.rope,
+        self.cache = torch.zeros((runner.num_blocks + 1) * runner.block_size, attn.rank + attn.rope,
                                  device=runner.device, dtype=runner.dtype)
         self.base, self.length = [0] * slots, [0] * slots
         self.last = torch.zeros(slots, draft.cfg.hidden_size, device=runner.device, dtype=runner.dtype)
+        # chain steps and observe passes by (kind, batch bucket); they replay in turn
+        self.graphs = Graphs(runner.use_graphs)
 
     def cache_bytes(self) -> int:
         return self.cache.numel() * self.cache.element_size()
 
-    def _batch(self, segments: list[tuple[int, int, int, int, int]]) -> PrefillBatch:
-        """The attention batch of one draft pass over ``segments`` (state slot, first key
-        position, end of the real keys, speculative keys, queries): a segment's keys are its real
-        positions ``[start, end)`` (pages of the target's block table) followed by its slot's
-        first ``spec`` speculative rows, and its queries are its last ``queries`` keys, whose
+    # The chain: propose.
+
+    def _chain_step(self, state: torch.Tensor, drawn: torch.Tensor, step: torch.Tensor | int,
+                    rows: torch.Tensor, width: int) -> torch.Tensor:
+        """Step i (``step``: an int, or a 0-d tensor in a CUDA graph) of every chain, in place:
+        state [B, d] the previous step's g (the new g on return), drawn [B] the draws d_i, rows
+        [4, B] each row's tokens n, state slot, ``base`` and draft count k (padding rows: k = 0).
+        A row with k > i computes position n - 2 + i of its chain, reading its cache from
+        ``base`` up to it (``width`` block-table columns); the others are padding rows. Returns
+        the logits [B, V] fp32 of d_{i+1}."""
+        runner, bs = self.runner, self.runner.block_size
+        num_tokens, slots, base, ks = rows
+        live = step < ks
+        pos = torch.where(live, num_tokens - 2 + step, 0)
+        slots = torch.where(live, slots, runner.scratch_slot)
+        table = runner.block_tables[slots, :width]                                     # [B, W] int32
+        new_rows = table.gather(1, (pos // bs)[:, None])[:, 0].long() * bs + pos % bs
+        batch = DecodeBatch(new_rows, table, pos + 1, bs, torch.where(live, base, 0))
+        ids = torch.where(live, drawn, 0)
+        state.copy_(self.draft(state[:, None], self.embed(ids)[:, None], PagedMLAView(self.cache, batch))[:, 0])
+        return self.lm_head(state).float()
+
+    @torch.inference_mode()
+    def propose(self, out: SchedulerOutput, params: list[SamplingParams],
+                generators: list[torch.Generator | None]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Drafts of the speculating sequences, as ``Drafter.propose`` returns them: (tokens [n, K]
+        int64, probabilities [n, K, V] fp32), row b beyond its own ``k_b`` -1 / 0; None when
+        nobody speculates. ``d_1`` comes from the kept output ``last``; each later draft from one
+        chain step of every row."""
+        seqs = [s for s, _ in out.scheduled if s.request_id in out.num_draft_tokens]
+        if not seqs:
+            return None
+        for s in seqs:
+            if self.length[s.state_slot] != s.num_tokens - 1:
+                raise RuntimeError(f"EAGLE draft of request {s.request_id!r}: its cache ends at position "
+                                   f"{self.length[s.state_slot]}, the sequence has {s.num_tokens} tokens")
+        runner = self.runner
+        runner.update_block_tables(out)  # the chain writes latents in the blocks this step appends
+        n, ks = len(seqs), [out.num_draft_tokens[s.request_id] for s in seqs]
+        graph = self.graphs.get_or_capture(("chain", bucket(n)), lambda pool: self._capture_chain(bucket(n), pool))
+        B = bucket(n) if graph is not None else n
+        pad = B - n
+        rows = runner.host_tensor([s.num_tokens for s in seqs] + [0] * pad,
+                                  [s.state_slot for s in seqs] + [runner.scratch_slot] * pad,
+                                  [self.base[s.state_slot] for s in seqs] + [0] * pad,
+                                  ks + [0] * pad).to(runner.device, non_blocking=True)
+        state = self.last.index_select(0, rows[1])  # g at position n - 2: drafts x_n
+        width = -(-(max(s.num_tokens for s in seqs) + self.K) // runner.block_size)
+
+        def advance(i: int, drawn: torch.Tensor) -> torch.Tensor:
+            drawn = F.pad(drawn, (0, pad))
+            if graph is None:
+                return self._chain_step(state, drawn, i + 1, rows, width)[:n]
+            first = i == 0  # the state and the rows go in once; the graph keeps its state after
+            return graph.run(state if first else None, drawn, i + 1, rows if first else None)[:n]
+
+        return sample_drafts(self.lm_head(state[:n]).float(), ks, self.K, params, generators, advance)
+
+    def _capture_chain(self, B: int, pool) -> CapturedGraph:
+        dev, runner = self.runner.device, self.runner
+        rows = torch.tensor([[0] * B, [runner.scratch_slot] * B, [0] * B, [0] * B], device=dev)
+        return CapturedGraph(lambda state, drawn, step, rows: self._chain_step(
+            state, drawn, step, rows, runner.max_blocks_per_seq),
+            [torch.zeros(B, self.draft.cfg.hidden_size, device=dev, dtype=runner.dtype),
+             torch.zeros(B, dtype=torch.long, device=dev), torch.zeros((), dtype=torch.long, device=dev), rows],
+            pool)
+
+    # Observe: the positions the target kept.
+
+    def _observe_verified(self, features: torch.Tensor, meta: torch.Tensor, width: int) -> None:
+        """The draft over the verify segments of B rows: features [B, T, 3d] (the target's, at
+        every position of the segment), meta [B, T + 4]: the next token of every position (its
+        successor among the kept tokens; 0 past them), then the segment's first position, the
+        state slot, ``base`` and the kept positions (padding rows: the scratch slot, 1 kept).
+        Writes the latents of the kept positions (the others' go to the scratch block) and
+        ``last`` = g at the last kept one."""
+        runner, bs, T = self.runner, self.runner.block_size, self.K + 1
+        next_ids, (start, slots, base, kept) = meta[:, :T], meta[:, T:].unbind(1)
+        j = torch.arange(T, device=meta.device)
+        pos = start[:, None] + torch.minimum(j, kept[:, None] - 1)  # past the kept: the last kept's context
+        table = runner.block_tables[slots, :width]
+        paged = table.gather(1, pos // bs).long() * bs + pos % bs
+        new_rows = torch.where(j < kept[:, None], paged, runner.scratch_block * bs)
+        batch = DecodeBatch(new_rows.flatten(), table[:, None].expand(-1, T, -1).flatten(0, 1), (pos + 1).flatten(),
+                            bs, base[:, None].expand(-1, T).flatten())
+        g = self.draft(self.draft.fc(features), self.embed(next_ids), PagedMLAView(self.cache, batch))
+        self.last.index_copy_(0, slots, g[torch.arange(len(g), device=g.device), kept - 1])
+
+    def _capture_observe(self, B: int, pool) -> CapturedGraph:
+        dev, runner, T = self.runner.device, self.runner, self.K + 1
+        meta = torch.zeros(B, T + 4, dtype=torch.long, device=dev)
+        meta[:, T + 1], meta[:, T + 3] = runner.scratch_slot, 1
+        return CapturedGraph(lambda features, meta: self._observe_verified(features, meta, runner.max_blocks_per_seq),
+                             [torch.zeros(B, T, 3 * self.draft.cfg.hidden_size, device=dev, dtype=runner.dtype),
+                              meta], pool)
+
+    def _observe_verify_rows(self, result: StepResult) -> None:
+        """``observe`` of the verified sequences (fixed shape)."""
+        runner, T = self.runner, self.K + 1
+        n = len(result.verified)
+        graph = self.graphs.get_or_capture(("observe", bucket(n)), lambda pool: self._capture_observe(bucket(n), pool))
+        B = bucket(n) if graph is not None else n
+        meta, end = [[0] * T + [0, runner.scratch_slot, 0, 1] for _ in range(B)], 1
+        for b, seq in enumerate(result.verified):
+            if seq.status is not SequenceStatus.RUNNING:  # finished: nothing to draft for
+                continue
+            slot, first = seq.state_slot, self.length[seq.state_slot]
+            kept = seq.num_computed_tokens - first
+            next_ids = seq.token_ids[first + 1:first + kept + 1] + [0] * (T - kept)
+            meta[b] = next_ids + [first, slot, self.base[slot], kept]
+            self.length[slot], end = first + kept, max(end, first + kept)
+        meta = torch.tensor(meta, dtype=torch.long, pin_memory=runner.device.type == "cuda")
+        if graph is not None:
+            graph.inputs[0][:n].copy_(result.verify_features)
+            graph.run(None, meta)
+        else:
+            self._observe_verified(result.verify_features, meta.to(runner.device, non_blocking=True),
+                                   -(-end // runner.block_size))
+
+    def _batch(self, segments: list[tuple[int, int, int, int]]) -> PrefillBatch:
+        """The attention batch of one packed draft pass over ``segments`` (state slot, first key
+        position, end of the keys, queries): a segment's keys are its positions ``[start, end)``
+        (pages of the target's block table) and its queries are its last ``queries`` keys, whose
         rows receive the new latents."""
         runner, bs = self.runner, self.runner.block_size
-        slots, starts, ends, spec, new = (list(c) for c in zip(*segments))
-        real = [e - s for s, e in zip(starts, ends)]
-        num_keys = [r + p for r, p in zip(real, spec)]
+        slots, starts, ends, new = (list(c) for c in zip(*segments))
+        num_keys = [e - s for s, e in zip(starts, ends)]
         cu_k, cu_q = [0, *itertools.accumulate(num_keys)], [0, *itertools.accumulate(new)]
-        slots_d, starts_d, real_d, new_d, cu_k_d, cu_q_d = runner._upload(slots, starts, real, new, cu_k, cu_q)
+        slots_d, starts_d, new_d, cu_k_d, cu_q_d = runner._upload(slots, starts, new, cu_k, cu_q)
         dev, K, T = runner.device, cu_k[-1], cu_q[-1]
         seg = torch.arange(len(segments), device=dev)
         k_seg = torch.repeat_interleave(seg, cu_k_d.diff(), output_size=K)
-        j = torch.arange(K, device=dev) - cu_k_d[k_seg]  # key index within its segment
-        pos = starts_d[k_seg] + j
+        pos = starts_d[k_seg] + torch.arange(K, device=dev) - cu_k_d[k_seg]
         table = runner.block_tables.index_select(0, slots_d).long()  # [N, max_blocks]
-        paged = table[k_seg, (pos // bs).clamp(max=table.shape[1] - 1)] * bs + pos % bs
-        scratch = self.spec_offset + slots_d[k_seg] * self.spec_rows + (j - real_d[k_seg])
-        key_rows = torch.where(j < real_d[k_seg], paged, scratch)
+        key_rows = table[k_seg, pos // bs] * bs + pos % bs
         q_seg = torch.repeat_interleave(seg, new_d, output_size=T)
         q_key = cu_k_d[q_seg + 1] - new_d[q_seg] + torch.arange(T, device=dev) - cu_q_d[q_seg]
         return PrefillBatch(key_rows[q_key], key_rows, cu_q_d, cu_k_d, torch.tensor(cu_q), torch.tensor(cu_k))
 
-    def _forward(self, states: torch.Tensor, next_ids: torch.Tensor, batch: PrefillBatch) -> torch.Tensor:
-        """One packed draft pass: states [T, d] (f or the previous g), next_ids [T] -> g [T, d]."""
-        return self.draft(states[None], self.embed(next_ids)[None], PagedMLAView(self.cache, batch))[0]
-
-    @torch.inference_mode()
-    def observe(self, out: SchedulerOutput, result: StepResult) -> None:
-        """Run the draft over the positions the target kept this step (``result.features``),
-        after ``Scheduler.postprocess`` (so every kept position's next token is known)."""
+    def _observe_packed(self, out: SchedulerOutput, result: StepResult) -> None:
+        """``observe`` of the prompt chunks and plain decodes (``result.features``): one packed pass."""
         admitted = set(out.kda_resets) | {r.dst_state_slot for r in out.kda_restores}
         rows, next_ids, segments, slots, offset = [], [], [], [], 0
         for seq, first, n in result.feature_spans:
@@ -122,50 +241,28 @@ class EagleDrafter(DraftProposer):
             if self.length[slot] != first:
                 raise RuntimeError(f"EAGLE draft of request {seq.request_id!r}: its cache ends at position "
                                    f"{self.length[slot]}, but the target's step started at {first}")
-            kept = min(first + n, seq.num_computed_tokens) - first  # a verify segment's accepted part
-            rows += range(r0, r0 + kept)
-            next_ids += seq.token_ids[first + 1:first + kept + 1]
-            segments.append((slot, self.base[slot], first + kept, 0, kept))
+            rows += range(r0, r0 + n)
+            next_ids += seq.token_ids[first + 1:first + n + 1]
+            segments.append((slot, self.base[slot], first + n, n))
             slots.append(slot)
-            self.length[slot] = first + kept
+            self.length[slot] = first + n
         if not segments:
             return
         rows_d, ids_d, last_d, slots_d = self.runner._upload(
-            rows, next_ids, list(itertools.accumulate(s[4] for s in segments)), slots)
+            rows, next_ids, list(itertools.accumulate(s[3] for s in segments)), slots)
         states = self.draft.fc(result.features.index_select(0, rows_d))  # f [T, d]
-        g = self._forward(states, ids_d, self._batch(segments))
+        batch = self._batch(segments)
+        g = self.draft(states[None], self.embed(ids_d)[None], PagedMLAView(self.cache, batch))[0]
         self.last.index_copy_(0, slots_d, g.index_select(0, last_d - 1))
 
     @torch.inference_mode()
-    def propose(self, out: SchedulerOutput, params: list[SamplingParams],
-                generators: list[torch.Generator | None]) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Drafts of the speculating sequences, as ``Drafter.propose`` returns them: (tokens [B, K]
-        int64, probabilities [B, K, V] fp32), row b beyond its own ``k_b`` -1 / 0; None when
-        nobody speculates. ``d_1`` comes from the kept output ``last``; each later draft from one
-        draft pass of the rows still drafting."""
-        seqs = [s for s, _ in out.scheduled if s.request_id in out.num_draft_tokens]
-        if not seqs:
-            return None
-        for s in seqs:
-            if self.length[s.state_slot] != s.num_tokens - 1:
-                raise RuntimeError(f"EAGLE draft of request {s.request_id!r}: its cache ends at position "
-                                   f"{self.length[s.state_slot]}, the sequence has {s.num_tokens} tokens")
-        runner = self.runner
-        ks = [out.num_draft_tokens[s.request_id] for s in seqs]
-        (slots_d,) = runner._upload([s.state_slot for s in seqs])
-        state = self.last.index_select(0, slots_d)  # g at position num_tokens - 2: drafts x_{num_tokens}
-
-        def advance(i: int, active: list[int], more: list[int], drawn: torch.Tensor) -> torch.Tensor:
-            nonlocal state  # follows the rows still drafting
-            sel = torch.tensor(more, device=runner.device)
-            # step i + 1 of each chain: keys = its real positions, then its speculative rows 0..i
-            # (row i new), as the training-time test's attention
-            batch = self._batch([(seqs[b].state_slot, self.base[seqs[b].state_slot], seqs[b].num_tokens - 1,
-                                  i + 1, 1) for b in active])
-            state = self._forward(state[sel], drawn[sel], batch)
-            return self.lm_head(state).float()
-
-        return sample_drafts(self.lm_head(state).float(), ks, params, generators, advance)
+    def observe(self, out: SchedulerOutput, result: StepResult) -> None:
+        """Run the draft over the positions the target kept this step, after
+        ``Scheduler.postprocess`` (so every kept position's next token is known)."""
+        if result.feature_spans:
+            self._observe_packed(out, result)
+        if result.verified:
+            self._observe_verify_rows(result)
 
 
 @torch.no_grad()

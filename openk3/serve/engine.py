@@ -45,7 +45,7 @@ from openk3.serve.eagle import EagleDrafter
 from openk3.serve.model_runner import ModelRunner, PromptLogprobs, StepResult
 from openk3.serve.multimodal import ImageLike, MultiModalInput, open_image, place_images, special_token_id
 from openk3.serve.sampler import InvalidRequest, SamplingParams, make_generator, sample, token_logprobs
-from openk3.serve.scheduler import Scheduler
+from openk3.serve.scheduler import Scheduler, SchedulerOutput
 from openk3.serve.sequence import Sequence
 from openk3.serve.speculative import sampling_probs, speculative_sample
 from openk3.vision.preprocess import pack_images
@@ -306,14 +306,12 @@ class LLMEngine:
         if self.drafter is not None:
             vreqs = [self.requests[s.request_id] for s in verified]
             drafts = self.drafter.propose(out, [r.params for r in vreqs], [r.generator for r in vreqs])
-            for seq, row in zip(verified, drafts[0].tolist() if drafts is not None else []):
-                seq.draft_token_ids = row[:out.num_draft_tokens[seq.request_id]]
-        result = self.runner.execute(out)
+        result = self.runner.execute(out, None if drafts is None else drafts[0])
         for rid, piece in result.prompt_logprobs.items():
             self._record_prompt_logprobs(self.requests[rid], piece)
         seqs = result.sampled + result.verified
         if seqs:
-            new_token_ids = self._sample(result) + (self._verify(result, *drafts) if result.verified else [])
+            new_token_ids = self._sample(result) + (self._verify(result, out, *drafts) if result.verified else [])
             self.scheduler.postprocess([s.request_id for s in seqs], new_token_ids)
             self.stats.generation_tokens += sum(map(len, new_token_ids))
         if self.drafter is not None:  # every kept position's next token is known now
@@ -350,25 +348,30 @@ class LLMEngine:
                     top = dict(zip(map(int, row[1 + k:1 + k + n]), row[1:1 + n]))
                     r.logprobs.append(Logprob(token_id, row[0], top))
 
-    def _verify(self, result: StepResult, draft_tokens: torch.Tensor, draft_probs: torch.Tensor) -> list[list[int]]:
+    def _verify(self, result: StepResult, out: SchedulerOutput, draft_tokens: torch.Tensor,
+                draft_probs: torch.Tensor) -> list[list[int]]:
         """Speculative sampling for ``result.verified``; returns each sequence's emitted tokens
         (accepted drafts, then the correction or bonus token, cut after a stop string) and rolls
         the target's and the draft's KDA states back to the kept tokens."""
         seqs = result.verified
         reqs = [self.requests[s.request_id] for s in seqs]
-        params, ks = [r.params for r in reqs], [len(s.draft_token_ids) for s in seqs]
+        params, ks = [r.params for r in reqs], [out.num_draft_tokens[s.request_id] for s in seqs]
         target_probs = sampling_probs(result.verify_logits, params)
         num_accepted, tokens = speculative_sample(draft_tokens, draft_probs, target_probs, ks, params,
                                                   [r.generator for r in reqs])
-        accepted = num_accepted.tolist()  # the step's device -> host copies of verify results
-        runs = [self._cut_at_stop(r, row[:a + 1]) for r, row, a in zip(reqs, tokens.tolist(), accepted)]
+        K = draft_tokens.shape[1]
+        # the step's one device -> host copy of verify results: accepted counts, tokens, drafts
+        rows = torch.cat([num_accepted[:, None], tokens, draft_tokens], dim=1).tolist()
+        runs = []
+        for seq, r, row, k in zip(seqs, reqs, rows, ks):
+            seq.draft_token_ids = row[K + 2:K + 2 + k]
+            runs.append(self._cut_at_stop(r, row[1:row[0] + 2]))
         self.stats.spec_verifications += len(seqs)
         self.stats.spec_draft_tokens += sum(ks)
-        self.stats.spec_accepted_tokens += sum(accepted)
+        self.stats.spec_accepted_tokens += sum(row[0] for row in rows)
         self._record_logprobs(reqs, result.verify_logits, runs)
-        # the kept tokens: the last one and the accepted drafts (the last of a run is fed next step)
-        self.runner.rollback([(s.state_slot, s.num_tokens - 1, s.token_ids[-1:] + run[:-1])
-                              for s, run, k in zip(seqs, runs, ks) if len(run) - 1 < k])
+        # the kept positions: the last token and the accepted drafts (the last of a run is fed next step)
+        self.runner.commit_verified([len(run) for run in runs])
         self.drafter.rollback([(s, run[:-1]) for s, run in zip(seqs, runs)])
         return runs
 

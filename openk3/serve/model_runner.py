@@ -11,31 +11,29 @@ Tensors it owns (``L_mla`` MLA layers, ``L_kda`` KDA layers):
   num_kda_checkpoints, ...]`` (``paged_views.KDAPool``). Slots and checkpoint ids come from the
   ``BlockManager`` through the scheduler's instructions.
 
-With speculative decoding a KDA snapshot pool ``[L_kda, max_num_seqs + 1, ...]`` holds each
-verified sequence's state from before its verify pass, for the rollback (``rollback``). With an
-EAGLE-3 draft (``feature_blocks`` set) every step also returns the draft's inputs at each position
-it computed (``StepResult.features``); decode steps then run eagerly (a CUDA graph returns
-logits only), which with K > 0 are only the few steps that verify no drafts.
+With an EAGLE-3 draft (``feature_blocks`` set) every pass also returns the draft's inputs at
+each position it computed (``StepResult.features``, ``verify_features``), CUDA graphs included.
 
-The last block and the last slot are scratch: the padding rows of a CUDA-graph decode batch
-read and write only there.
+The last block and the last slot are scratch: the padding rows of a CUDA-graph batch (and the
+padded positions of a verify step) read and write only there.
 
-One step (``execute``) runs up to two forward passes over the scheduled sequences:
+One step (``execute``) runs up to three forward passes over the scheduled sequences:
 
 * **decode group** (sequences computing one token): a ``[B, 1]`` batch whose inputs are one
   ``[3, B]`` host tensor (token ids, context lengths, state slots); slots of the new latents and
   the rows' block tables are read from the device table. KDA runs the single-token step, MLA the
   absorbed form with ``paged_mla_decode`` (reads only each row's blocks). On GPU the pass is a
   CUDA graph per batch bucket (the next power of two), whatever the context lengths.
-* **prefill group** (prompt chunks, and speculative verify segments: the last token and the
-  ``k`` drafts of a sequence in ``out.num_draft_tokens``, whose ``k + 1`` positions all get
-  logits; always eager): all chunks packed into one ``[1, sum T_i]`` row with
-  ``cu_seqlens``; KDA and its short convolutions run varlen, MLA the expanded form over every
-  chunk's cached prefix with one varlen attention. Its inputs are one packed host tensor too.
+* **verify group** (speculative decoding: the sequences of ``out.num_draft_tokens``, each its last
+  token and its drafts): a fixed ``[B, K + 1]`` pass with logits at every position, a CUDA graph
+  per batch bucket on GPU (``openk3/serve/verify.py``); it leaves the KDA states as they were
+  until ``commit_verified`` writes those after the accepted positions.
+* **prefill group** (prompt chunks; always eager): all chunks packed into one ``[1, sum T_i]``
+  row with ``cu_seqlens``; KDA and its short convolutions run varlen, MLA the expanded form over
+  every chunk's cached prefix with one varlen attention. Its inputs are one packed host tensor too.
 
-Host -> device copies per step: one for the decode inputs, one for the prefill inputs, and one
-for the instructions of each side of the forward pass when there are any; never one per
-sequence, block or layer.
+Host -> device copies per step: one for the inputs of each group, and one for the instructions
+of each side of the forward pass when there are any; never one per sequence, block or layer.
 
 Images (``add_images``, ``docs/vision.md`` "Serving images"): the runner holds each request's
 packed pixels on the host. The first prefill chunk that reaches one of a request's image
@@ -51,7 +49,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -59,9 +56,11 @@ import torch
 from openk3.model.fuse import fuse_projections
 from openk3.ops.fast import use_fast_path
 from openk3.serve.config import EngineConfig
+from openk3.serve.graphs import CapturedGraph, Graphs, bucket
 from openk3.serve.paged_views import DecodeBatch, KDAPool, PagedKDAView, PagedMLAView, PrefillBatch
 from openk3.serve.scheduler import SchedulerOutput
 from openk3.serve.sequence import Sequence
+from openk3.serve.verify import VerifyStep
 from openk3.vision.preprocess import PackedImages
 
 
@@ -131,17 +130,18 @@ class PromptLogprobs:
 @dataclass
 class StepResult:
     """``logits [len(sampled), vocab]``, row i for ``sampled[i]``: the sequences of
-    ``out.sampled``, decode rows first. ``verify_logits [len(verified), K + 1, vocab]`` (K the
-    step's largest draft count): row b for ``verified[b]`` (the speculating sequences), positions
-    ``0 .. k_b`` the logits after its last token and after each draft, the rest padding.
-    ``prompt_logprobs`` by request id (one piece per step and request; a long prompt chunk is
-    split and the pieces concatenated here).
+    ``out.sampled``, decode rows first. ``verify_logits [len(verified), K + 1, vocab]`` (K =
+    ``num_speculative_tokens``): row b for ``verified[b]`` (the speculating sequences, in
+    ``out.scheduled`` order), positions ``0 .. k_b`` the logits after its last token and after
+    each draft, the rest padding. ``prompt_logprobs`` by request id (one piece per step and
+    request; a long prompt chunk is split and the pieces concatenated here).
 
     With ``ModelRunner.feature_blocks = (lo, mid)`` (an EAGLE-3 draft is attached):
-    ``features [R, 3 * hidden_size]``, at every position this step computed,
+    ``features [R, 3 * hidden_size]``, at every position the decode and prefill groups computed,
     ``cat(bank[lo], bank[mid], h)`` of the target (``KimiModel.hidden_and_blocks``), the input of
     the draft's fusion ``fc``; ``feature_spans`` the (sequence, first position, count) of its rows,
-    in row order (a verify segment's rows include the drafts that may be rejected)."""
+    in row order; ``verify_features [len(verified), K + 1, 3 * hidden_size]`` the same at every
+    position of the verify group (the drafts that may be rejected included)."""
 
     logits: torch.Tensor
     sampled: list[Sequence] = field(default_factory=list)
@@ -150,6 +150,7 @@ class StepResult:
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
     features: torch.Tensor | None = None
     feature_spans: list[tuple[Sequence, int, int]] = field(default_factory=list)
+    verify_features: torch.Tensor | None = None
 
 
 @dataclass
@@ -205,12 +206,12 @@ class ModelRunner:
         self.kda_state = KDAPool(cfg, len(self.kda_layers), config.max_num_seqs + 1, self.device, self.dtype)
         self.kda_checkpoints = KDAPool(cfg, len(self.kda_layers), config.num_kda_checkpoints,
                                        self.device, self.dtype)
-        self.kda_snapshots = (KDAPool(cfg, len(self.kda_layers), config.max_num_seqs + 1, self.device, self.dtype)
-                              if config.num_speculative_tokens else None)
         # graphs serve the fast paths: the references sync and gather whole block tables
-        self.use_graphs = config.cuda_graphs and use_fast_path(p)
-        self._graphs: dict[int, _DecodeGraph] = {}  # by batch bucket
-        self._graph_pool = None  # one memory pool for every bucket's graph: they replay in turn
+        graphs = config.cuda_graphs and use_fast_path(p)
+        self._graphs = Graphs(graphs)  # the decode pass, by batch bucket
+        # the verify pass has a memory pool of its own: it replays in the same step as a decode
+        self.verifier = (VerifyStep(self, config.num_speculative_tokens, Graphs(graphs))
+                         if config.num_speculative_tokens else None)
         self._pin = self.device.type == "cuda"  # pinned host tensors copy asynchronously
         # the AttnRes bank entries (lo, mid) whose values ``execute`` returns with h, set by the
         # engine when an EAGLE-3 draft reads them (``StepResult.features``); None: nothing extra
@@ -218,17 +219,28 @@ class ModelRunner:
         self.images: dict[str, _RequestImages] = {}  # by request id, from add_images
         self.num_images_encoded = 0  # images run through the tower (a prefix hit skips them)
 
+    @property
+    def use_graphs(self) -> bool:
+        """Whether decode passes run as CUDA graphs (False: eagerly, as on a CPU)."""
+        return self._graphs.enabled
+
+    @use_graphs.setter
+    def use_graphs(self, value: bool) -> None:
+        self._graphs.enabled = value
+
     def cache_bytes(self) -> dict[str, int]:
-        sizes = {"mla": sum(t.numel() * t.element_size() for t in self.mla_cache.values()),
-                 "kda_state": self.kda_state.nbytes(), "kda_checkpoints": self.kda_checkpoints.nbytes()}
-        if self.kda_snapshots is not None:
-            sizes["kda_snapshots"] = self.kda_snapshots.nbytes()
-        return sizes
+        return {"mla": sum(t.numel() * t.element_size() for t in self.mla_cache.values()),
+                "kda_state": self.kda_state.nbytes(), "kda_checkpoints": self.kda_checkpoints.nbytes()}
 
     def _upload(self, *parts: list[int]) -> list[torch.Tensor]:
         """One host -> device copy for several lists of ints: int64 device tensors, one per list."""
         host = torch.tensor(list(itertools.chain.from_iterable(parts)), dtype=torch.long, pin_memory=self._pin)
         return list(host.to(self.device, non_blocking=True).split([len(p) for p in parts]))
+
+    def host_tensor(self, *rows: list[int]) -> torch.Tensor:
+        """Equal-length lists of ints as one int64 host tensor [len(rows), n], pinned on GPU so
+        that its copy to the device does not wait for the device."""
+        return torch.tensor(rows, dtype=torch.long, pin_memory=self._pin)
 
     # Images.
 
@@ -289,11 +301,7 @@ class ModelRunner:
                 t[c.dst * bs: c.dst * bs + c.num_tokens] = t[c.src * bs: c.src * bs + c.num_tokens]
         if not (out.block_table_updates or out.kda_restores or out.kda_resets):
             return
-        rows, cols, block_ids = [], [], []
-        for u in out.block_table_updates:
-            rows += [u.state_slot] * len(u.block_ids)
-            cols += range(u.start, u.start + len(u.block_ids))
-            block_ids += u.block_ids
+        rows, cols, block_ids = self._table_entries(out)
         rows, cols, block_ids, restore_src, restore_dst, resets = self._upload(
             rows, cols, block_ids, [r.checkpoint_id for r in out.kda_restores],
             [r.dst_state_slot for r in out.kda_restores], out.kda_resets)
@@ -304,23 +312,28 @@ class ModelRunner:
         if out.kda_resets:
             self.kda_state.zero_(resets)
 
-    def snapshot_kda(self, slots: list[int]) -> None:
-        """Keep the KDA states of ``slots`` (into the snapshot pool, entry = slot)."""
-        (idx,) = self._upload(slots)
-        self.kda_snapshots.copy_(idx, self.kda_state, idx)
+    @staticmethod
+    def _table_entries(out: SchedulerOutput) -> tuple[list[int], list[int], list[int]]:
+        """(rows, columns, block ids) of the step's block-table updates."""
+        rows, cols, block_ids = [], [], []
+        for u in out.block_table_updates:
+            rows += [u.state_slot] * len(u.block_ids)
+            cols += range(u.start, u.start + len(u.block_ids))
+            block_ids += u.block_ids
+        return rows, cols, block_ids
 
-    def rollback(self, kept: list[tuple[int, int, list[int]]]) -> None:
-        """Speculative rollback by recomputation: for each (state slot, position, token ids),
-        restore the slot's snapshot and run the tokens from that position again, so the KDA
-        state is exactly that after the kept tokens (their MLA latents are rewritten with the
-        same values; rows after them are stale and overwritten later)."""
-        if not kept:
-            return
-        (idx,) = self._upload([slot for slot, _, _ in kept])
-        self.kda_state.copy_(idx, self.kda_snapshots, idx)
-        segments = [s for s in kept if s[2]]
-        if segments:
-            self._forward_segments(segments, [])
+    def update_block_tables(self, out: SchedulerOutput) -> None:
+        """Write the step's block-table updates now, ahead of ``execute`` (which writes them again):
+        for the EAGLE-3 drafter, whose proposals write latents in the blocks the step appends."""
+        if out.block_table_updates:
+            rows, cols, block_ids = self._upload(*self._table_entries(out))
+            self.block_tables[rows, cols] = block_ids.to(torch.int32)
+
+    def commit_verified(self, num_kept: list[int]) -> None:
+        """After speculative sampling: ``StepResult.verified[i]`` of the last ``execute`` keeps
+        its first ``num_kept[i]`` verified positions (its last token and its accepted drafts, 1 ..
+        k + 1); its KDA states become those after them (``VerifyStep.commit``)."""
+        self.verifier.commit(num_kept)
 
     def _after_forward(self, out: SchedulerOutput) -> None:
         """KDA saves: the state slots now hold the states at the checkpoint boundaries."""
@@ -331,16 +344,23 @@ class ModelRunner:
 
     # Forward passes.
 
-    def execute(self, out: SchedulerOutput) -> StepResult:
-        """Run the step: logits of ``out.sampled`` and the prompt log-probabilities of this step's
-        tokens of every sequence that wants them (``Sequence.wants_prompt_logprobs``)."""
-        self._before_forward(out)
-        if out.num_draft_tokens:
-            self.snapshot_kda([s.state_slot for s, _ in out.scheduled if s.request_id in out.num_draft_tokens])
+    @staticmethod
+    def _groups(out: SchedulerOutput) -> tuple[list[Sequence], list[Sequence], list[tuple[Sequence, int]]]:
+        """The step's decode rows (the sampled ones first), speculating sequences and prefill chunks."""
+        verify = [s for s, _ in out.scheduled if s.request_id in out.num_draft_tokens]
+        rest = [(s, n) for s, n in out.scheduled if s.request_id not in out.num_draft_tokens]
         # sampled decode rows first: their logits are then a prefix of the decode pass's
-        decode = sorted((s for s, n in out.scheduled if not _in_prefill_group(s, n)),
+        decode = sorted((s for s, n in rest if not _in_prefill_group(s, n)),
                         key=lambda s: s.num_computed_tokens < s.num_tokens)
-        prefill = [(s, n) for s, n in out.scheduled if _in_prefill_group(s, n)]
+        return decode, verify, [(s, n) for s, n in rest if _in_prefill_group(s, n)]
+
+    def execute(self, out: SchedulerOutput, draft_tokens: torch.Tensor | None = None) -> StepResult:
+        """Run the step: logits of ``out.sampled``, the verify logits of the speculating sequences
+        (``out.num_draft_tokens``, whose drafts are ``draft_tokens`` [len(verified), K] on the
+        device, as ``DraftProposer.propose`` returns them) and the prompt log-probabilities of this
+        step's tokens of every sequence that wants them (``Sequence.wants_prompt_logprobs``)."""
+        self._before_forward(out)
+        decode, verify, prefill = self._groups(out)
         result = StepResult(torch.empty(0, self.cfg.vocab_size, device=self.device))
         logits, features = [], []
         if decode:
@@ -354,8 +374,15 @@ class ModelRunner:
             for j, s in enumerate(decode):
                 if s.wants_prompt_logprobs:
                     self._add_prompt_logprobs(result, s, s.num_computed_tokens - 1, rows[j:j + 1])
+        if verify:
+            if draft_tokens is None:
+                raise ValueError("execute: sequences speculate this step (out.num_draft_tokens) but no "
+                                 "draft_tokens were given")
+            hidden, result.verify_features = self.verifier.forward(
+                verify, [out.num_draft_tokens[s.request_id] for s in verify], draft_tokens)
+            result.verified, result.verify_logits = verify, self.model.lm_head(hidden).float()
         if prefill:
-            sampled, rows, feats = self._prefill(prefill, result, out.num_draft_tokens)
+            sampled, rows, feats = self._prefill(prefill, result)
             logits.append(rows)
             result.sampled += sampled
             if feats is not None:
@@ -369,6 +396,17 @@ class ModelRunner:
         elif logits:
             result.logits = torch.cat(logits)
         return result
+
+    def advance(self, out: SchedulerOutput) -> None:
+        """Run the step's decode rows and prefill chunks through the caches, without logits; the
+        speculating sequences are left out (a draft model keeping up with the target: ``Drafter``)."""
+        decode, _, prefill = self._groups(out)
+        if decode:
+            self._decode(decode)
+        if prefill:
+            self._forward_segments([(s.state_slot, s.num_computed_tokens - n,
+                                     s.token_ids[s.num_computed_tokens - n:s.num_computed_tokens])
+                                    for s, n in prefill], [])
 
     @staticmethod
     def _add_prompt_logprobs(result: StepResult, seq: Sequence, start: int, logits: torch.Tensor) -> None:
@@ -387,27 +425,20 @@ class ModelRunner:
                 (before.token, before.top_ids, before.top_values), (piece.token, piece.top_ids, piece.top_values))))
         result.prompt_logprobs[seq.request_id] = piece
 
-    def _prefill(self, chunks: list[tuple[Sequence, int]], result: StepResult,
-                 num_draft: dict[str, int]) -> tuple[list[Sequence], torch.Tensor, torch.Tensor | None]:
+    def _prefill(self, chunks: list[tuple[Sequence, int]],
+                 result: StepResult) -> tuple[list[Sequence], torch.Tensor, torch.Tensor | None]:
         """Returns the sequences whose prompt this step completes, their logits [n, V] and the
-        draft features of every row (``_features``; None without ``feature_blocks``); fills
-        ``result.verified`` / ``verify_logits`` for the speculating ones (``num_draft``)."""
-        segments, last_rows, sampled, verify_rows = [], [], [], []
-        K, T = max(num_draft.values(), default=0), 0
+        draft features of every row (``_features``; None without ``feature_blocks``)."""
+        segments, last_rows, sampled, T = [], [], [], 0
         for seq, n in chunks:
             end = seq.num_computed_tokens  # already advanced by the scheduler
-            segments.append((seq.state_slot, end - n, seq.input_ids(end - n, end)))
-            k = num_draft.get(seq.request_id)
-            if k is not None:  # rows 0..k, then the last one again as padding
-                verify_rows += [T + min(j, k) for j in range(K + 1)]
-                result.verified.append(seq)
-            elif end == seq.num_tokens:
+            segments.append((seq.state_slot, end - n, seq.token_ids[end - n:end]))
+            if end == seq.num_tokens:
                 last_rows.append(T + n - 1)
                 sampled.append(seq)
             T += n
         image_rows, image_features = self._image_rows(chunks)
-        hidden, rows, cu_q, bank = self._forward_segments(segments, last_rows + verify_rows,
-                                                          image_rows, image_features)
+        hidden, rows, cu_q, bank = self._forward_segments(segments, last_rows, image_rows, image_features)
         self._release_image_features(chunks)
         feats = self._features(hidden, bank)
         for (seq, n), a, b in zip(chunks, cu_q[:-1], cu_q[1:]):
@@ -418,10 +449,7 @@ class ModelRunner:
                     self._add_prompt_logprobs(result, seq, start + lo - a, self.model.lm_head(hidden[lo:hi]))
         if not len(rows):
             return [], hidden.new_empty(0, self.cfg.vocab_size), feats
-        logits = self.model.lm_head(hidden[rows]).float()
-        if verify_rows:
-            result.verify_logits = logits[len(last_rows):].view(len(result.verified), K + 1, -1)
-        return sampled, logits[:len(last_rows)], feats
+        return sampled, self.model.lm_head(hidden[rows]).float(), feats
 
     def _features(self, hidden: torch.Tensor, bank: list[torch.Tensor]) -> torch.Tensor | None:
         """``cat(bank[lo], bank[mid], h)`` [R, 3 * d] of a pass's R positions (the EAGLE-3 draft's
@@ -478,38 +506,37 @@ class ModelRunner:
 
     def _decode(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits [len(seqs), V] of a decode batch (padded to its bucket under CUDA graphs) and its
-        draft features (``_features``): with ``feature_blocks`` the pass runs eagerly."""
+        draft features (``_features``)."""
         n = len(seqs)
-        use_graphs = self.use_graphs and self.feature_blocks is None
-        B = 1 << (n - 1).bit_length() if use_graphs else n
+        B = bucket(n) if self.use_graphs else n
         pad = B - n
-        ids = [s.token_ids[s.num_computed_tokens - 1] for s in seqs] + [0] * pad
-        ctx = [s.num_computed_tokens for s in seqs] + [1] * pad  # padding: one token in the scratch block
-        slots = [s.state_slot for s in seqs] + [self.scratch_slot] * pad
-        inputs = torch.tensor([ids, ctx, slots], dtype=torch.long, pin_memory=self._pin)  # [3, B]
-        graph = self._graph(B) if use_graphs else None
+        inputs = self.host_tensor([s.token_ids[s.num_computed_tokens - 1] for s in seqs] + [0] * pad,
+                                  [s.num_computed_tokens for s in seqs] + [1] * pad,  # padding: one token
+                                  [s.state_slot for s in seqs] + [self.scratch_slot] * pad)  # in the scratch block
+        logits, features = self.decode_rows(inputs, max(s.num_computed_tokens for s in seqs))
+        return logits[:n], None if features is None else features[:n]
+
+    def decode_rows(self, inputs: torch.Tensor, max_context: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The decode pass: inputs [3, B] (token ids, context lengths with the new token, state
+        slots; padding rows: 0, 1, ``scratch_slot``), on the host (pinned) or the device, B a
+        bucket while graphs are on; ``max_context`` the largest context length (the eager
+        reference attention reads that many positions). Returns logits [B, V] and the draft
+        features [B, 3d] (None without ``feature_blocks``); under a CUDA graph both are static
+        tensors that the next decode pass overwrites."""
+        B = inputs.shape[1]
+        graph = self._graphs.get_or_capture(B, lambda pool: CapturedGraph(
+            lambda x: self._decode_forward(x, self.max_blocks_per_seq),
+            [self.host_tensor([0] * B, [1] * B, [self.scratch_slot] * B).to(self.device)], pool))
         if graph is not None:
-            return graph.run(inputs)[:n], None
-        width = _cdiv(max(ctx), self.block_size)  # the reference attention reads every column
-        hidden, bank = self._decode_hidden(inputs.to(self.device, non_blocking=True), width)
-        return self.model.lm_head(hidden).float(), self._features(hidden, bank)
+            return graph.run(inputs)
+        return self._decode_forward(inputs.to(self.device, non_blocking=True), _cdiv(max_context, self.block_size))
 
-    def _graph(self, B: int) -> _DecodeGraph | None:
-        if B not in self._graphs:
-            try:
-                if self._graph_pool is None:
-                    self._graph_pool = torch.cuda.graph_pool_handle()
-                self._graphs[B] = _DecodeGraph(self, B)
-            except RuntimeError as e:  # an op in the decode pass cannot be captured
-                warnings.warn(f"CUDA graph capture failed ({e}); decoding eagerly from now on")
-                self.use_graphs = False
-                return None
-        return self._graphs[B]
-
-    def _decode_forward(self, inputs: torch.Tensor, width: int) -> torch.Tensor:
+    def _decode_forward(self, inputs: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """inputs [3, B] on the device: token ids, context lengths (the new token included), state
-        slots; ``width`` block-table columns are handed to the attention. Returns logits [B, V]."""
-        return self.model.lm_head(self._decode_hidden(inputs, width)[0]).float()
+        slots; ``width`` block-table columns are handed to the attention. Returns logits [B, V]
+        and the draft features (``_features``)."""
+        hidden, bank = self._decode_hidden(inputs, width)
+        return self.model.lm_head(hidden).float(), self._features(hidden, bank)
 
     def _decode_hidden(self, inputs: torch.Tensor, width: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """``_decode_forward``'s final hidden states [B, d] and AttnRes bank (each [B, 1, d])."""
@@ -533,29 +560,3 @@ class ModelRunner:
                   PagedKDAView(self.kda_state, self.kda_index[i], state_slots, cu_seqlens, cu_seqlens_cpu)
                   for i in range(self.cfg.num_hidden_layers)]
         return self.model.model.hidden_and_blocks(ids, _Views(layers), inputs_embeds)
-
-
-class _DecodeGraph:
-    """One CUDA graph of the decode pass for B rows, over the whole block-table width (the
-    attention kernel reads only each row's blocks), so it serves every context length.
-
-    Inputs are copied into a static [3, B] buffer before each replay; padding rows point at the
-    runner's scratch slot (whose table row is all scratch block), and their logits are dropped."""
-
-    def __init__(self, runner: ModelRunner, B: int):
-        self.inputs = torch.tensor([[0] * B, [1] * B, [runner.scratch_slot] * B], device=runner.device)
-        width = runner.max_blocks_per_seq
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # warm-up: compilation, autotuning, allocator
-                runner._decode_forward(self.inputs, width)
-        torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=runner._graph_pool):
-            self.logits = runner._decode_forward(self.inputs, width)
-
-    def run(self, inputs: torch.Tensor) -> torch.Tensor:
-        self.inputs.copy_(inputs, non_blocking=True)
-        self.graph.replay()
-        return self.logits

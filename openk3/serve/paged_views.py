@@ -8,8 +8,9 @@ the same for both paths.
 * ``PagedMLAView``: stores the batch's new latents in the paged cache, then attends with the
   forms that read the cache in place, MLA's math as in ``MLAttention``:
 
-  - ``DecodeBatch`` (one token per row): the absorbed form; ``paged_mla_decode`` reads each
-    row's blocks through the block table;
+  - ``DecodeBatch`` (one token per row, or a speculative verify step's ``K + 1`` tokens per
+    sequence, each with its own context): the absorbed form; ``paged_mla_decode`` reads each
+    query's blocks through the block table;
   - ``PrefillBatch`` (packed chunks): the expanded form over every chunk's cached prefix plus
     the chunk, gathered in one go, and one ``varlen_causal_attention`` for all chunks.
 
@@ -80,13 +81,18 @@ class PagedKDAView:
 
 @dataclass
 class DecodeBatch:
-    """One new token per row. ``slot_mapping`` [B] its cache row; ``block_table`` [B, W] int32 and
-    ``context_lens`` [B] (the new token included) what ``paged_mla_decode`` reads."""
+    """T new tokens per row of a [B, T] batch (T = 1: a decode step; T = K + 1: a speculative
+    verify step), each a query of its own, in row-major order (query ``b * T + j``):
+    ``slot_mapping`` [B*T] their cache rows; ``block_table`` [B*T, W] int32 and ``context_lens``
+    [B*T] (the query's own token included, so a verify query reads the segment up to itself:
+    the causal mask) what ``paged_mla_decode`` reads; ``first_pos`` [B*T] the first position
+    each query reads (None: 0; the EAGLE-3 draft's ``base``)."""
 
     slot_mapping: torch.Tensor
     block_table: torch.Tensor
     context_lens: torch.Tensor
     block_size: int
+    first_pos: torch.Tensor | None = None
 
 
 @dataclass
@@ -118,12 +124,13 @@ class PagedMLAView:
     def _absorbed_decode(self, layer, q: torch.Tensor) -> torch.Tensor:
         """``kv_b_proj``'s key half folded into the query, its value half into the output."""
         b, H, nope = self.batch, layer.num_heads, layer.nope
+        B, T = q.shape[:2]
         w = layer.kv_b_proj.weight.view(H, nope + layer.v_dim, layer.rank)
-        q_nope, q_rope = q[:, 0].split([nope, layer.rope], dim=-1)  # [B, H, 128], [B, H, 64]
-        q_lat = torch.einsum("bhd,hdc->bhc", q_nope, w[:, :nope])  # [B, H, 512]
+        q_nope, q_rope = q.flatten(0, 1).split([nope, layer.rope], dim=-1)  # [B*T, H, 128], [B*T, H, 64]
+        q_lat = torch.einsum("bhd,hdc->bhc", q_nope, w[:, :nope])  # [B*T, H, 512]
         o_lat = paged_mla_decode(q_lat, q_rope, self.cache, b.block_table, b.context_lens,
-                                 b.block_size, layer.scale)  # [B, H, 512]
-        return torch.einsum("bhc,hdc->bhd", o_lat, w[:, nope:]).unsqueeze(1)  # [B, 1, H, 128]
+                                 b.block_size, layer.scale, b.first_pos)  # [B*T, H, 512]
+        return torch.einsum("bhc,hdc->bhd", o_lat, w[:, nope:]).view(B, T, H, -1)  # [B, T, H, 128]
 
     def _expanded_prefill(self, layer, q: torch.Tensor) -> torch.Tensor:
         """Keys and values expanded from every chunk's prefix latents by one ``kv_b_proj``."""

@@ -57,6 +57,14 @@ class SamplingParams:
                 raise InvalidRequest(name, f"{getattr(self, name)!r} {why}")
 
 
+def host_to_device(data: list, device: torch.device | str, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``torch.tensor(data)`` on ``device`` without waiting for the device: built in pinned host
+    memory and copied asynchronously. (``torch.tensor(data, device="cuda")`` copies from pageable
+    memory, which waits until every kernel queued before it has run: a host round trip.)"""
+    device = torch.device(device)
+    return torch.tensor(data, dtype=dtype, pin_memory=device.type == "cuda").to(device, non_blocking=True)
+
+
 def filtered_logprobs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                       top_p: torch.Tensor) -> torch.Tensor:
     """logits [B, V]; temperature, top_p [B] float; top_k [B] int (0 = off).
@@ -90,7 +98,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     if all(p.temperature == 0 for p in params):  # greedy batch: no filtering, no noise
         tokens = logits.argmax(-1)
         return tokens, torch.zeros(tokens.shape, device=dev)  # the filtered distribution is one-hot
-    settings = torch.tensor([[p.temperature, p.top_p, p.top_k] for p in params], device=dev)  # one copy
+    settings = host_to_device([[p.temperature, p.top_p, p.top_k] for p in params], dev)  # one copy
     temperature, top_p, top_k = settings.unbind(1)
     logp = filtered_logprobs(logits, temperature, top_k.long(), top_p)
     # Exp(1) noise: unseeded rows (or a generator all rows share) take one draw; a seeded

@@ -68,10 +68,10 @@ class Sequence:
         # computed here (a prefix-cache hit would skip their logits), though its blocks are still
         # registered for others.
         self.wants_prompt_logprobs = False
-        # Speculative decoding: the draft tokens being verified this step (set by the engine after
-        # the scheduler planned ``k`` of them, cleared by ``Scheduler.postprocess``). They follow
-        # ``token_ids`` as inputs only; the scheduler counts them in ``num_computed_tokens`` until
-        # postprocess rolls it back to the accepted ones.
+        # Speculative decoding: the draft tokens verified this step (the scheduler planned ``k``
+        # of them; the engine sets them when verification brings them to the host, before
+        # ``Scheduler.postprocess``, which clears them). The scheduler counts them in
+        # ``num_computed_tokens`` until postprocess rolls it back to the accepted ones.
         self.draft_token_ids: list[int] = []
 
     def __repr__(self) -> str:
@@ -104,12 +104,6 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
-
-    def input_ids(self, start: int, end: int) -> list[int]:
-        """Token ids of positions [start, end), draft tokens included."""
-        if end <= self.num_tokens:
-            return self.token_ids[start:end]
-        return (self.token_ids + self.draft_token_ids)[start:end]
 
     def image_keys(self, start: int, end: int) -> tuple[tuple[bytes, int], ...]:
         """(content digest, offset) of the images with positions in [start, end): with the token

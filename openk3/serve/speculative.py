@@ -34,7 +34,7 @@ from collections.abc import Sequence
 
 import torch
 
-from openk3.serve.sampler import SamplingParams, filtered_logprobs
+from openk3.serve.sampler import SamplingParams, filtered_logprobs, host_to_device
 
 
 def acceptance_prob(p_d: torch.Tensor, q_d: torch.Tensor) -> torch.Tensor:
@@ -57,13 +57,16 @@ def sampling_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> to
     samples from at every position: ``sampler.filtered_logprobs`` (temperature, top-k, top-p)
     with the row's settings, exponentiated. The target's p are these of its logits (P = K+1);
     the draft's q are the distributions its tokens were actually drawn from (the draft can
-    sample through this function too)."""
+    sample through this function too). A greedy batch is one-hot at the argmax, the token
+    ``sampler.sample`` picks (the first one on an exact tie), without the filtering's sort."""
     if logits.dim() != 3 or len(params) != logits.shape[0]:
         raise ValueError(f"sampling_probs: `logits` must be [B, P, V] with B = len(params) = "
                          f"{len(params)}, got {list(logits.shape)}")
     B, P, V = logits.shape
-    settings = torch.tensor([[p.temperature, p.top_p, p.top_k] for p in params],
-                            device=logits.device).repeat_interleave(P, dim=0)  # [B*P, 3]
+    if all(p.temperature == 0 for p in params):
+        return torch.zeros(B, P, V, device=logits.device).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    settings = host_to_device([[p.temperature, p.top_p, p.top_k] for p in params],
+                              logits.device).repeat_interleave(P, dim=0)  # [B*P, 3]
     temperature, top_p, top_k = settings.unbind(1)
     logp = filtered_logprobs(logits.reshape(B * P, V), temperature, top_k.long(), top_p)
     return logp.exp().view(B, P, V)
@@ -155,8 +158,8 @@ def speculative_sample(draft_tokens: torch.Tensor, draft_probs: torch.Tensor,
             if g is not None:  # a request's own generator draws for its own k_b only
                 u[row, :K if num_draft is None else num_draft[row]].uniform_(generator=g)
                 noise[row].exponential_(generator=g)
-    k_b = torch.full((B,), K, device=dev) if num_draft is None else torch.tensor(num_draft, device=dev)
-    greedy = torch.tensor([p.temperature == 0 for p in params], device=dev)
+    k_b = torch.full((B,), K, device=dev) if num_draft is None else host_to_device(list(num_draft), dev)
+    greedy = host_to_device([p.temperature == 0 for p in params], dev)
 
     drafted = torch.arange(K, device=dev) < k_b[:, None]                            # [B, K]
     d = torch.where(drafted, draft_tokens, 0)  # padding may be -1; it is rejected below

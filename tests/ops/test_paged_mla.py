@@ -6,12 +6,19 @@ graph captured at short contexts over longer ones."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import pytest
 import torch
 
 import openk3.ops.paged_mla as paged_mla_module
 from openk3.ops.paged_mla import paged_mla_decode, paged_mla_decode_ref
 from tests.ops.checks import nan_poisoned_empty, rel_err, run_doctests
+
 
 def make_inputs(lens, H, R, P, block_size, num_blocks, dtype=torch.float32, device="cpu", seed=0):
     """Random queries and cache; each row's table is a random set of distinct blocks (padded
@@ -27,12 +34,14 @@ def make_inputs(lens, H, R, P, block_size, num_blocks, dtype=torch.float32, devi
         block_size=block_size, scale=(R + P) ** -0.5)
 
 
-def loop(q_lat, q_rope, cache, block_table, context_lens, block_size, scale):
-    """softmax(scale * (q_lat . c + q_rope . k_r)) @ c per row and head, in float64."""
+def loop(q_lat, q_rope, cache, block_table, context_lens, block_size, scale, first_pos=None):
+    """softmax(scale * (q_lat . c + q_rope . k_r)) @ c per row and head over positions
+    ``first_pos[b] .. context_lens[b] - 1``, in float64."""
     R = q_lat.shape[-1]
     out = torch.empty(q_lat.shape, dtype=torch.float64)
-    for b, n in enumerate(context_lens.tolist()):
-        rows = [int(block_table[b, t // block_size]) * block_size + t % block_size for t in range(n)]
+    firsts = [0] * len(context_lens) if first_pos is None else first_pos.tolist()
+    for b, (n, first) in enumerate(zip(context_lens.tolist(), firsts)):
+        rows = [int(block_table[b, t // block_size]) * block_size + t % block_size for t in range(first, n)]
         ctx = cache[rows].double()
         scores = scale * (q_lat[b].double() @ ctx[:, :R].T + q_rope[b].double() @ ctx[:, R:].T)
         out[b] = torch.softmax(scores, dim=-1) @ ctx[:, :R]
@@ -43,6 +52,13 @@ def loop(q_lat, q_rope, cache, block_table, context_lens, block_size, scale):
 def test_reference_matches_loop(lens, block_size):
     x = make_inputs(lens, H=3, R=32, P=16, block_size=block_size, num_blocks=12)
     assert rel_err(paged_mla_decode(**x), loop(**x)) < 1e-6
+
+
+@pytest.mark.parametrize("lens, firsts, block_size", [([9, 30, 5], [3, 17, 4], 8), ([63, 2], [0, 1], 64)])
+def test_first_position_matches_loop(lens, firsts, block_size):
+    x = make_inputs(lens, H=3, R=32, P=16, block_size=block_size, num_blocks=12)
+    first_pos = torch.tensor(firsts)
+    assert rel_err(paged_mla_decode(**x, first_pos=first_pos), loop(**x, first_pos=first_pos)) < 1e-6
 
 
 def test_blocks_past_the_context_do_not_matter():
@@ -59,6 +75,8 @@ def test_blocks_past_the_context_do_not_matter():
     ("block_table", torch.zeros(3, 4, dtype=torch.int32), "block_table"),
     ("context_lens", torch.tensor([1, 2, 3]), "context_lens"),
     ("block_size", 0, "block_size"),
+    ("first_pos", torch.tensor([1, 2], dtype=torch.int32), "first_pos"),
+    ("first_pos", torch.tensor([1]), "first_pos"),
 ])
 def test_rejects_bad_arguments(name, bad, message):
     x = make_inputs([5, 9], H=2, R=32, P=16, block_size=8, num_blocks=5)
@@ -96,6 +114,52 @@ def test_triton_matches_reference(dtype, lens, block_size, H):
     ref = paged_mla_decode_ref(**x)
     assert rel_err(got.cpu(), want) < GPU_TOL[dtype], rel_err(got.cpu(), want)
     assert rel_err(ref.cpu(), want) < GPU_TOL[dtype]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_triton_first_position_matches_loop(dtype):
+    """Rows starting past 0 (the EAGLE draft's ``base``), inside and at the edge of a block; the
+    cache before each row's first position is NaN, which the kernel must not read."""
+    lens, firsts, block_size = [1, 200, 333, 64, 4099], [0, 199, 64, 17, 1000], 64
+    num_blocks = sum(-(-n // block_size) + 1 for n in lens) + 4
+    x = make_inputs(lens, H=8, R=512, P=64, block_size=block_size, num_blocks=num_blocks,
+                    dtype=dtype, device="cuda")
+    first_pos = torch.tensor(firsts, device="cuda")
+    for b, first in enumerate(firsts):
+        for t in range(first):
+            x["cache"][int(x["block_table"][b, t // block_size]) * block_size + t % block_size] = float("nan")
+    with nan_poisoned_empty():
+        got = paged_mla_decode(**x, first_pos=first_pos)
+    want = loop(**{k: v.cpu() if torch.is_tensor(v) else v for k, v in x.items()}, first_pos=first_pos.cpu())
+    assert rel_err(got.cpu(), want) < GPU_TOL[dtype], rel_err(got.cpu(), want)
+
+
+_INTERPRETED = """
+import torch
+from openk3.ops.paged_mla import _paged_mla_decode_triton, num_splits
+import openk3.ops.paged_mla as paged_mla
+from tests.ops.test_paged_mla import loop, make_inputs, rel_err
+paged_mla._num_sms = lambda device_index: 4  # the interpreter has no device properties
+x = make_inputs([9, 30, 5, 40], H=3, R=32, P=16, block_size=8, num_blocks=16)
+for first_pos in (None, torch.tensor([3, 17, 4, 0])):
+    got = _paged_mla_decode_triton(**x, first_pos=first_pos)
+    assert rel_err(got, loop(**x, first_pos=first_pos)) < 1e-5, rel_err(got, loop(**x, first_pos=first_pos))
+print("ok")
+"""
+
+
+def test_kernel_in_the_triton_interpreter():
+    """The Triton kernel on the CPU (TRITON_INTERPRET=1, fp32), with and without first positions;
+    in a subprocess because the interpreter is chosen when the kernel is defined."""
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
+        [str(root), os.environ.get("PYTHONPATH", "")]))
+    run = subprocess.run([sys.executable, "-c", textwrap.dedent(_INTERPRETED)], env=env, cwd=root,
+                         capture_output=True, text=True, timeout=300, check=False)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]
 
 
 @pytest.mark.gpu

@@ -1,7 +1,7 @@
-"""The EAGLE-3 draft in the engine on CUDA (bf16: fla kernels, varlen attention, CUDA graphs
-for the steps that verify nothing): the log-probability the engine reports for each output token
-against a fresh full-sequence forward (teacher-forced, as ``test_engine_gpu.py``), and the echo
-draft's acceptance (``test_eagle_engine.echo_pair``), which drops if the draft reads the wrong
+"""The EAGLE-3 draft in the engine on CUDA (bf16: fla kernels, varlen attention, CUDA graphs of
+the decode, verify and commit passes and of the draft's chain steps and observe passes): the
+log-probability the engine reports for each output token against a fresh full-sequence forward
+(teacher-forced, as ``test_engine_gpu.py``), and the echo draft's acceptance (``test_eagle_engine.echo_pair``), which drops if the draft reads the wrong
 features or tokens. Run on the device: ``pytest -m gpu tests/serve/test_eagle_engine_gpu.py``."""
 
 from __future__ import annotations
@@ -39,6 +39,8 @@ def test_eagle_engine_logprobs_match_full_forward():
     prompts = [torch.randint(3, 4000, (n,)).tolist() for n in (7, 33, 150, 64, 1)]
     outs = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=24, logprobs=1))
     assert eng.stats.spec_verifications > 0
+    # the verify steps, the draft's chain steps and its observe passes ran as CUDA graphs
+    assert eng.runner.verifier.graphs and {kind for kind, _ in eng.drafter.graphs} == {"chain", "observe"}
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
     errs = []
     for p, o in zip(prompts, outs):

@@ -42,7 +42,8 @@ def make_engine(graphs: bool, num_speculative_tokens: int = 0) -> LLMEngine:
 
 @pytest.mark.parametrize("graphs,num_speculative_tokens", [(True, 0), (False, 0), (True, 3)])
 def test_engine_logprobs_match_full_forward(graphs, num_speculative_tokens):
-    """With speculation (K = 3) too: verify segments, rollback reruns and plain graph decodes."""
+    """With speculation (K = 3) too: verify steps and their commits, the draft model's loop and
+    its rollback, and plain decodes, all as CUDA graphs."""
     eng = make_engine(graphs, num_speculative_tokens)
     model = eng.model
     prompts = [torch.randint(3, 4000, (n,)).tolist() for n in (7, 33, 150, 64, 1)]
@@ -52,6 +53,9 @@ def test_engine_logprobs_match_full_forward(graphs, num_speculative_tokens):
     if num_speculative_tokens:
         s = eng.stats
         assert 0 < s.spec_accepted_tokens < s.spec_draft_tokens, s
+        # verify steps, their commits and the draft model's loop ran as graphs
+        assert bool(eng.runner.verifier.graphs) == graphs and bool(eng.drafter.runner._graphs) == graphs
+        assert bool(eng.drafter.runner.verifier.graphs) == graphs
     errs = []
     for p, o in zip(prompts, outs):
         ids = torch.tensor([p + o.token_ids[:-1]], device="cuda")
@@ -123,9 +127,9 @@ def test_decode_step_copies_one_tensor_to_the_device_at_any_context(graphs):
     eng = make_engine(graphs)
     counts, execute = [], eng.runner.execute
 
-    def counting(out):
+    def counting(out, draft_tokens=None):
         with HostToDevice() as mode:
-            result = execute(out)
+            result = execute(out, draft_tokens)
         if all(n == 1 for _, n in out.scheduled):
             counts.append((mode.count, expected_copies(out), len(out.scheduled),
                            len(out.block_table_updates), len(out.kda_restores), len(out.kda_resets),

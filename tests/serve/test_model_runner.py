@@ -1,4 +1,5 @@
-"""The runner's host side (CPU, ``debug`` model): ``execute`` takes only the scheduler's output;
+"""The runner's host side (CPU, ``debug`` model): ``execute`` takes only the scheduler's output
+(and the drafts of a speculative step);
 a decode step turns a constant number of host lists into tensors (each one host -> device copy
 on GPU), whatever the context length; the engine brings sampled ids and log-probs back with one
 host copy each per step."""
@@ -47,8 +48,8 @@ class HostTensors(TorchDispatchMode):
 
 def test_execute_takes_only_the_scheduler_output():
     params = list(inspect.signature(ModelRunner.execute).parameters.values())
-    assert [p.name for p in params] == ["self", "out"]
-    assert params[1].annotation in (SchedulerOutput, "SchedulerOutput")
+    assert [p.name for p in params] == ["self", "out", "draft_tokens"]
+    assert params[1].annotation in (SchedulerOutput, "SchedulerOutput") and params[2].default is None
 
 
 def decode_step_counts(model, prompt_len: int) -> list[tuple[int, int]]:
@@ -59,9 +60,9 @@ def decode_step_counts(model, prompt_len: int) -> list[tuple[int, int]]:
         eng.add_request(list(range(3 + i, 3 + i + prompt_len)), SamplingParams(temperature=0, max_tokens=12))
     counts, execute = [], eng.runner.execute
 
-    def counting(out):
+    def counting(out, draft_tokens=None):
         with HostTensors() as mode:
-            result = execute(out)
+            result = execute(out, draft_tokens)
         if all(n == 1 for _, n in out.scheduled):
             expected = 1 + bool(out.block_table_updates or out.kda_restores or out.kda_resets) + bool(out.kda_saves)
             counts.append((mode.count, expected))
@@ -88,10 +89,10 @@ def test_one_host_copy_for_tokens_and_one_for_logprobs_per_step(model, monkeypat
     eng.add_request(list(range(7, 30)), SamplingParams(temperature=1.0, max_tokens=6, logprobs=0))
     reads, in_forward, execute = [], [False], eng.runner.execute
 
-    def forward(out):
+    def forward(out, draft_tokens=None):
         in_forward[0] = True
         try:
-            return execute(out)
+            return execute(out, draft_tokens)
         finally:
             in_forward[0] = False
 

@@ -75,3 +75,18 @@ def test_packed_prefill_view_equals_attending_over_each_sequence(layer):
                          cu_q, cu_k, cu_q, cu_k)
     got = layer(torch.cat(xs, dim=1), PagedMLAView(cache, batch))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
+def test_verify_segments_through_the_decode_view(layer):
+    """T = 3 queries per sequence (a speculative verify step): query j of a sequence reads its
+    past and the segment up to itself, as the layer attending over the whole segment does."""
+    pasts, T = [5, 1, 9], 3
+    cache, tables, states = setup(layer, pasts, width=4)
+    x = torch.randn(len(pasts), T, layer.cfg.hidden_size)
+    want = torch.cat([layer(x[b:b + 1], st) for b, st in enumerate(states)])
+    batch = DecodeBatch(torch.cat([rows(t, p, p + T) for t, p in zip(tables, pasts)]),
+                        torch.tensor(tables, dtype=torch.int32).repeat_interleave(T, 0),
+                        (torch.tensor(pasts)[:, None] + torch.arange(1, T + 1)).flatten(), BLOCK)
+    got = layer(x, PagedMLAView(cache, batch))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

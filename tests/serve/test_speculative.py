@@ -173,6 +173,18 @@ def test_engine_processing_of_the_target():
     assert_follows_target(n, tokens, p[0].double())
 
 
+def test_greedy_batch_is_one_hot_at_the_sampled_token():
+    """A greedy batch skips the filtering: one-hot at ``sampler.sample``'s token, which is what
+    the filtering gives too (without ties)."""
+    logits = torch.randn(3, 4, 50, generator=torch.Generator().manual_seed(6))
+    greedy = [SamplingParams(temperature=0)] * 3
+    p = sampling_probs(logits, greedy)
+    zero, one = torch.zeros(12), torch.ones(12)
+    want = spec.filtered_logprobs(logits.flatten(0, 1), zero, torch.zeros(12, dtype=torch.long), one).exp()
+    torch.testing.assert_close(p.flatten(0, 1), want, rtol=0, atol=0)
+    assert torch.equal(p.argmax(-1), sample(logits.flatten(0, 1), greedy * 4, [None] * 12)[0].view(3, 4))
+
+
 def test_acceptance_and_residual_edge_cases():
     assert spec.acceptance_prob(torch.tensor(0.5), torch.tensor(0.0)) == 0   # q(d) = 0: reject
     assert spec.acceptance_prob(torch.tensor(0.5), torch.tensor(0.25)) == 1
