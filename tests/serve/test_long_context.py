@@ -54,7 +54,7 @@ def test_long_prompt_with_a_million_token_context_matches_full_forward(model):
     prompt = torch.randint(3, 4000, (300,), generator=torch.Generator().manual_seed(1)).tolist()
     steps = []
     execute = eng.runner.execute
-    eng.runner.execute = lambda out: steps.append(out.num_batched_tokens) or execute(out)
+    eng.runner.execute = lambda out, *rest: steps.append(out.num_batched_tokens) or execute(out, *rest)
     out, = eng.generate([prompt], SamplingParams(temperature=0, max_tokens=3, logprobs=0))
     assert steps == [64, 64, 64, 64, 32, 12, 1, 1]
     want_ids, want_logps = greedy_full_forward(model, prompt, 3)
