@@ -28,8 +28,8 @@ spec() {  # spec LOSS SECONDS: the draft in the engine against plain decoding, s
 ( export CUDA_VISIBLE_DEVICES=1
   gpu_tests 70 -x tests/train/test_qat.py
   gpu_tests 80 tests/posttrain tests/serve/test_vision_serving_gpu.py tests/vision/test_gpu.py
-  timeout 90 python3 benchmarks/rollout_bench.py --preset small --device cuda --prompts-per-step 32 \
-    --group-size 8 --max-new-tokens 512 --groups 32 > "$OUT/rollout.log" 2>&1
+  timeout 90 python3 benchmarks/rollout_bench.py --preset small --device cuda --lengths light \
+    --prompts-per-step 32 --group-size 8 --max-new-tokens 512 --steps 3 > "$OUT/rollout.log" 2>&1
   while [ ! -e /tmp/target.done ]; do sleep 2; done
   draft kl
   spec kl 150 ) & gpu1=$!
