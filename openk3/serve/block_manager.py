@@ -116,12 +116,29 @@ class _HashBlock:
 
 @dataclass(frozen=True)
 class _Checkpoint:
+    """A KDA checkpoint of the first ``num_tokens`` ids of ``writer_token_ids``, verified on
+    every hit.
+
+    ``writer_token_ids`` is the writer's ``Sequence.token_ids`` itself, not a copy: that list is
+    only ever appended to, so its first ``num_tokens`` ids never change and no prefix is copied.
+    """
+
     checkpoint_id: int
-    token_ids: tuple[int, ...]  # the whole prefix, verified on every hit
+    writer_token_ids: list[int]
+    num_tokens: int
     image_keys: tuple[tuple[bytes, int], ...] = ()  # the prefix's images (``Sequence.image_keys``)
 
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        """The prefix, copied on demand (for inspection; lookups use ``same_prefix``)."""
+        return tuple(self.writer_token_ids[: self.num_tokens])
+
     def same_prefix(self, other: _Checkpoint) -> bool:
-        return self.token_ids == other.token_ids and self.image_keys == other.image_keys
+        n, mine, theirs = self.num_tokens, self.writer_token_ids, other.writer_token_ids
+        if n != other.num_tokens or self.image_keys != other.image_keys:
+            return False
+        # The same writer's list holds the same prefix: no need to read it (the re-save case).
+        return mine is theirs or mine[:n] == theirs[:n]
 
 
 @dataclass(frozen=True)
@@ -130,6 +147,7 @@ class _Hit:
     shared_blocks: list[int]
     cow_src: int | None
     checkpoint_key: int
+    last_serial: int  # serial of the entry of the hit's last hash block
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -250,6 +268,7 @@ class BlockManager:
         seq.num_computed_tokens = num_cached
         seq.num_cached_tokens = num_cached
         seq.num_registered_hash_blocks = num_cached // self.hash_block_size
+        seq.last_registered_serial = hit.last_serial if hit is not None else None
         return Allocation(num_cached, block_copy, kda_restore)
 
     def can_append(self, seq: Sequence, num_lookahead: int = 0) -> bool:
@@ -275,6 +294,8 @@ class BlockManager:
             self.free_state_slots.append(seq.state_slot)
             seq.state_slot = None
         seq.num_registered_hash_blocks = 0
+        seq.last_registered_serial = None
+        seq.prefix_registration_stopped = False
         pending = self.pending_checkpoints.pop(seq.request_id, None)
         if pending is not None:
             self.free_checkpoint_ids.append(pending[1].checkpoint_id)
@@ -287,28 +308,32 @@ class BlockManager:
     # Prefix cache.
 
     def _hash_chain(self, seq: Sequence, num_hash_blocks: int) -> list[int]:
+        """``seq.block_hashes``, extended to at least ``num_hash_blocks`` entries: only the blocks
+        not hashed yet are hashed (the chain's state is its last hash). Read the first
+        ``num_hash_blocks``; the list may be longer."""
         chain, size = seq.block_hashes, self.hash_block_size
         while len(chain) < num_hash_blocks:
             k = len(chain)
             parent = chain[-1] if chain else None
             chain.append(hash_token_block(parent, tuple(seq.token_ids[k * size : (k + 1) * size]),
                                           seq.image_keys(k * size, (k + 1) * size)))
-        return chain[:num_hash_blocks]
+        return chain
 
     @staticmethod
     def _prefix(seq: Sequence, num_tokens: int) -> _Checkpoint:
         """What a checkpoint of ``seq``'s first ``num_tokens`` tokens must match (id unset)."""
-        return _Checkpoint(-1, tuple(seq.token_ids[:num_tokens]), seq.image_keys(0, num_tokens))
+        return _Checkpoint(-1, seq.token_ids, num_tokens, seq.image_keys(0, num_tokens))
 
     def _find_hit(self, seq: Sequence) -> _Hit | None:
         if not self.config.enable_prefix_caching or not self.checkpoints or seq.wants_prompt_logprobs:
             return None
         size = self.hash_block_size
         # At least one token must be left to compute: it produces the next-token logits.
-        chain = self._hash_chain(seq, (seq.num_tokens - 1) // size)
+        num_hash_blocks = (seq.num_tokens - 1) // size
+        chain = self._hash_chain(seq, num_hash_blocks)
         entries: list[_HashBlock] = []
-        for k, h in enumerate(chain):
-            entry = self.hash_to_block.get(h)
+        for k in range(num_hash_blocks):
+            entry = self.hash_to_block.get(chain[k])
             parent_serial = entries[-1].serial if entries else None
             if (entry is None or entry.parent_serial != parent_serial
                     or entry.token_ids != tuple(seq.token_ids[k * size : (k + 1) * size])
@@ -327,7 +352,7 @@ class BlockManager:
         # had the same verified prefix. Use the block's last entry (full blocks) or the hit's.
         shared = [entries[(j + 1) * per_block - 1].block_id for j in range(num_tokens // self.block_size)]
         cow_src = entries[n - 1].block_id if num_tokens % self.block_size else None
-        return _Hit(num_tokens, shared, cow_src, chain[n - 1])
+        return _Hit(num_tokens, shared, cow_src, chain[n - 1], entries[n - 1].serial)
 
     def _fits(self, seq: Sequence, hit: _Hit | None) -> bool:
         if not self.free_state_slots:
@@ -350,17 +375,23 @@ class BlockManager:
         return None, self._fits(seq, None)
 
     def register_computed_blocks(self, seq: Sequence) -> None:
-        """Register the full hash blocks ``seq`` has computed so far (call after the step ran).
+        """Register the full hash blocks ``seq`` has computed since its last registration (call
+        after the step ran); the work is proportional to the new blocks, not to the prefix.
 
-        Walks the chain from the start so a new entry is only ever linked below a verified chain
-        for this exact prefix; a colliding or stale chain stops registration (never a wrong hit).
+        A new entry is only ever linked below the verified chain for this exact prefix: the
+        sequence keeps the serial of its last registered (or hit) entry, which was verified
+        against its tokens when it was reached. A colliding or stale entry stops registration
+        for the rest of the sequence's stay (never a wrong hit); re-admission starts afresh.
         """
         size = self.hash_block_size
         num_full = seq.num_computed_tokens // size
-        if not self.config.enable_prefix_caching or num_full <= seq.num_registered_hash_blocks:
+        if (not self.config.enable_prefix_caching or seq.prefix_registration_stopped
+                or num_full <= seq.num_registered_hash_blocks):
             return
-        parent_serial = None
-        for k, h in enumerate(self._hash_chain(seq, num_full)):
+        chain = self._hash_chain(seq, num_full)
+        parent_serial = seq.last_registered_serial
+        for k in range(seq.num_registered_hash_blocks, num_full):
+            h = chain[k]
             token_ids = tuple(seq.token_ids[k * size : (k + 1) * size])
             image_keys = seq.image_keys(k * size, (k + 1) * size)
             entry = self.hash_to_block.get(h)
@@ -371,9 +402,11 @@ class BlockManager:
                 self.block_to_hashes.setdefault(block_id, []).append(h)
             elif (entry.parent_serial != parent_serial or entry.token_ids != token_ids
                   or entry.image_keys != image_keys):
+                seq.prefix_registration_stopped = True
                 break
             parent_serial = entry.serial
         seq.num_registered_hash_blocks = num_full
+        seq.last_registered_serial = parent_serial
 
     def is_kda_checkpoint_boundary(self, seq: Sequence, num_tokens: int) -> bool:
         """Checkpoints sit every ``kda_checkpoint_interval`` tokens and at the prompt end rounded
@@ -410,7 +443,8 @@ class BlockManager:
             return None
         if seq.request_id in self.pending_checkpoints:
             raise RuntimeError(f"request {seq.request_id!r} already has a KDA save in this step")
-        key = self._hash_chain(seq, num_tokens // self.hash_block_size)[-1]
+        num_hash_blocks = num_tokens // self.hash_block_size
+        key = self._hash_chain(seq, num_hash_blocks)[num_hash_blocks - 1]
         prefix = self._prefix(seq, num_tokens)
         existing = self.checkpoints.get(key)
         if existing is not None and existing.same_prefix(prefix):
@@ -425,8 +459,8 @@ class BlockManager:
             checkpoint_id = evicted.checkpoint_id
         else:
             return None
-        self.pending_checkpoints[seq.request_id] = (key, _Checkpoint(checkpoint_id, prefix.token_ids,
-                                                                     prefix.image_keys))
+        self.pending_checkpoints[seq.request_id] = (key, _Checkpoint(checkpoint_id, seq.token_ids,
+                                                                     num_tokens, prefix.image_keys))
         return KDASave(seq.state_slot, checkpoint_id)
 
     def commit_kda_save(self, seq: Sequence) -> None:

@@ -64,6 +64,10 @@ class Sequence:
         # the whole life of the sequence because token ids are only ever appended.
         self.block_hashes: list[int] = []
         self.num_registered_hash_blocks = 0
+        # Serial of the prefix-cache entry of the last registered (or hit) hash block: the next
+        # registration links below it instead of re-walking the chain from the start.
+        self.last_registered_serial: int | None = None
+        self.prefix_registration_stopped = False  # a colliding or stale entry was met
         # The log-probabilities of the prompt's own tokens are wanted: every prompt token is then
         # computed here (a prefix-cache hit would skip their logits), though its blocks are still
         # registered for others.
@@ -112,4 +116,6 @@ class Sequence:
                      if s.offset < end and start < s.offset + s.length)
 
     def append_token(self, token_id: int) -> None:
+        """The only change ``token_ids`` ever sees: KDA checkpoints keep a reference to the list
+        and read its prefix, and ``block_hashes`` cover it."""
         self.token_ids.append(token_id)

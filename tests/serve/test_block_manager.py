@@ -7,7 +7,7 @@ import pytest
 from openk3.serve import block_manager as bm_module
 from openk3.serve.block_manager import BlockCopy, BlockManager, KDARestore, KDASave
 from openk3.serve.config import EngineConfig
-from openk3.serve.sequence import Sequence
+from openk3.serve.sequence import ImageSpan, Sequence
 
 
 def make_manager(num_blocks=16, num_state_slots=4, **overrides) -> BlockManager:
@@ -244,3 +244,77 @@ def test_append_slot_grows_by_a_block_at_the_edge():
 def test_bad_sizes_raise(overrides):
     with pytest.raises(ValueError):
         make_manager(**overrides)
+
+
+def chain_from_scratch(seq: Sequence, num_hash_blocks: int, size: int) -> list[int]:
+    chain: list[int] = []
+    for k in range(num_hash_blocks):
+        chain.append(bm_module.hash_token_block(chain[-1] if chain else None,
+                                                tuple(seq.token_ids[k * size : (k + 1) * size]),
+                                                seq.image_keys(k * size, (k + 1) * size)))
+    return chain
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_incremental_registration_equals_registering_from_scratch(seed):
+    """Blocks registered in uneven steps (prefill chunks, then decode tokens appended between
+    registrations) carry the from-scratch chained hashes, and leave exactly the entries that
+    one registration of the whole sequence leaves."""
+    rng = random.Random(seed)
+    size = 4
+    ids = tokens(rng.randrange(5, 60), seed)
+    spans = (ImageSpan(3, 6, b"img"),) if seed % 2 else ()
+    stepwise, at_once = (make_manager(num_blocks=64, physical_block_size=16, hash_block_size=size,
+                                      kda_checkpoint_interval=8) for _ in range(2))
+    seq = Sequence("s", ids, max_tokens=100, image_spans=spans)
+    stepwise.allocate(seq)
+    while seq.num_tokens < 150:
+        if seq.num_computed_tokens == seq.num_tokens:
+            for _ in range(rng.randrange(1, 6)):
+                seq.append_token(rng.randrange(50_000))
+            stepwise.append_slot(seq)
+        seq.num_computed_tokens += rng.randrange(1, seq.num_uncomputed_tokens + 1)
+        stepwise.register_computed_blocks(seq)
+        num_full = seq.num_computed_tokens // size
+        assert seq.num_registered_hash_blocks == num_full
+        assert seq.block_hashes[:num_full] == chain_from_scratch(seq, num_full, size)
+    fresh = Sequence("s", seq.token_ids, max_tokens=100, image_spans=spans)
+    at_once.allocate(fresh)
+    fresh.num_computed_tokens = seq.num_computed_tokens
+    at_once.register_computed_blocks(fresh)
+    assert stepwise.hash_to_block == at_once.hash_to_block
+    assert stepwise.block_to_hashes == at_once.block_to_hashes
+
+
+def test_registration_work_per_decode_step_is_constant(monkeypatch):
+    """Each decode step hashes and walks only its new hash block, however long the prefix."""
+    size = 4
+    bm = make_manager(num_blocks=64, physical_block_size=16, hash_block_size=size, kda_checkpoint_interval=8)
+    seq = Sequence("s", tokens(400, 0), max_tokens=200)
+    bm.allocate(seq)
+    seq.num_computed_tokens = seq.num_tokens
+    bm.register_computed_blocks(seq)
+    calls = {"hash": 0, "image_keys": 0}
+    hash_block, image_keys = bm_module.hash_token_block, seq.image_keys
+
+    def counting_hash(*args):
+        calls["hash"] += 1
+        return hash_block(*args)
+
+    def counting_image_keys(start, end):
+        calls["image_keys"] += 1
+        return image_keys(start, end)
+
+    monkeypatch.setattr(bm_module, "hash_token_block", counting_hash)
+    monkeypatch.setattr(seq, "image_keys", counting_image_keys)
+    for step in range(100):
+        seq.append_token(step)
+        bm.append_slot(seq)
+        seq.num_computed_tokens = seq.num_tokens
+        bm.register_computed_blocks(seq)
+        if bm.is_kda_checkpoint_boundary(seq, seq.num_computed_tokens):
+            save(bm, seq, seq.num_computed_tokens)
+    assert seq.num_registered_hash_blocks == 500 // size
+    assert calls["hash"] == 100 // size
+    # One per new block to hash it and one to register it, one per checkpoint's prefix.
+    assert calls["image_keys"] == 2 * (100 // size) + 100 // 8
