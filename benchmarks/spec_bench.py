@@ -151,8 +151,8 @@ def serving_code(frame) -> bool:
 
 class HostCounts(TorchDispatchMode):
     """On a CPU: ops dispatched (each a kernel on a GPU; views excluded), device reads
-    (``tolist``, ``item``, ``cpu`` of a tensor that would live on the GPU: each a
-    synchronisation there) and tensors built from host data with ``device=``
+    (``reads``: the names of the ``tolist``, ``item``, ``cpu`` calls on tensors that would live on
+    the GPU, each a synchronisation there) and tensors built from host data with ``device=``
     (``torch.tensor(data, device=...)``: a blocking copy on a GPU). A tensor built from host data
     without ``device=`` is a host tensor on a GPU too: reading it is not counted. Reads and uploads
     are counted in the serving code only: ``openk3/ops`` and ``openk3/model`` run their plain
@@ -160,7 +160,8 @@ class HostCounts(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
-        self.ops = self.reads = self.blocking_uploads = 0
+        self.ops = self.blocking_uploads = 0
+        self.reads: list[str] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops += not func.is_view
@@ -171,9 +172,10 @@ class HostCounts(TorchDispatchMode):
         originals = {name: getattr(torch.Tensor, name) for name in ("tolist", "item", "cpu")}
         make = torch.tensor
 
-        def read(original):
+        def read(name, original):
             def counted(t, *a, **kw):
-                self.reads += not getattr(t, "_host_data", False) and serving_code(sys._getframe(1))
+                if not getattr(t, "_host_data", False) and serving_code(sys._getframe(1)):
+                    self.reads.append(name)
                 return original(t, *a, **kw)
             return counted
 
@@ -186,7 +188,7 @@ class HostCounts(TorchDispatchMode):
             return t
 
         for name, original in originals.items():
-            setattr(torch.Tensor, name, read(original))
+            setattr(torch.Tensor, name, read(name, original))
         torch.tensor = tensor
         try:
             with self:
@@ -243,7 +245,7 @@ def profile_steps(target, tokenizer, prompts, args, temperature: float, batch: i
         sort = "self_device_time_total"
     else:
         lines.append(f"per step: {counts.ops / per:.1f} ops dispatched (kernel equivalents), "
-                     f"{counts.reads / per:.1f} device reads, {counts.blocking_uploads / per:.1f} blocking uploads")
+                     f"{len(counts.reads) / per:.1f} device reads, {counts.blocking_uploads / per:.1f} blocking uploads")
         sort = "self_cpu_time_total"
     lines.append(prof.key_averages().table(sort_by=sort, row_limit=30))
     return "\n".join(lines)

@@ -22,6 +22,7 @@ from openk3.serve.config import EngineConfig
 from openk3.serve.engine import LLMEngine
 from openk3.serve.sampler import SamplingParams
 from openk3.tokenizer import ByteTokenizer
+from tests.ops.checks import rel_err
 
 STEM = "language_model.model.layers.1.block_sparse_moe.experts.3.w2"
 
@@ -196,14 +197,11 @@ def test_packed_logits_on_the_device_match_the_dequantised_model(mx_dir):
                 with torch.inference_mode():
                     logits[dtype, experts, T] = model(ids).logits.float()
 
-    def err(a, b):
-        return ((a - b).norm() / b.norm()).item()
-
     for T in (2, 300):
         exact = logits[torch.float32, "dequantize", T]
-        assert err(logits[torch.float32, "packed", T], exact) < 1e-4, T
-        bf16 = err(logits[torch.bfloat16, "dequantize", T], exact)
-        assert err(logits[torch.bfloat16, "packed", T], exact) <= 1.5 * bf16 + 1e-2, T
+        assert rel_err(logits[torch.float32, "packed", T], exact) < 1e-4, T
+        bf16 = rel_err(logits[torch.bfloat16, "dequantize", T], exact)
+        assert rel_err(logits[torch.bfloat16, "packed", T], exact) <= 1.5 * bf16 + 1e-2, T
 
 
 @pytest.mark.gpu
@@ -225,13 +223,10 @@ def test_packed_qat_logits_on_the_device_match_the_qat_forward(mx_dir):
                 with torch.inference_mode():
                     logits[experts, qat, T] = model(ids).logits.float()
 
-    def err(a, b):
-        return ((a - b).norm() / b.norm()).item()
-
     for T in (2, 300):
         want = logits["dequantize", "mxfp4", T]
-        close = err(logits["packed", "mxfp4", T], want)
-        assert close < 1e-4 and close < 0.25 * err(logits["packed", "none", T], want), T
+        close = rel_err(logits["packed", "mxfp4", T], want)
+        assert close < 1e-4 and close < 0.25 * rel_err(logits["packed", "none", T], want), T
 
 
 @pytest.mark.gpu

@@ -1,11 +1,16 @@
 """What the op tests share: every output and every gradient compared with its own tolerance,
-packed-sequence offsets, NaN-poisoned allocations for kernels' outputs, and running a module's
-docstring examples."""
+packed-sequence offsets, NaN-poisoned allocations for kernels' outputs, running a module's
+docstring examples, and running a script under the Triton interpreter."""
 
 from __future__ import annotations
 
 import contextlib
 import doctest
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -69,3 +74,16 @@ def run_doctests(module) -> None:
     result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.attempted > 0, f"{module.__name__} has no examples"
     assert result.failed == 0, f"{result.failed} example(s) of {module.__name__} failed"
+
+
+def run_triton_interpreted(script: str) -> None:
+    """Run ``script`` in a subprocess with ``TRITON_INTERPRET=1`` (the interpreter is chosen when a
+    kernel is defined, so it cannot be switched on in this process) from the repository root;
+    it must print a last line ending in ``ok``."""
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
+        [str(root), os.environ.get("PYTHONPATH", "")]))
+    run = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], env=env, cwd=root,
+                         capture_output=True, text=True, timeout=300, check=False)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]

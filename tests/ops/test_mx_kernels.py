@@ -4,11 +4,6 @@ argument checks by name; the Triton kernels in the CPU interpreter (tiny, fp32, 
 imports) and, on GPU, against the references (every E2M1 code, NaN-poisoned buffers, sizes that
 divide no tile, offsets past 2^31, inside a CUDA graph)."""
 
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -26,7 +21,12 @@ from openk3.ops.mx_moe import (
     mxfp4_moe_gemv,
     mxfp4_moe_gemv_ref,
 )
-from tests.ops.checks import nan_poisoned_empty, rel_err, run_doctests
+from tests.ops.checks import (
+    nan_poisoned_empty,
+    rel_err,
+    run_doctests,
+    run_triton_interpreted,
+)
 
 # (E, k, F, D): `small`'s MoE layer, and sizes that fill no kernel tile (the GEMV reads 512
 # inputs per step, the grouped GEMM 64 outputs and 64 inputs; widths must be multiples of 32)
@@ -59,6 +59,15 @@ def packed_module(cfg, D, weights, device="cpu") -> PackedRoutedExperts:
         getattr(packed, f"{name}_packed").copy_(w.packed)
         getattr(packed, f"{name}_scale").copy_(w.scale)
     return packed
+
+
+def dense_twin(cfg, D, weights) -> RoutedExperts:
+    """RoutedExperts holding ``weights``' decoded values (exact in fp32)."""
+    dense = RoutedExperts(cfg, D)
+    with torch.no_grad():
+        for name, w in zip(("w1", "w3", "w2"), weights):
+            getattr(dense, name).copy_(w.dequantize())
+    return dense
 
 
 def routing(N, E, k, device="cpu", seed=1):
@@ -110,12 +119,9 @@ def test_packed_module_equals_routed_experts_on_the_dequantised_weights(act, N):
     same sort, loop, matmuls and sums as RoutedExperts' reference path."""
     E, k, F, D = SHAPES["odd"]
     cfg = config(E, k, F, act)
-    dense = RoutedExperts(cfg, D)
     weights = packed_weights(E, F, D)
-    packed = packed_module(cfg, D, weights)
+    dense, packed = dense_twin(cfg, D, weights), packed_module(cfg, D, weights)
     with torch.no_grad():
-        for name, w in zip(("w1", "w3", "w2"), weights):
-            getattr(dense, name).copy_(w.dequantize())
         x = torch.randn(N, D, generator=torch.Generator().manual_seed(3))
         topk_idx, topk_weight = routing(N, E, k)
         got = packed(x, topk_idx, topk_weight)
@@ -129,12 +135,8 @@ def test_packed_module_with_mxfp8_inputs_equals_the_qat_forward(N):
     module's weights are the decoded bytes, which its MXFP4 quantiser returns unchanged."""
     E, k, F, D = SHAPES["odd"]
     cfg = config(E, k, F)
-    dense = RoutedExperts(cfg, D)
     weights = packed_weights(E, F, D)
-    packed = packed_module(cfg, D, weights)
-    with torch.no_grad():
-        for name, w in zip(("w1", "w3", "w2"), weights):
-            getattr(dense, name).copy_(w.dequantize())
+    dense, packed = dense_twin(cfg, D, weights), packed_module(cfg, D, weights)
     dense.qat = "mxfp4"
     x = torch.randn(N, D, generator=torch.Generator().manual_seed(3))
     topk_idx, topk_weight = routing(N, E, k)
@@ -280,13 +282,7 @@ def test_kernels_in_the_triton_interpreter():
     """Both Triton paths on the CPU (TRITON_INTERPRET=1, fp32, SwiGLU: the interpreter has no
     libdevice tanh for SiTU), every code in random bytes, a NaN scale; in a subprocess because
     the interpreter is chosen when the kernels are defined."""
-    pytest.importorskip("triton")
-    root = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
-        [str(root), os.environ.get("PYTHONPATH", "")]))
-    run = subprocess.run([sys.executable, "-c", textwrap.dedent(_INTERPRETED)], env=env, cwd=root,
-                         capture_output=True, text=True, timeout=300, check=False)
-    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]
+    run_triton_interpreted(_INTERPRETED)
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

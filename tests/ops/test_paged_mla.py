@@ -6,18 +6,17 @@ graph captured at short contexts over longer ones."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
-
 import pytest
 import torch
 
 import openk3.ops.paged_mla as paged_mla_module
 from openk3.ops.paged_mla import paged_mla_decode, paged_mla_decode_ref
-from tests.ops.checks import nan_poisoned_empty, rel_err, run_doctests
+from tests.ops.checks import (
+    nan_poisoned_empty,
+    rel_err,
+    run_doctests,
+    run_triton_interpreted,
+)
 
 
 def make_inputs(lens, H, R, P, block_size, num_blocks, dtype=torch.float32, device="cpu", seed=0):
@@ -153,13 +152,7 @@ print("ok")
 def test_kernel_in_the_triton_interpreter():
     """The Triton kernel on the CPU (TRITON_INTERPRET=1, fp32), with and without first positions;
     in a subprocess because the interpreter is chosen when the kernel is defined."""
-    pytest.importorskip("triton")
-    root = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
-        [str(root), os.environ.get("PYTHONPATH", "")]))
-    run = subprocess.run([sys.executable, "-c", textwrap.dedent(_INTERPRETED)], env=env, cwd=root,
-                         capture_output=True, text=True, timeout=300, check=False)
-    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]
+    run_triton_interpreted(_INTERPRETED)
 
 
 @pytest.mark.gpu
