@@ -137,6 +137,10 @@ def _paged_mla_decode_triton(q_lat, q_rope, cache, block_table, context_lens, bl
         raise ValueError("`q_lat`, `q_rope`, `cache` and `block_table` need a contiguous last dimension")
     if block_table.dtype != torch.int32:
         raise ValueError(f"`block_table` must be int32, got {block_table.dtype}")
+    # the kernel reads row b's length and first position at offset b: a broadcast view (stride 0,
+    # e.g. one row's value expanded over its K + 1 verify queries) must become a real vector
+    context_lens = context_lens.contiguous()
+    first_pos = None if first_pos is None else first_pos.contiguous()
     splits = num_splits(B, H, q_lat.device)
     o_part = torch.empty(B, H, splits, R, device=q_lat.device, dtype=torch.float32)
     lse_part = torch.empty(B, H, splits, device=q_lat.device, dtype=torch.float32)

@@ -122,9 +122,12 @@ def test_triton_first_position_matches_loop(dtype):
     """Rows starting past 0 (the EAGLE draft's ``base``), inside and at the edge of a block; the
     cache before each row's first position is NaN, which the kernel must not read."""
     lens, firsts, block_size = [1, 200, 333, 64, 4099], [0, 199, 64, 17, 1000], 64
-    num_blocks = sum(-(-n // block_size) + 1 for n in lens) + 4
-    x = make_inputs(lens, H=8, R=512, P=64, block_size=block_size, num_blocks=num_blocks,
+    W = -(-max(lens) // block_size) + 1
+    x = make_inputs(lens, H=8, R=512, P=64, block_size=block_size, num_blocks=len(lens) * W,
                     dtype=dtype, device="cuda")
+    # rows own disjoint blocks here, so poisoning one row's positions never touches another's
+    x["block_table"] = torch.randperm(len(lens) * W, generator=torch.Generator().manual_seed(1)).view(
+        len(lens), W).int().cuda()
     first_pos = torch.tensor(firsts, device="cuda")
     for b, first in enumerate(firsts):
         for t in range(first):
@@ -145,6 +148,16 @@ x = make_inputs([9, 30, 5, 40], H=3, R=32, P=16, block_size=8, num_blocks=16)
 for first_pos in (None, torch.tensor([3, 17, 4, 0])):
     got = _paged_mla_decode_triton(**x, first_pos=first_pos)
     assert rel_err(got, loop(**x, first_pos=first_pos)) < 1e-5, rel_err(got, loop(**x, first_pos=first_pos))
+# one row's length and first position broadcast over 3 queries (stride 0), as the EAGLE draft's
+# verify rows of a batch of one pass them: the kernel must not read past them
+x = make_inputs([12, 12, 12], H=3, R=32, P=16, block_size=8, num_blocks=16)
+x["block_table"] = x["block_table"][:1].expand(3, -1)
+meta = torch.tensor([[12, 5, 1000, -1000]])
+x["context_lens"], first_pos = meta[:, 0].expand(3), meta[:, 1].expand(3)
+assert x["context_lens"].stride(0) == 0 and first_pos.stride(0) == 0
+dense = {**x, "context_lens": x["context_lens"].contiguous(), "block_table": x["block_table"].contiguous()}
+got = _paged_mla_decode_triton(**x, first_pos=first_pos)
+assert rel_err(got, loop(**dense, first_pos=first_pos.contiguous())) < 1e-5
 print("ok")
 """
 
