@@ -25,9 +25,12 @@ Variants: ``greedy`` (temperature 0, the serve_bench decode), ``logprobs`` (``lo
 ``sampled`` (temperature 0.8, top_p 0.95: the filtering runs on the CPU here, so that row mostly
 measures tensor work, not Python).
 
-Phases come from timing wrappers on the engine's methods (a few hundred ns each per call,
-included); ``total`` is timed separately without them. Each number is the
-fastest of ``--repeats`` runs (host timings on a shared machine only ever get slower). Run on a CPU:
+Times are CPU time of the engine's thread (``time.thread_time_ns``), not wall time: on a shared
+machine other processes' load then costs little (a descheduled thread accrues none; cache and
+frequency effects remain), and the engine's Python work is single-threaded (torch runs on one
+thread here). Phases come from timing wrappers on the engine's methods, whose own cost (measured
+on a no-op, subtracted per call) is approximate; ``total`` is timed separately without them.
+Each number is the fastest of ``--repeats`` runs. Run on a CPU:
 ``PYTHONPATH=. python benchmarks/engine_host_bench.py [--batch 1 32 128] [--steps 128]
 [--variants greedy logprobs stop] [--profile 128]``. ``--profile B`` prints the cProfile top
 functions of the greedy run at batch B.
@@ -84,26 +87,43 @@ class StubExecute:
         return StepResult(logits, sampled=sampled)
 
 
+clock = time.thread_time_ns
+
+
 class PhaseTimer:
-    """Wraps engine methods; accumulates each phase's own time (children excluded)."""
+    """Wraps engine methods; accumulates each phase's own time (children excluded) and calls."""
 
     def __init__(self):
         self.ns: dict[str, int] = defaultdict(int)
+        self.calls: dict[str, int] = defaultdict(int)
         self._child_ns: list[int] = []
 
     def wrap(self, name: str, fn):
         def timed(*args, **kwargs):
             self._child_ns.append(0)
-            t0 = time.perf_counter_ns()
+            t0 = clock()
             try:
                 return fn(*args, **kwargs)
             finally:
-                dt = time.perf_counter_ns() - t0
+                dt = clock() - t0
                 child = self._child_ns.pop()
                 self.ns[name] += dt - child
+                self.calls[name] += 1
                 if self._child_ns:
                     self._child_ns[-1] += dt
         return timed
+
+    @staticmethod
+    def overhead_ns(n: int = 20000) -> float:
+        """CPU time one wrapped call adds (the fastest of a few rounds)."""
+        timed = PhaseTimer().wrap("noop", lambda: None)
+        rounds = []
+        for _ in range(5):
+            t0 = clock()
+            for _ in range(n):
+                timed()
+            rounds.append((clock() - t0) / n)
+        return min(rounds)
 
     def install(self, eng: LLMEngine) -> None:
         for name, path in PHASES:
@@ -126,7 +146,7 @@ def make_engine(model, batch: int, max_tokens: int) -> LLMEngine:
 
 def run(model, batch: int, steps: int, variant: str, timer: PhaseTimer | None = None,
         profiler: cProfile.Profile | None = None) -> float:
-    """Seconds of ``steps`` decode steps of ``batch`` sequences (all decoding, none finishing)."""
+    """CPU seconds of ``steps`` decode steps of ``batch`` sequences (all decoding, none finishing)."""
     max_tokens = 1 + WARMUP_STEPS + steps + 1
     eng = make_engine(model, batch, max_tokens)
     params = SamplingParams(max_tokens=max_tokens, **VARIANTS[variant])
@@ -139,10 +159,10 @@ def run(model, batch: int, steps: int, variant: str, timer: PhaseTimer | None = 
         timer.install(eng)
     if profiler is not None:
         profiler.enable()
-    t0 = time.perf_counter()
+    t0 = clock()
     for _ in range(steps):
         outs = eng.step()
-    elapsed = time.perf_counter() - t0
+    elapsed = (clock() - t0) / 1e9
     if profiler is not None:
         profiler.disable()
     if len(outs) != batch or any(o.finished for o in outs):
@@ -172,7 +192,9 @@ def main() -> None:
         return
 
     names = [n for n, _ in PHASES] + ["other"]
-    print(f"us per sequence per decode step (CPU, {args.steps} steps, torch threads 1)")
+    overhead = PhaseTimer.overhead_ns()
+    print(f"CPU us per sequence per decode step ({args.steps} steps, torch threads 1, "
+          f"{overhead:.0f} ns per timed call subtracted)")
     print(f"{'variant':>9} {'B':>4} {'total':>7} | " + " ".join(f"{n:>11}" for n in names))
     for variant in args.variants:
         for batch in args.batch:
@@ -181,8 +203,10 @@ def main() -> None:
             phase_ns = {}
             for _ in range(args.repeats):
                 timer = PhaseTimer()
-                timer.ns["other"] = int(run(model, batch, args.steps, variant, timer) * 1e9)
-                timer.ns["other"] -= sum(v for k, v in timer.ns.items() if k != "other")
+                wrapped_ns = run(model, batch, args.steps, variant, timer) * 1e9
+                timer.ns["other"] = wrapped_ns - sum(timer.ns.values())
+                for n, calls in timer.calls.items():
+                    timer.ns[n] -= calls * overhead
                 phase_ns = {n: min(phase_ns.get(n, v), v) for n, v in timer.ns.items()}
             cols = [phase_ns.get(n, 0) / 1e3 / per for n in names]
             print(f"{variant:>9} {batch:>4} {total * 1e6 / per:7.2f} | " + " ".join(f"{c:11.2f}" for c in cols),

@@ -7,7 +7,8 @@ listening. ``openk3.LLM`` (``openk3/serve/llm.py``) is the offline API over the 
 
 Text: output ids are decoded incrementally (each step decodes only the last few ids, the
 window since the previous complete character, so long outputs cost O(n), not O(n^2)); a trailing
-U+FFFD (an incomplete UTF-8 sequence) waits until the next token completes it. Stop strings are searched in the generated text;
+U+FFFD (an incomplete UTF-8 sequence) waits until the next token completes it. Stop strings are searched in the generated text
+(each step only where one may end: the new text and the ``max(len(stop)) - 1`` characters before it);
 the text is cut before the stop string and the request finishes with ``finish_reason="stop"``.
 While streaming, the last ``max(len(stop)) - 1`` characters are held back, since they may
 turn out to begin a stop string.
