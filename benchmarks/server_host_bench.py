@@ -226,7 +226,7 @@ def time_server(model, ps: list[list[int]], new: int, client: str, repeats: int,
     proc.start()
     rows = []
     try:
-        while (msg := conn.recv()) == "ready":
+        while conn.recv() == "ready":
             if prof is not None and len(rows) == rounds - 1:  # profile the extra last round only
                 asyncio.run_coroutine_threadsafe(_enable(prof), loops[0]).result()
             cpu = time.process_time()
