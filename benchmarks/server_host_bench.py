@@ -35,6 +35,7 @@ import argparse
 import asyncio
 import cProfile
 import io
+import json
 import multiprocessing
 import os
 import pstats
@@ -72,7 +73,22 @@ def stub_engine(model, streams: int, gpu_ms: float) -> LLMEngine:
         return StepResult(logits, sampled=sampled)
 
     eng.runner.execute = execute
+    step, eng.step_times = eng.step, []
+
+    def timed_step():
+        t = time.perf_counter()
+        outs = step()
+        if outs:
+            eng.step_times.append((t, time.perf_counter()))
+        return outs
+
+    eng.step = timed_step  # the engine's steps, (start, end): how much the server slows them
     return eng
+
+
+def engine_span(steps: list[tuple[float, float]]) -> dict:
+    """Wall seconds from the first step's start to the last one's end, and the steps' own."""
+    return {"engine_span_s": steps[-1][1] - steps[0][0], "engine_steps_s": sum(b - a for a, b in steps)}
 
 
 def prompts(streams: int, prompt_len: int) -> list[list[int]]:
@@ -80,14 +96,15 @@ def prompts(streams: int, prompt_len: int) -> list[list[int]]:
     return [torch.randint(32, 127, (prompt_len,), generator=g).tolist() for _ in range(streams)]
 
 
-def time_engine(model, ps: list[list[int]], new: int, gpu_ms: float) -> float:
+def time_engine(model, ps: list[list[int]], new: int, gpu_ms: float) -> tuple[float, dict]:
     eng = stub_engine(model, len(ps), gpu_ms)
     eng.generate(ps, SamplingParams(temperature=0, max_tokens=8))  # warm-up
+    eng.step_times.clear()
     t = time.perf_counter()
     outs = eng.generate(ps, SamplingParams(temperature=0, max_tokens=new))
     s = time.perf_counter() - t
     assert all(len(o.token_ids) == new for o in outs)
-    return s
+    return s, engine_span(eng.step_times)
 
 
 def time_async(model, ps: list[list[int]], new: int, gpu_ms: float) -> tuple[float, int]:
@@ -141,6 +158,51 @@ def time_app(model, ps: list[list[int]], new: int, gpu_ms: float) -> tuple[float
         ae.shutdown()
 
 
+class _Replay:
+    """An ``AsyncEngine`` stand-in that replays pre-made outputs at once (no thread, no model):
+    what is left of a stream's time is the app's own work per event."""
+
+    def __init__(self, new: int):
+        from openk3.serve.engine import EngineStats
+
+        self.tokenizer, self.stats, self.new = ByteTokenizer(), EngineStats, new
+
+    def validate(self, prompt, params, images=None) -> list[int]:
+        return list(prompt)
+
+    async def generate(self, ids, params, request_id, images=None):
+        from openk3.serve.engine import RequestOutput
+
+        for k in range(1, self.new + 1):
+            last = k == self.new
+            yield RequestOutput(request_id, ids, [97] * k, "a" * k, [97], "a", None, last,
+                                "length" if last else None)
+
+
+def time_app_replay(ps: list[list[int]], new: int, repeats: int) -> float:
+    """CPU microseconds per SSE event of the app alone (``OpenAIServer.completions``' body
+    iterator over ``_Replay``), best of ``repeats``."""
+    from openk3.serve.chat import ChatTemplate
+    from openk3.serve.protocol import CompletionRequest
+    from openk3.serve.server import OpenAIServer
+
+    app = OpenAIServer(_Replay(new), "bench", ChatTemplate())
+
+    async def run() -> int:
+        n = 0
+        for ids in ps:
+            req = CompletionRequest(prompt=ids, max_tokens=new, temperature=0.0, stream=True)
+            n += sum([1 async for _ in (await app.completions(req, None)).body_iterator])
+        return n
+
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.thread_time()  # CPU time: other processes on the machine do not count
+        n = asyncio.run(run())
+        best = min(best, (time.thread_time() - t) / n)
+    return 1e6 * best
+
+
 def _client(port: int, ps: list[list[int]], new: int, kind: str, repeats: int, conn) -> None:
     """The clients, in their own process: a warm-up, then ``repeats`` timed rounds; each round
     waits for the server's go (it samples its CPU clocks around the round) and answers
@@ -161,6 +223,26 @@ def _client(port: int, ps: list[list[int]], new: int, kind: str, repeats: int, c
 
         def round_(max_tokens: int) -> int:
             return sum(pool.map(lambda ids: one(ids, max_tokens), ps))
+    elif kind == "raw":
+        loop = asyncio.new_event_loop()
+
+        async def rone(ids: list[int], max_tokens: int) -> int:
+            body = json.dumps({"prompt": ids, "max_tokens": max_tokens, "temperature": 0, "stream": True})
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(f"POST /v1/completions HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json"
+                         f"\r\ncontent-length: {len(body)}\r\nconnection: close\r\n\r\n{body}".encode())
+            data = b""
+            while chunk := await reader.read(1 << 16):
+                data += chunk
+            writer.close()
+            assert data.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n"), data[-200:]
+            return data.count(b'"text": "') - data.count(b'"text": ""')
+
+        async def rround(max_tokens: int) -> int:
+            return sum(await asyncio.gather(*(rone(ids, max_tokens) for ids in ps)))
+
+        def round_(max_tokens: int) -> int:
+            return loop.run_until_complete(rround(max_tokens))
     else:
         aclient = openai.AsyncOpenAI(base_url=url, api_key="none", max_retries=0, timeout=600)
         loop = asyncio.new_event_loop()
@@ -208,17 +290,12 @@ def time_server(model, ps: list[list[int]], new: int, client: str, repeats: int,
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     prof = cProfile.Profile() if profile else None
-    loop_tid: list[int] = []
-    loops: list[asyncio.AbstractEventLoop] = []
-
-    async def serve() -> None:
-        loop_tid.append(threading.get_native_id())
-        loops.append(asyncio.get_running_loop())
-        await server.serve(sockets=[sock])
-
-    threading.Thread(target=asyncio.run, args=(serve(),), daemon=True).start()
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()  # as part_server runs it: uvicorn picks its loop (uvloop if installed)
     while not server.started:
         time.sleep(0.02)
+    loop = server.servers[0].get_loop()
+    loop_tid = thread.native_id
     ctx = multiprocessing.get_context("spawn")
     conn, child = ctx.Pipe()
     rounds = repeats + profile
@@ -228,17 +305,19 @@ def time_server(model, ps: list[list[int]], new: int, client: str, repeats: int,
     try:
         while conn.recv() == "ready":
             if prof is not None and len(rows) == rounds - 1:  # profile the extra last round only
-                asyncio.run_coroutine_threadsafe(_enable(prof), loops[0]).result()
+                asyncio.run_coroutine_threadsafe(_enable(prof), loop).result()
+            ae.engine.step_times.clear()
             cpu = time.process_time()
-            engine_cpu, loop_cpu = _thread_cpu(ae._thread.native_id), _thread_cpu(loop_tid[0])
+            engine_cpu, loop_cpu = _thread_cpu(ae._thread.native_id), _thread_cpu(loop_tid)
             conn.send("go")
             seconds, chunks, client_cpu = conn.recv()
             rows.append({"server_s": seconds, "chunks": chunks, "client_cpu_s": client_cpu,
                          "server_process_cpu_s": time.process_time() - cpu,
                          "engine_thread_cpu_s": _thread_cpu(ae._thread.native_id) - engine_cpu,
-                         "event_loop_cpu_s": _thread_cpu(loop_tid[0]) - loop_cpu})
+                         "event_loop_cpu_s": _thread_cpu(loop_tid) - loop_cpu,
+                         **engine_span(ae.engine.step_times)})
             if prof is not None and len(rows) == rounds:
-                asyncio.run_coroutine_threadsafe(_disable(prof), loops[0]).result()
+                asyncio.run_coroutine_threadsafe(_disable(prof), loop).result()
         proc.join()
     finally:
         server.should_exit = True
@@ -259,12 +338,19 @@ async def _disable(prof: cProfile.Profile) -> None:
     prof.disable()
 
 
+def _installed(name: str) -> str | None:
+    import importlib.util
+
+    return name if importlib.util.find_spec(name) is not None else None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--streams", type=int, default=64)
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--client", choices=("threads", "async"), default="threads")
+    ap.add_argument("--client", choices=("threads", "async", "raw"), default="threads",
+                    help="raw: plain HTTP over asyncio sockets, no SSE parsing (a client that costs little)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--gpu-ms", type=float, default=0.0,
                     help="sleep per engine step, the GIL released: the device's GPU time (0: none)")
@@ -277,20 +363,26 @@ def main() -> None:
         sys.setswitchinterval(args.switch_interval)
     model = build_model(preset("debug"), seed=0).eval()
     ps = prompts(args.streams, args.prompt_len)
-    engine_s = min(time_engine(model, ps, args.new, args.gpu_ms) for _ in range(args.repeats))
+    engine_s, engine_steps = min(time_engine(model, ps, args.new, args.gpu_ms) for _ in range(args.repeats))
     async_s, async_chunks = min(time_async(model, ps, args.new, args.gpu_ms) for _ in range(args.repeats))
+    replay_us = time_app_replay(ps, args.new, 2 * args.repeats)
     app_s, app_events, app_cpu = min(time_app(model, ps, args.new, args.gpu_ms) for _ in range(args.repeats))
     rows, report = time_server(model, ps, args.new, args.client, args.repeats, args.profile, args.gpu_ms)
     best = min(rows[:args.repeats], key=lambda r: r["server_s"])  # the profiled round is slower
     chunks = best["chunks"]
     print(f"{args.streams} streams x {args.new} tokens, client {args.client}, gpu_ms {args.gpu_ms}, "
-          f"switch interval {sys.getswitchinterval()} s, {os.cpu_count()} CPUs")
+          f"switch interval {sys.getswitchinterval()} s, {os.cpu_count()} CPUs, uvicorn http "
+          f"{_installed('httptools') or 'h11'}, loop {_installed('uvloop') or 'asyncio'}")
     print(f"engine (LLMEngine.generate): {engine_s:.3f} s")
     print(f"async (AsyncEngine.generate): {async_s:.3f} s, {async_chunks} text outputs")
+    print(f"app alone (replayed outputs, no engine, no HTTP): {replay_us:.2f} us/event")
     print(f"app without HTTP (OpenAIServer.completions' SSE body): {app_s:.3f} s, {app_events} events, "
           f"event loop CPU {app_cpu:.3f} s ({1e6 * app_cpu / app_events:.1f} us/event)")
     print(f"server (openai client): {best['server_s']:.3f} s, {chunks} text chunks; "
           f"server/engine {best['server_s'] / engine_s:.2f}x, server/async {best['server_s'] / async_s:.2f}x")
+    print(f"engine steps (sum of step walls): direct {engine_steps['engine_steps_s']:.3f} s, under the "
+          f"server {best['engine_steps_s']:.3f} s; the server's engine span (first step to last) "
+          f"{best['engine_span_s']:.3f} s of its {best['server_s']:.3f} s")
     print(f"wall per chunk: server {1e6 * best['server_s'] / chunks:.1f} us, "
           f"engine {1e6 * engine_s / chunks:.1f} us")
     print(f"CPU (best round): server process {best['server_process_cpu_s']:.2f} s "
