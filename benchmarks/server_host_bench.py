@@ -1,32 +1,39 @@
 """Host overhead of the OpenAI server over the engine, on the CPU, with the model work removed.
 
 The same ``--streams`` requests (``--prompt-len``-token prompts, ``--new`` greedy tokens each)
-go through three paths over an ``LLMEngine`` of the ``debug`` preset whose model runner is
+go through these paths over an ``LLMEngine`` of the ``debug`` preset whose model runner is
 stubbed: ``execute`` skips the forward pass and returns logits that make greedy sampling pick a
-pre-made token (printable ASCII, so every token is one character of text and one SSE chunk):
+pre-made token (printable ASCII, so every token is one character of text and one SSE chunk),
+after sleeping ``--gpu-ms`` with the GIL released, as the engine thread waits on the GPU:
 
 - ``engine``: ``LLMEngine.generate`` (what ``serve_bench.py --parts server`` compares against);
 - ``async``: ``AsyncEngine.generate``, one asyncio consumer per request in this process;
-- ``server``: ``build_app`` under uvicorn on a real local socket (uvicorn's default HTTP
-  implementation, as ``openk3 serve`` and ``part_server`` run it), driven by the official
-  ``openai`` client in a separate process (spawned, as in ``part_server``): ``--client threads``
-  is ``part_server``'s client (``openai.OpenAI``, one thread per stream), ``--client async`` one
-  ``openai.AsyncOpenAI`` task per stream.
+- ``app alone``: ``OpenAIServer.completions``' SSE body over a stand-in engine that replays
+  pre-made outputs at once (no engine thread, no HTTP): the app's own CPU per event;
+- ``app without HTTP``: the same SSE bodies over the stubbed ``AsyncEngine``;
+- ``server``: ``build_app`` under ``uvicorn.Server.run`` on a real local socket (uvicorn picks its
+  HTTP implementation and loop as for ``openk3 serve`` and ``part_server``: httptools and uvloop
+  if installed, else h11 and asyncio), the clients in a spawned process: ``--client threads`` is
+  ``part_server``'s client (``openai.OpenAI``, one thread per stream), ``--client async`` one
+  ``openai.AsyncOpenAI`` task per stream, ``--client raw`` plain HTTP over asyncio sockets that
+  only counts the chunks (a client that takes few of the machine's cores from the server).
 
 Measured: wall seconds of each path (best of ``--repeats``), server over engine and over async,
-wall and server-process CPU microseconds per SSE chunk, the CPU seconds of the server process's
-threads (engine thread, event-loop thread) and of the client process (so the client's JSON and
-pydantic parsing, which runs on the same machine, is counted apart), and with ``--profile`` a
-cProfile top list of the event-loop thread (the server side: uvicorn, Starlette, the app).
+wall and CPU microseconds per SSE chunk; per server round the CPU seconds of the engine thread,
+of the event-loop thread and of the client process (the client's SSE, JSON and pydantic parsing
+is counted apart from the server's work), and the engine's own step walls under the server
+against alone (how much the server's GIL use slows the engine); with ``--profile`` a cProfile
+top list of the event-loop thread in one more round.
 
-Not measured: any model or GPU work (the stub returns at once, so the engine's own host work per
-step, the scheduler, sampling of a [B, vocab] tensor and detokenizing, is what is left on the
-engine side); the overlap of host work with GPU time that the device has (there, the event loop
-runs while the engine thread waits on the GPU, so only host work beyond the step time adds to
-the wall time); network beyond the loopback device. The CPU is shared, and on a 2-core machine
-the client process competes with the server for cores: compare runs on one machine only.
+Not measured: model or GPU work (the engine's own host work per step, scheduling, sampling a
+[B, vocab] tensor, detokenizing, is what is left on the engine side; ``--gpu-ms`` only models
+the GIL-free wait); the device host's CPU, which is faster than a shared 2-core machine's;
+network beyond loopback. On a small shared machine the client process competes with the server
+for cores and the wall times vary from run to run: compare CPU per chunk, and runs on one
+machine, interleaved.
 
-Run: ``python -m benchmarks.server_host_bench [--client threads|async] [--profile]``.
+Run: ``python -m benchmarks.server_host_bench [--gpu-ms 6] [--client threads|async|raw]
+[--switch-interval S] [--profile]``.
 """
 
 from __future__ import annotations
@@ -378,7 +385,7 @@ def main() -> None:
     print(f"app alone (replayed outputs, no engine, no HTTP): {replay_us:.2f} us/event")
     print(f"app without HTTP (OpenAIServer.completions' SSE body): {app_s:.3f} s, {app_events} events, "
           f"event loop CPU {app_cpu:.3f} s ({1e6 * app_cpu / app_events:.1f} us/event)")
-    print(f"server (openai client): {best['server_s']:.3f} s, {chunks} text chunks; "
+    print(f"server ({args.client} client): {best['server_s']:.3f} s, {chunks} text chunks; "
           f"server/engine {best['server_s'] / engine_s:.2f}x, server/async {best['server_s'] / async_s:.2f}x")
     print(f"engine steps (sum of step walls): direct {engine_steps['engine_steps_s']:.3f} s, under the "
           f"server {best['engine_steps_s']:.3f} s; the server's engine span (first step to last) "

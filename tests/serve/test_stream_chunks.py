@@ -10,7 +10,12 @@ import json
 import pytest
 
 from openk3.serve.engine import Logprob, RequestOutput
-from openk3.serve.protocol import chat_chunks, completion_chunks, completion_logprobs, usage
+from openk3.serve.protocol import (
+    chat_chunks,
+    completion_chunks,
+    completion_logprobs,
+    usage,
+)
 from openk3.tokenizer import ByteTokenizer
 
 HEAD = {"id": "cmpl-x\"y", "object": "text_completion", "created": 1700000000, "model": "m\u00e9"}
