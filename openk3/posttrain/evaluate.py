@@ -106,7 +106,7 @@ def _load_engine(cfg: EvalConfig, problems: dict[str, list[Problem]]):
     try:
         model, tokenizer, _ = load_model(path, device=None if cfg.device == "auto" else cfg.device,
                                          dtype=None if cfg.dtype == "auto" else cfg.dtype)
-    except Exception as e:  # noqa: BLE001 -- tokenizers raises bare Exceptions; the message says what failed
+    except Exception as e:  # tokenizers raises bare Exceptions; the message says what failed
         raise ValueError(f"--checkpoint {cfg.checkpoint!r}: cannot load a model from it "
                          f"({type(e).__name__}: {e})") from e
     longest = max(len(_prompt_ids(tokenizer, p, cfg.effort)) for ps in problems.values() for p in ps)
