@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from openk3.config import _DictIO
+from openk3.posttrain.tasks import get_task
 
 EFFORTS = ("low", "medium", "high")  # K3's three effort levels
 EFFORT_CHOICES = ("none", *EFFORTS, "mixed")
@@ -33,9 +34,10 @@ class PostTrainConfig(_DictIO):
 
     Policy and data:
         checkpoint: the initial policy, a training run or an HF checkpoint directory (required).
-        task: one or more task names (``openk3.posttrain.tasks.get_task``); each new prompt
-            group draws its task in turn.
-        task_options: keyword arguments for every ``get_task`` call (JSON on the command line).
+        task: one or more task specs, ``NAME`` or ``NAME:key=value:...`` (``task_from_spec``:
+            ``arithmetic:digits=2``); each new prompt group draws its task in turn.
+        task_options: keyword arguments for every task (JSON on the command line); a spec's own
+            ``key=value`` wins.
         teacher: MOPD teachers, ``DOMAIN:EFFORT=PATH`` each; EFFORT ``*`` serves every effort.
     Rollouts (from the serving engine, temperature 1, no top-p / top-k):
         prompts_per_step: complete prompt groups per training step (the batch); the engine
@@ -267,8 +269,6 @@ class EvalConfig(_DictIO):
 
 def task_from_spec(spec: str, options: dict):
     """The task of ``spec`` (``NAME[:key=value...]``) with ``options`` under the spec's own."""
-    from openk3.posttrain.tasks import get_task
-
     name, *pairs = spec.split(":")
     own = {}
     for pair in pairs:

@@ -151,3 +151,12 @@ def test_errors_name_the_parameter(always_one, tmp_path, capsys):
         evaluate(EvalConfig(checkpoint=str(run), num_problems=1, device="cpu"))
     assert main(["eval", "--checkpoint", str(always_one), "--task", "arithmetic", "nope"]) == 2
     assert "--task 'nope'" in capsys.readouterr().err
+
+
+def test_task_specs():
+    from openk3.posttrain.config import task_from_spec
+    from openk3.posttrain.tasks import Arithmetic
+
+    assert task_from_spec("arithmetic:digits=2", {"ops": "+", "digits": 3}) == Arithmetic(digits=2, ops="+")
+    with pytest.raises(ValueError, match="expected NAME:key=value"):
+        task_from_spec("arithmetic:digits", {})
