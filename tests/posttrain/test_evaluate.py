@@ -129,6 +129,18 @@ def test_real_engine_through_the_cli(always_one, tmp_path, capsys):
     assert "arithmetic" in table and f"{want / n:.3f}" in table
 
 
+def test_an_rl_run_is_a_checkpoint(always_one, tmp_path):
+    """An rl / distill run directory (run_config.json with "posttrain", weights in export/) loads,
+    as ``rl --checkpoint`` and ``distill --teacher`` take it."""
+    import shutil
+
+    run = tmp_path / "rl"
+    shutil.copytree(always_one, run / "export")
+    (run / "run_config.json").write_text(json.dumps({"posttrain": {}, "model": {}}))
+    r = evaluate(EvalConfig(checkpoint=str(run), num_problems=3, max_new_tokens=1, device="cpu"))
+    assert all(s["completion"] == "1" for s in r["tasks"]["arithmetic"]["samples"])
+
+
 def test_errors_name_the_parameter(always_one, tmp_path, capsys):
     with pytest.raises(ValueError, match=r"--task 'nope'.*unknown task 'nope'; known tasks: arithmetic"):
         EvalConfig(checkpoint="x", task=("nope",))
