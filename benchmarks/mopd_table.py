@@ -35,7 +35,7 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=None,
                     help="eval_NAME.json files to read, in column order (default: base, the teachers, student)")
     args = ap.parse_args()
-    teachers = dict(spec.split("=", 1) for spec in args.teacher)
+    teachers = dict(spec.rsplit("=", 1) for spec in args.teacher)  # a task spec may hold "="
     models = args.models or ["base", *dict.fromkeys(teachers.values()), "student"]
     reports = {m: json.loads((args.run_dir / f"eval_{m}.json").read_text()) for m in models}
     print(table(reports, teachers))
