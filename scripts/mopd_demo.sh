@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The CPU MOPD demo (docs/posttraining.md, "MOPD demo (CPU)"): multi-teacher on-policy
-# distillation end to end on the debug model, in ~15 minutes on two idle cores.
+# distillation end to end on the debug model: 15 minutes on two busy shared cores with
+# OMP_NUM_THREADS=1 (without it, a pre-training step took over 30 s there instead of 2.6 s).
 #   1. pre-train a base on solved text of two domains, written by the tasks themselves:
 #      arithmetic ("3+5=8", domain math) and sorting ("sort 3 1 2:1 2 3", domain text);
 #   2. RL teacher A on arithmetic and teacher B on sorting, each from the base;
