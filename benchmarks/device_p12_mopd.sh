@@ -22,7 +22,7 @@ R=/tmp/p12m
 MATH=arithmetic:digits=2
 # a python body is one line of up to ~40 characters; a prompt ~25 tokens at vocab 1024
 DEVICE=${DEVICE:-cuda}
-POST=(--group-size 8 --prompts-per-step 8 --max-new-tokens 48 --max-model-len 128 --ckpt-interval 10
+POST=(--group-size 8 --prompts-per-step 8 --max-new-tokens 48 --max-model-len 128 --ckpt-interval 100000
   --device "$DEVICE")
 stage() {  # stage SECONDS NAME OPENK3-ARGS...: python -m openk3 ARGS, SIGINT at the limit (save + export)
   local limit=$1 name=$2; shift 2
