@@ -49,9 +49,9 @@ case "$PHASE" in
   rm -rf "$R/base"
   python3 - "$R/solved.jsonl" "$MATH" python <<'PY'
 import json, random, sys
-from openk3.posttrain.config import task_from_spec
+from openk3.posttrain.tasks import parse_task
 
-tasks, rng = [task_from_spec(s, {}) for s in sys.argv[2:]], random.Random(0)
+tasks, rng = [parse_task(s, {}) for s in sys.argv[2:]], random.Random(0)
 with open(sys.argv[1], "w") as fh:
     for _ in range(20000):  # documents of 16 solved problems, each ending as generation stops
         fh.write(json.dumps({"text": "".join((p := rng.choice(tasks).sample(rng)).prompt + p.answer + p.stop[0]

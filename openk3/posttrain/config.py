@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from openk3.config import _DictIO
-from openk3.posttrain.tasks import get_task
+from openk3.posttrain.tasks import parse_task
 
 EFFORTS = ("low", "medium", "high")  # K3's three effort levels
 EFFORT_CHOICES = ("none", *EFFORTS, "mixed")
@@ -34,7 +34,7 @@ class PostTrainConfig(_DictIO):
 
     Policy and data:
         checkpoint: the initial policy, a training run or an HF checkpoint directory (required).
-        task: one or more task specs, ``NAME`` or ``NAME:key=value:...`` (``task_from_spec``:
+        task: one or more task specs, ``NAME`` or ``NAME:key=value:...`` (``tasks.parse_task``:
             ``arithmetic:digits=2``); each new prompt group draws its task in turn.
         task_options: keyword arguments for every task (JSON on the command line); a spec's own
             ``key=value`` wins.
@@ -252,7 +252,7 @@ class EvalConfig(_DictIO):
             raise bad("task", "a task is named twice")
         for spec in self.task:
             try:
-                task_from_spec(spec, self.task_options)
+                parse_task(spec, self.task_options)
             except ValueError as e:
                 raise ValueError(f"--task {spec!r}: {e}") from None
         for name in ("num_problems", "max_new_tokens", "batch_size", "score_workers"):
@@ -267,13 +267,3 @@ class EvalConfig(_DictIO):
                 raise bad(name, f"choose one of {allowed}")
 
 
-def task_from_spec(spec: str, options: dict):
-    """The task of ``spec`` (``NAME[:key=value...]``) with ``options`` under the spec's own."""
-    name, *pairs = spec.split(":")
-    own = {}
-    for pair in pairs:
-        key, eq, value = pair.partition("=")
-        if not eq:
-            raise ValueError(f"expected NAME:key=value:..., got {pair!r}")
-        own[key.strip()] = value
-    return get_task(name.strip(), **{**options, **own})

@@ -26,8 +26,8 @@ import random
 import time
 from pathlib import Path
 
-from openk3.posttrain.config import EvalConfig, effort_prefix, task_from_spec
-from openk3.posttrain.tasks import Problem, score_all
+from openk3.posttrain.config import EvalConfig, effort_prefix
+from openk3.posttrain.tasks import Problem, parse_task, score_all
 
 
 def held_out_problems(task, num_problems: int, seed: int) -> list[Problem]:
@@ -47,7 +47,7 @@ def evaluate(cfg: EvalConfig, engine=None) -> dict:
     ``engine``: anything with ``tokenizer`` and ``generate(prompts, params)`` as ``LLMEngine``
     (tests); None loads the checkpoint into a new engine."""
     t0 = time.perf_counter()
-    tasks = {spec: task_from_spec(spec, cfg.task_options) for spec in cfg.task}
+    tasks = {spec: parse_task(spec, cfg.task_options) for spec in cfg.task}
     problems = {spec: held_out_problems(task, cfg.num_problems, cfg.seed) for spec, task in tasks.items()}
     if engine is None:
         engine = _load_engine(cfg, problems)

@@ -42,7 +42,7 @@ from openk3.posttrain.objective import (completion_logprobs, grpo_loss, group_ad
                                         length_rewards, padded)
 from openk3.posttrain.partial import Group, PartialRollouts
 from openk3.posttrain.rollout import RolloutEngine
-from openk3.posttrain.tasks import score_all
+from openk3.posttrain.tasks import parse_task, score_all
 from openk3.runtime import checkpoint_dir, load_model, resolve_device, resolve_dtype
 from openk3.train import state as ckpt
 from openk3.train.metrics import MetricsLog, Progress
@@ -86,9 +86,7 @@ class _RLProgress(Progress):
 
 
 def _tasks(cfg: PostTrainConfig) -> list:
-    from openk3.posttrain.config import task_from_spec
-
-    return [task_from_spec(spec, cfg.task_options) for spec in cfg.task]
+    return [parse_task(spec, cfg.task_options) for spec in cfg.task]
 
 
 def run(cfg: PostTrainConfig, tasks: list | None = None,

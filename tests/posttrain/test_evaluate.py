@@ -166,9 +166,8 @@ def test_errors_name_the_parameter(always_one, tmp_path, capsys):
 
 
 def test_task_specs():
-    from openk3.posttrain.config import task_from_spec
-    from openk3.posttrain.tasks import Arithmetic
+    from openk3.posttrain.tasks import Arithmetic, parse_task
 
-    assert task_from_spec("arithmetic:digits=2", {"ops": "+", "digits": 3}) == Arithmetic(digits=2, ops="+")
+    assert parse_task("arithmetic:digits=2", {"ops": "+", "digits": 3}) == Arithmetic(digits=2, ops="+")
     with pytest.raises(ValueError, match="expected NAME:key=value"):
-        task_from_spec("arithmetic:digits", {})
+        parse_task("arithmetic:digits", {})
