@@ -10,11 +10,15 @@
 # 1: solved text of arithmetic (2 digits) and python functions, written by the tasks; pre-train
 #    `small` on it (vocab 1024, a short run so that the base is middling and RL has room); eval
 #    the base on both tasks. Needs nothing.
-# 2: RL teacher_math on arithmetic and teacher_code on python, each from the base: the accuracy
-#    curves (sampled, per step) are RUN.metrics.jsonl in $OUT. Needs phase 1's base.
+# 2 [math|code]: RL teacher_math on arithmetic and teacher_code on python (default both, one
+#    after the other), each from the base: the accuracy curves (sampled, per step) are
+#    rl_*.metrics.jsonl in $OUT. Needs phase 1's base.
 # 3: MOPD student from the base with both teachers (math:*, code:*); eval the teachers and the
 #    student; the table base / teachers / student and student / teacher. Needs phases 1 and 2.
-# Step counts: PRETRAIN_STEPS (300), RL_STEPS (40), DISTILL_STEPS (40), EVAL_PROBLEMS (200); PRESET
+#    Its parts, for two GPUs side by side: `distill` (the student and its eval), `eval-teachers`,
+#    `table`.
+# Step counts: PRETRAIN_STEPS (300), RL_STEPS (40), DISTILL_STEPS (40), EVAL_PROBLEMS (200); limits in
+# seconds RL_LIMIT (240 each), DISTILL_LIMIT (260); PRESET
 # (small) and DEVICE (cuda) too, for checking the command lines on the CPU with `debug`.
 # Results: $OUT/*.log, *.metrics.jsonl, eval_*.json, mopd_table.md (docs/posttraining.md).
 source "$(dirname "$0")/device_common.sh"
@@ -44,6 +48,20 @@ evaluate() {  # evaluate SECONDS NAME CHECKPOINT: both tasks, greedy, held-out p
 }
 PHASE=${1:?phase}
 mkdir -p "$R"
+distill() {
+  needs "$R/base" "$R/teacher_math" "$R/teacher_code"
+  rm -rf "$R/student"
+  stage "${DISTILL_LIMIT:-260}" distill distill --checkpoint "$R/base" --task "$MATH" python --out "$R/student" \
+    --teacher "math:*=$R/teacher_math" "code:*=$R/teacher_code" --max-steps "${DISTILL_STEPS:-40}" "${POST[@]}"
+  cp "$R/student/metrics.jsonl" "$OUT/distill.metrics.jsonl" 2>/dev/null
+  evaluate 80 student "$R/student"
+}
+eval_teachers() { for name in teacher_math teacher_code; do evaluate 80 "$name" "$R/$name"; done; }
+table() {
+  cp "$R/eval_base.json" "$OUT/" 2>/dev/null
+  python3 benchmarks/mopd_table.py "$OUT" --teacher "$MATH"=teacher_math python=teacher_code \
+    | tee "$OUT/mopd_table.md"
+}
 case "$PHASE" in
 1)
   rm -rf "$R/base"
@@ -66,23 +84,17 @@ PY
 2)
   needs "$R/base"
   for t in math:"$MATH" code:python; do
+    [ -n "${2:-}" ] && [ "$2" != "${t%%:*}" ] && continue
     rm -rf "$R/teacher_${t%%:*}"
-    stage 240 "rl_${t%%:*}" rl --checkpoint "$R/base" --task "${t#*:}" --out "$R/teacher_${t%%:*}" \
+    stage "${RL_LIMIT:-240}" "rl_${t%%:*}" rl --checkpoint "$R/base" --task "${t#*:}" --out "$R/teacher_${t%%:*}" \
       --max-steps "${RL_STEPS:-40}" "${POST[@]}"
     cp "$R/teacher_${t%%:*}/metrics.jsonl" "$OUT/rl_${t%%:*}.metrics.jsonl" 2>/dev/null
   done
   ;;
-3)
-  needs "$R/base" "$R/teacher_math" "$R/teacher_code"
-  rm -rf "$R/student"
-  stage 260 distill distill --checkpoint "$R/base" --task "$MATH" python --out "$R/student" \
-    --teacher "math:*=$R/teacher_math" "code:*=$R/teacher_code" --max-steps "${DISTILL_STEPS:-40}" "${POST[@]}"
-  cp "$R/student/metrics.jsonl" "$OUT/distill.metrics.jsonl" 2>/dev/null
-  for name in teacher_math teacher_code student; do evaluate 80 "$name" "$R/$name"; done
-  cp "$R/eval_base.json" "$OUT/" 2>/dev/null
-  python3 benchmarks/mopd_table.py "$OUT" --teacher "$MATH"=teacher_math python=teacher_code \
-    | tee "$OUT/mopd_table.md"
-  ;;
-*) echo "phase 1, 2 or 3" >&2; exit 2 ;;
+3) distill; eval_teachers; table ;;
+distill) distill ;;
+eval-teachers) needs "$R/teacher_math" "$R/teacher_code"; eval_teachers ;;
+table) table ;;
+*) echo "phase 1, 2 [math|code], 3, distill, eval-teachers or table" >&2; exit 2 ;;
 esac
 summary

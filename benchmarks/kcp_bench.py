@@ -111,7 +111,7 @@ def bench_model(args) -> None:
 
     if dist.get_rank() == 0:  # rows print as they are measured: a later OOM or time limit keeps them
         print(f"\n{args.preset} training, bf16, batch 1 per data-parallel group, "
-              f"activation checkpointing {args.activation_checkpointing}, "
+              f"activation checkpointing {args.activation_checkpointing}, compile {args.compile}, "
               f"{dist.get_world_size()} GPUs")
         print(f"{'cp':>4}{'seq_len':>10}{'tok/s (all GPUs)':>20}{'s/step':>10}{'peak GiB rank 0':>18}",
               flush=True)
@@ -119,7 +119,7 @@ def bench_model(args) -> None:
         for T in args.seq_lens:
             cfg = RunConfig(preset=args.preset, seq_len=T, batch_size=1, cp=cp_size,
                             activation_checkpointing=args.activation_checkpointing,
-                            max_steps=args.steps + 2, warmup_steps=1, balance="sign")
+                            compile=args.compile, max_steps=args.steps + 2, warmup_steps=1, balance="sign")
             env = setup_env(cfg)
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
@@ -157,6 +157,9 @@ def main() -> None:
     m.add_argument("--cp", type=int, nargs="+", default=[1, 2])
     m.add_argument("--steps", type=int, default=3)
     m.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction, default=True)
+    m.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="compiled decoder-layer regions (default: the trainer's, on for CUDA); "
+                        "--no-compile skips inductor's first-step minute")
     args = p.parse_args()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():
