@@ -8,6 +8,9 @@
 #   GPU 1 runs device_s6.sh 3 (target + MTP, a draft unrolled over 7 depths, spec_bench).
 # 3 (P12): the two RL teachers side by side, then the MOPD student on GPU 0 beside the teachers'
 #   evaluations on GPU 1, then the table. Needs phase 2's base on this warm machine.
+# 4 (P11, the session's last 700 s): phase 1 printed nothing within its limits (fla autotuning on a
+#   fresh machine, two processes per GPU; the caches it left are in the committed autotune tgz):
+#   --cp 2 alone with a longer limit and stack dumps, then the KDA comparison, then the test.
 # Results in docs/benchmarks.md, section "2026-12-01 (seventh session)".
 source "$(dirname "$0")/device_common.sh"
 case "${1:?phase}" in
@@ -41,6 +44,14 @@ case "${1:?phase}" in
   wait $a $b
   bash benchmarks/device_p12_mopd.sh table
   ;;
-*) echo "phase 1, 2 or 3" >&2; exit 2 ;;
+4)
+  timeout -k 10 320 torchrun --standalone --nproc-per-node 2 benchmarks/kcp_bench.py --dump-after 290 model \
+    --cp 2 --steps 1 --no-compile --seq-lens 131072 262144 524288 > "$OUT/kcp_model_cp2.log" 2>&1
+  echo "== rc $?" >> "$OUT/kcp_model_cp2.log"
+  timeout -k 5 90 torchrun --standalone --nproc-per-node 2 benchmarks/kcp_bench.py --dump-after 80 kda \
+    --seq-len 262144 > "$OUT/kcp_kda.log" 2>&1; echo "== rc $?" >> "$OUT/kcp_kda.log"
+  GPU_LOG=t_cp gpu_tests 100 -s tests/parallel/test_context_parallel.py
+  ;;
+*) echo "phase 1, 2, 3 or 4" >&2; exit 2 ;;
 esac
 summary

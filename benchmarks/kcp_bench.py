@@ -21,6 +21,7 @@ stops the script (the other ranks stop at their next collective): run the longes
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
 import time
 
@@ -128,8 +129,12 @@ def bench_model(args) -> None:
             batches = [torch.randint(0, t.model.cfg.vocab_size, (1, T + 1), generator=g)
                        for _ in range(args.steps + 1)]
             batches = [[(ids[:, :-1], ids[:, 1:])] for ids in batches]
+            t0 = time.perf_counter()
             train_step(t, batches[0], cfg)  # warm-up (compilation, autotuning)
             torch.cuda.synchronize()
+            if dist.get_rank() == 0:
+                print(f"  (cp {cp_size}, {T} tokens: warm-up step {time.perf_counter() - t0:.1f} s, "
+                      f"peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB)", flush=True)
             t0 = time.perf_counter()
             for b in batches[1:]:
                 train_step(t, b, cfg)
@@ -160,7 +165,12 @@ def main() -> None:
     m.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="compiled decoder-layer regions (default: the trainer's, on for CUDA); "
                         "--no-compile skips inductor's first-step minute")
+    p.add_argument("--dump-after", type=float, default=0,
+                   help="print every thread's stack after this many seconds (a hung collective "
+                        "or a long autotuning shows where it is), then go on")
     args = p.parse_args()
+    if args.dump_after:
+        faulthandler.dump_traceback_later(args.dump_after)
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():
         dist.init_process_group("nccl")
