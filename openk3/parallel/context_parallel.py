@@ -258,8 +258,9 @@ def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> 
 
     MLA's v (128) is narrower than q/k (192). SDPA takes a bottom-right causal mask only with
     flash attention (which needs one width for q, k and v) or the memory-efficient kernel, and
-    the latter made a `small` training step at 131,072 tokens over 2 GPUs 3.6x slower than
-    the same length on one GPU with a square causal mask (docs/benchmarks.md, seventh session).
+    with the latter, `--cp 2` trained `small` at 131,072 tokens 7.2x slower in tokens/s than
+    `--cp 1` (a whole sequence per GPU, a square causal mask; docs/benchmarks.md, seventh
+    session).
     So v is zero-padded to q's width, which lets SDPA pick flash attention on the GPU, and the
     padding is sliced off the output (its gradient is zero). Outside the compiled MLA body:
     on the H200 (torch 2.11) compiling the memory-efficient kernel's backward fails in its
