@@ -330,7 +330,7 @@ def test_run_config_cp_and_length_schedule():
 
 
 def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float((got.float() - want.float()).norm() / want.float().norm())
+    return float((got.detach().float() - want.float()).norm() / want.float().norm())
 
 
 def _gpu_worker(rank: int, port: int, out_dir: str) -> None:
