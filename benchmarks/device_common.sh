@@ -5,10 +5,12 @@
 # and autotune.tgz (a call returns at most 8 files).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+nested=${OPENK3_DEVICE_COMMON:-}
+if [ -z "$nested" ]; then  # a runbook run by another one shares its setup and saver
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=$PWD/.triton-cache \
-  OPENK3_CACHE=/tmp/openk3-cache NCCL_NVLS_ENABLE=0
+  OPENK3_CACHE=/tmp/openk3-cache NCCL_NVLS_ENABLE=0 OPENK3_DEVICE_COMMON=1
 BACK=${OUT:-/tmp/out}; export OUT=/tmp/res; mkdir -p "$BACK" "$OUT" "$TRITON_CACHE_DIR"
 [ -n "$(ls -A "$TRITON_CACHE_DIR")" ] || tar xzf benchmarks/autotune-h200.tgz
 save_autotune() { (find .triton-cache -name '*.autotune.json' | tar czf "$BACK/autotune.tgz.tmp" -T - \
@@ -16,7 +18,8 @@ save_autotune() { (find .triton-cache -name '*.autotune.json' | tar czf "$BACK/a
   && mv "$BACK/results.tgz.tmp" "$BACK/results.tgz") 2>/dev/null; }
 ( while sleep 20; do save_autotune; done ) & saver=$!
 trap 'kill $saver 2>/dev/null; save_autotune' EXIT
-summary() { for f in "$OUT"/*.log; do echo "== $f"; tail -n 6 "$f"; done; }
+fi
+summary() { [ -n "$nested" ] && return; for f in "$OUT"/*.log; do echo "== $f"; tail -n 6 "$f"; done; }
 export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-cache
 gpu_tests() { local limit=$1; shift; timeout "$limit" python3 -m pytest -m gpu "$@" -q -p no:cacheprovider \
   -rfE --tb=short >> "$OUT/${GPU_LOG:-gpu_tests}.log" 2>&1; echo "== $*: rc $?" >> "$OUT/${GPU_LOG:-gpu_tests}.log"; }

@@ -21,6 +21,7 @@ stops the script (the other ranks stop at their next collective): run the longes
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
 import time
 
@@ -111,7 +112,7 @@ def bench_model(args) -> None:
 
     if dist.get_rank() == 0:  # rows print as they are measured: a later OOM or time limit keeps them
         print(f"\n{args.preset} training, bf16, batch 1 per data-parallel group, "
-              f"activation checkpointing {args.activation_checkpointing}, "
+              f"activation checkpointing {args.activation_checkpointing}, compile {args.compile}, "
               f"{dist.get_world_size()} GPUs")
         print(f"{'cp':>4}{'seq_len':>10}{'tok/s (all GPUs)':>20}{'s/step':>10}{'peak GiB rank 0':>18}",
               flush=True)
@@ -119,7 +120,7 @@ def bench_model(args) -> None:
         for T in args.seq_lens:
             cfg = RunConfig(preset=args.preset, seq_len=T, batch_size=1, cp=cp_size,
                             activation_checkpointing=args.activation_checkpointing,
-                            max_steps=args.steps + 2, warmup_steps=1, balance="sign")
+                            compile=args.compile, max_steps=args.steps + 2, warmup_steps=1, balance="sign")
             env = setup_env(cfg)
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
@@ -128,8 +129,12 @@ def bench_model(args) -> None:
             batches = [torch.randint(0, t.model.cfg.vocab_size, (1, T + 1), generator=g)
                        for _ in range(args.steps + 1)]
             batches = [[(ids[:, :-1], ids[:, 1:])] for ids in batches]
+            t0 = time.perf_counter()
             train_step(t, batches[0], cfg)  # warm-up (compilation, autotuning)
             torch.cuda.synchronize()
+            if dist.get_rank() == 0:
+                print(f"  (cp {cp_size}, {T} tokens: warm-up step {time.perf_counter() - t0:.1f} s, "
+                      f"peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB)", flush=True)
             t0 = time.perf_counter()
             for b in batches[1:]:
                 train_step(t, b, cfg)
@@ -157,7 +162,15 @@ def main() -> None:
     m.add_argument("--cp", type=int, nargs="+", default=[1, 2])
     m.add_argument("--steps", type=int, default=3)
     m.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction, default=True)
+    m.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="compiled decoder-layer regions (default: the trainer's, on for CUDA); "
+                        "--no-compile skips inductor's first-step minute")
+    p.add_argument("--dump-after", type=float, default=0,
+                   help="print every thread's stack after this many seconds (a hung collective "
+                        "or a long autotuning shows where it is), then go on")
     args = p.parse_args()
+    if args.dump_after:
+        faulthandler.dump_traceback_later(args.dump_after)
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():
         dist.init_process_group("nccl")

@@ -71,12 +71,15 @@ def checkpoint_dir(path: str | Path) -> Path:
 
 def run_qat(path: str | Path) -> str:
     """The ``qat`` mode of the training run in directory ``path`` (its ``run_config.json``);
-    ``"none"`` for anything else, and for runs saved before QAT existed."""
+    ``"none"`` for anything else, for runs saved before QAT existed, and for post-training runs
+    (``openk3 rl`` / ``distill``: their ``run_config.json`` holds ``posttrain``, and they export
+    plain weights)."""
     run_file = Path(path) / "run_config.json"
     if not run_file.exists():
         return "none"
     try:
-        return json.loads(run_file.read_text())["run"].get("qat", "none")
+        saved = json.loads(run_file.read_text())
+        return "none" if "posttrain" in saved else saved["run"].get("qat", "none")
     except (OSError, ValueError, KeyError) as e:
         raise ValueError(f"{run_file}: cannot read the run's configuration ({e})") from e
 

@@ -10,7 +10,7 @@ def _subparsers(parser):
     return actions[0].choices
 
 
-@pytest.mark.parametrize("command", ["", "params", "generate", "train", "serve", "plot"])
+@pytest.mark.parametrize("command", ["", "params", "generate", "train", "serve", "eval", "plot"])
 def test_help_has_no_markup(command):
     parser = build_parser()
     text = (_subparsers(parser)[command] if command else parser).format_help()

@@ -256,12 +256,21 @@ def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> 
     """Causal attention of the last Tq of Tk positions: q [B, H, Tq, D], k [B, H, Tk, D],
     v [B, H, Tk, Dv] -> [B, H, Tq, Dv] (the mask aligned bottom right).
 
-    MLA's q/k (192) and v (128) widths differ, which flash attention does not take, so SDPA runs
-    its memory-efficient kernel. It runs eagerly, outside the compiled MLA body: on the H200
-    (torch 2.11) compiling it fails in the fake-tensor rule of its backward ("meta__efficient_
-    attention_backward() got multiple values for argument 'scale'")."""
+    MLA's v (128) is narrower than q/k (192). SDPA takes a bottom-right causal mask only with
+    flash attention (which needs one width for q, k and v) or the memory-efficient kernel, and
+    with the latter, `--cp 2` trained `small` at 131,072 tokens 7.2x slower in tokens/s than
+    `--cp 1` (a whole sequence per GPU, a square causal mask; docs/benchmarks.md, seventh
+    session).
+    So v is zero-padded to q's width, which lets SDPA pick flash attention on the GPU, and the
+    padding is sliced off the output (its gradient is zero). Outside the compiled MLA body:
+    on the H200 (torch 2.11) compiling the memory-efficient kernel's backward fails in its
+    fake-tensor rule ("meta__efficient_attention_backward() got multiple values for argument
+    'scale'")."""
+    Dv = v.shape[-1]
+    if Dv < q.shape[-1]:
+        v = F.pad(v, (0, q.shape[-1] - Dv))
     mask = causal_lower_right(q.shape[2], k.shape[2])
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)[..., :Dv]
 
 
 class MLAttentionCP(MLAttention):

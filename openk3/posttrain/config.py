@@ -1,5 +1,6 @@
 """``PostTrainConfig``: every setting of ``openk3 rl`` and ``openk3 distill`` and its default, in
-one place (each flag is a field of the same name). Design and the formulas: docs/posttraining.md."""
+one place (each flag is a field of the same name); ``EvalConfig`` the same for ``openk3 eval``.
+Design and the formulas: docs/posttraining.md."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from openk3.config import _DictIO
+from openk3.posttrain.tasks import parse_task
 
 EFFORTS = ("low", "medium", "high")  # K3's three effort levels
 EFFORT_CHOICES = ("none", *EFFORTS, "mixed")
@@ -32,9 +34,10 @@ class PostTrainConfig(_DictIO):
 
     Policy and data:
         checkpoint: the initial policy, a training run or an HF checkpoint directory (required).
-        task: one or more task names (``openk3.posttrain.tasks.get_task``); each new prompt
-            group draws its task in turn.
-        task_options: keyword arguments for every ``get_task`` call (JSON on the command line).
+        task: one or more task specs, ``NAME`` or ``NAME:key=value:...`` (``tasks.parse_task``:
+            ``arithmetic:digits=2``); each new prompt group draws its task in turn.
+        task_options: keyword arguments for every task (JSON on the command line); a spec's own
+            ``key=value`` wins.
         teacher: MOPD teachers, ``DOMAIN:EFFORT=PATH`` each; EFFORT ``*`` serves every effort.
     Rollouts (from the serving engine, temperature 1, no top-p / top-k):
         prompts_per_step: complete prompt groups per training step (the batch); the engine
@@ -196,3 +199,71 @@ def resolve_posttrain_config(given: dict[str, Any], defaults: dict[str, Any] | N
         raise ValueError(f"--resume: {'; '.join(conflicts)} conflict with the run saved in {saved_file}; "
                          f"only {', '.join('--' + f.replace('_', '-') for f in RESUMABLE_FIELDS[2:])} may change")
     return PostTrainConfig.from_dict({**saved, **given, "resume": True})
+
+
+@dataclass
+class EvalConfig(_DictIO):
+    """One task-accuracy evaluation (``openk3 eval``, ``openk3.posttrain.evaluate``).
+
+        checkpoint: the model, a training / RL run or an HF checkpoint directory, as
+            ``PostTrainConfig.checkpoint`` (required).
+        task: task specs, ``NAME`` or ``NAME:key=value:...`` (``tasks.parse_task``); each is
+            evaluated on its own problems.
+        task_options: keyword arguments for every task (JSON on the command line), as ``rl``'s;
+            a spec's own ``key=value`` wins.
+        num_problems: problems per task, drawn from the held-out stream
+            ``random.Random(f"openk3-eval/{NAME}/{seed}")``, which no training stream uses (those
+            are seeded with integers).
+        seed: picks the held-out problems (and, at temperature > 0, the sampling noise).
+        temperature: 0 is greedy; above 0 samples (no top-p / top-k).
+        max_new_tokens: completion budget; a completion also ends at the problem's stop strings.
+        effort: "none" or a level whose control text precedes each prompt, as in ``rl``.
+        batch_size: sequences the serving engine runs at once.
+        score_workers: sandbox runs at once for the code task.
+        out: a JSON file for the results (empty: none).
+        device, dtype: where and in what the engine runs ("auto": CUDA + bf16 when available).
+    """
+
+    checkpoint: str = ""
+    task: tuple[str, ...] = ("arithmetic",)
+    task_options: dict = dataclasses.field(default_factory=dict)
+    num_problems: int = 200
+    seed: int = 0
+    temperature: float = 0.0
+    max_new_tokens: int = 32
+    effort: str = "none"
+    batch_size: int = 64
+    score_workers: int = 4
+    out: str = ""
+    device: str = "auto"
+    dtype: str = "auto"
+
+    def __post_init__(self) -> None:
+        self.task = tuple(self.task)
+
+        def bad(name: str, why: str) -> ValueError:
+            return ValueError(f"--{name.replace('_', '-')} {getattr(self, name)!r}: {why}")
+
+        if not self.checkpoint:
+            raise bad("checkpoint", "required: the model to evaluate (a run or checkpoint directory)")
+        if not self.task:
+            raise bad("task", "name at least one task")
+        if len(set(self.task)) != len(self.task):
+            raise bad("task", "a task is named twice")
+        for spec in self.task:
+            try:
+                parse_task(spec, self.task_options)
+            except ValueError as e:
+                raise ValueError(f"--task {spec!r}: {e}") from None
+        for name in ("num_problems", "max_new_tokens", "batch_size", "score_workers"):
+            if getattr(self, name) <= 0:
+                raise bad(name, "must be positive")
+        if not 0 <= self.temperature <= 100:
+            raise bad("temperature", "must be in [0, 100] (0: greedy)")
+        choices = {"effort": ("none", *EFFORTS), "device": ("auto", "cpu", "cuda"),
+                   "dtype": ("auto", "float32", "bfloat16")}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise bad(name, f"choose one of {allowed}")
+
+

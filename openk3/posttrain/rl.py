@@ -42,6 +42,7 @@ from openk3.posttrain.objective import (completion_logprobs, grpo_loss, group_ad
                                         length_rewards, padded)
 from openk3.posttrain.partial import Group, PartialRollouts
 from openk3.posttrain.rollout import RolloutEngine
+from openk3.posttrain.tasks import parse_task, score_all
 from openk3.runtime import checkpoint_dir, load_model, resolve_device, resolve_dtype
 from openk3.train import state as ckpt
 from openk3.train.metrics import MetricsLog, Progress
@@ -85,9 +86,7 @@ class _RLProgress(Progress):
 
 
 def _tasks(cfg: PostTrainConfig) -> list:
-    from openk3.posttrain.tasks import get_task
-
-    return [get_task(name, **cfg.task_options) for name in cfg.task]
+    return [parse_task(spec, cfg.task_options) for spec in cfg.task]
 
 
 def run(cfg: PostTrainConfig, tasks: list | None = None,
@@ -228,7 +227,8 @@ def _score(groups: list[Group], tasks: list, tokenizer, eos_ids: tuple[int, ...]
                                              "score", "correct", "reward", "domain", "effort")}
     for g in groups:
         task, problem, effort = tasks[g.payload["task"]], g.payload["problem"], g.payload["effort"]
-        scores = [float(task.score(problem, completion_text(tokenizer, t.tokens, eos_ids, g.stop))) for t in g.members]
+        texts = [completion_text(tokenizer, t.tokens, eos_ids, g.stop) for t in g.members]
+        scores = [float(s) for s in score_all(task, [problem] * len(texts), texts)]  # sandbox runs in parallel
         correct = [s >= 1.0 for s in scores]
         weight = cfg.length_penalty_weight(effort)
         lens = length_rewards([len(t.tokens) for t in g.members], correct) if weight else [0.0] * len(scores)

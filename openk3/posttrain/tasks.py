@@ -397,16 +397,17 @@ def _convert(task: str, key: str, value: str, kind: str):
         raise ValueError(f"task {task!r}: option {key}={value!r} is not a valid {kind}") from None
 
 
-def parse_task(spec: str) -> Task:
-    """``"name"`` or ``"name:key=value:key=value"`` (e.g. ``arithmetic:digits=2:ops=+-*``)."""
+def parse_task(spec: str, options: dict | None = None) -> Task:
+    """``"name"`` or ``"name:key=value:key=value"`` (e.g. ``arithmetic:digits=2:ops=+-*``);
+    ``options`` apply under the spec's own."""
     name, *pairs = spec.split(":")
-    options = {}
+    own = {}
     for pair in pairs:
         key, eq, value = pair.partition("=")
         if not eq:
-            raise ValueError(f"task spec {spec!r}: expected key=value, got {pair!r}")
-        options[key.strip()] = value
-    return get_task(name.strip(), **options)
+            raise ValueError(f"task spec {spec!r}: expected key=value, got {pair!r} (expected NAME:key=value:...)")
+        own[key.strip()] = value
+    return get_task(name.strip(), **{**(options or {}), **own})
 
 
 def score_all(task: Task, problems: list[Problem], completions: list[str],

@@ -40,7 +40,6 @@ from openk3.serve.paged_views import KDAPool
 from openk3.serve.sampler import SamplingParams, host_to_device, sample
 from openk3.serve.scheduler import SchedulerOutput
 from openk3.serve.sequence import Sequence
-from openk3.serve.speculative import sampling_probs
 
 
 class DraftProposer:
@@ -85,10 +84,11 @@ def sample_drafts(logits: torch.Tensor, ks: list[int], K: int, params: list[Samp
     drafting = host_to_device(ks, logits.device)  # [n]
     steps = max(ks)
     for i in range(steps):
-        drawn, _ = sample(logits, params, [g if k > i else None for g, k in zip(generators, ks)])
+        drawn, _, q = sample(logits, params, [g if k > i else None for g, k in zip(generators, ks)],
+                             distribution=True)
         live = drafting > i
         tokens[:, i] = torch.where(live, drawn, -1)
-        probs[:, i] = sampling_probs(logits[:, None], params)[:, 0] * live[:, None]
+        probs[:, i] = q * live[:, None]
         if i + 1 < steps:
             logits = advance(i, drawn)
     return tokens, probs

@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import binascii
 import contextlib
+import json
 from collections.abc import AsyncIterator, Callable
 
 from PIL import Image
@@ -271,11 +272,31 @@ def chat_choice(tokenizer, out: RequestOutput, index: int, echo: str | None = No
             "finish_reason": out.finish_reason}
 
 
+class _ChunkJSON:
+    """The JSON text of one-choice stream chunks, ``json.dumps`` of ``{**head, "choices": [{"index":
+    i, field: value, "logprobs": ..., "finish_reason": ...}]}`` byte for byte, built from a
+    per-choice prefix (made once per stream) so that each chunk encodes only its new values."""
+
+    def __init__(self, head: dict, field: str):
+        self.head, self.field = head, field
+        self.prefixes: dict[int, str] = {}
+
+    def __call__(self, index: int, value, logprobs: dict | None, finish_reason: str | None) -> str:
+        prefix = self.prefixes.get(index)
+        if prefix is None:  # everything up to the value: '{"id": ..., "choices": [{"index": 0, "text": '
+            prefix = json.dumps({**self.head, "choices": [{"index": index, self.field: None}]})[:-len("null}]}")]
+            self.prefixes[index] = prefix
+        return (f'{prefix}{json.dumps(value)}, "logprobs": '
+                f'{"null" if logprobs is None else json.dumps(logprobs)}, "finish_reason": '
+                f'{"null" if finish_reason is None else json.dumps(finish_reason)}}}]}}')
+
+
 async def completion_chunks(tokenizer, outputs: AsyncIterator[tuple[int, RequestOutput]], head: dict,
-                            include_usage: bool, n: int, echoes: list[str | None]) -> AsyncIterator[dict]:
-    """``text_completion`` chunks: new text and log-probs of each choice as they come (an echoed
-    prompt in the choice's first chunk); ``head`` is the id, object, created and model every
-    chunk repeats; ``echoes[i]`` the prompt text of choice i when echoing."""
+                            include_usage: bool, n: int, echoes: list[str | None]) -> AsyncIterator[str]:
+    """``text_completion`` chunks, as JSON text: new text and log-probs of each choice as they come
+    (an echoed prompt in the choice's first chunk); ``head`` is the id, object, created and model
+    every chunk repeats; ``echoes[i]`` the prompt text of choice i when echoing."""
+    encode = _ChunkJSON(head, "text")
     sent: dict[int, int] = {}  # choice -> log-probs sent
     offsets: dict[int, int] = {}  # choice -> characters sent
     last: dict[int, RequestOutput] = {}
@@ -298,24 +319,21 @@ async def completion_chunks(tokenizer, outputs: AsyncIterator[tuple[int, Request
                 text = echo + text
             offsets[index] = offsets.get(index, 0) + len(text)
             if text or out.finished or (logprobs and logprobs["tokens"]):
-                yield {**head, "choices": [{"index": index, "text": text, "logprobs": logprobs,
-                                            "finish_reason": out.finish_reason}]}
+                yield encode(index, text, logprobs, out.finish_reason)
     if include_usage:
-        yield {**head, "choices": [], "usage": usage([last[i] for i in sorted(last)], n)}
+        yield json.dumps({**head, "choices": [], "usage": usage([last[i] for i in sorted(last)], n)})
 
 
 async def chat_chunks(tokenizer, outputs: AsyncIterator[tuple[int, RequestOutput]], head: dict,
-                      include_usage: bool, n: int, echoes: list[str | None]) -> AsyncIterator[dict]:
-    """``chat.completion.chunk`` objects: each choice's assistant role first, then content deltas."""
-    def chunk(index: int, delta: dict, logprobs: dict | None = None, finish_reason: str | None = None) -> dict:
-        return {**head, "choices": [
-            {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
-
+                      include_usage: bool, n: int, echoes: list[str | None]) -> AsyncIterator[str]:
+    """``chat.completion.chunk`` objects, as JSON text: each choice's assistant role first, then
+    content deltas."""
+    encode = _ChunkJSON(head, "delta")
     sent: dict[int, int] = {}
     last: dict[int, RequestOutput] = {}
     async with contextlib.aclosing(outputs):
         for index in range(len(echoes)):
-            yield chunk(index, {"role": "assistant", "content": ""})
+            yield encode(index, {"role": "assistant", "content": ""}, None, None)
         async for index, out in outputs:
             last[index] = out
             logprobs = None
@@ -323,7 +341,7 @@ async def chat_chunks(tokenizer, outputs: AsyncIterator[tuple[int, RequestOutput
                 logprobs = chat_logprobs(tokenizer, out.logprobs[sent.get(index, 0):])
                 sent[index] = len(out.logprobs)
             if out.delta_text or out.finished or logprobs:
-                yield chunk(index, {"content": out.delta_text} if out.delta_text else {}, logprobs,
-                            out.finish_reason)
+                yield encode(index, {"content": out.delta_text} if out.delta_text else {}, logprobs,
+                             out.finish_reason)
     if include_usage:
-        yield {**head, "choices": [], "usage": usage([last[i] for i in sorted(last)], n)}
+        yield json.dumps({**head, "choices": [], "usage": usage([last[i] for i in sorted(last)], n)})

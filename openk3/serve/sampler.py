@@ -65,16 +65,26 @@ def host_to_device(data: list, device: torch.device | str, dtype: torch.dtype | 
     return torch.tensor(data, dtype=dtype, pin_memory=device.type == "cuda").to(device, non_blocking=True)
 
 
+def filters(params) -> bool:
+    """Whether any sampled (temperature > 0) row of ``params`` truncates its distribution (top-k
+    or top-p): only then does ``filtered_logprobs`` need its sort over the vocabulary."""
+    return any(p.temperature > 0 and (p.top_k > 0 or p.top_p < 1) for p in params)
+
+
 def filtered_logprobs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                      top_p: torch.Tensor) -> torch.Tensor:
+                      top_p: torch.Tensor, filtering: bool = True) -> torch.Tensor:
     """logits [B, V]; temperature, top_p [B] float; top_k [B] int (0 = off).
 
     Returns fp32 log-probabilities [B, V] of the distribution each row samples from (tempered,
     filtered, renormalised; -inf outside the kept set). Greedy rows (temperature 0) keep their
-    argmax only."""
+    argmax only. ``filtering`` False (no row truncates: ``filters(params)``, known on the host)
+    skips the sort over the vocabulary that top-k / top-p need: the tempered softmax itself."""
     logits = logits.float()
     greedy = temperature == 0
     scaled = logits / torch.where(greedy, 1.0, temperature).unsqueeze(-1)
+    if not filtering:
+        one_hot = torch.full_like(scaled, float("-inf")).scatter_(-1, scaled.argmax(-1, keepdim=True), 0.0)
+        return torch.where(greedy[:, None], one_hot, torch.log_softmax(scaled, dim=-1))
     sorted_logits, order = scaled.sort(dim=-1, descending=True)
     V = logits.shape[-1]
     rank = torch.arange(V, device=logits.device)
@@ -88,19 +98,25 @@ def filtered_logprobs(logits: torch.Tensor, temperature: torch.Tensor, top_k: to
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None]) -> tuple[torch.Tensor, torch.Tensor]:
+           generators: list[torch.Generator | None],
+           distribution: bool = False) -> tuple[torch.Tensor, ...]:
     """Choose one token per row. Returns (token ids [B], their log-probabilities [B] under the
-    filtered distribution). ``generators[i]`` (or None: the global RNG) drives row i."""
+    filtered distribution) and, with ``distribution``, that distribution's probabilities [B, V]
+    fp32 (one-hot for greedy rows): what a draft's tokens were drawn from. ``generators[i]`` (or
+    None: the global RNG) drives row i."""
     if len(params) != logits.shape[0] or len(generators) != logits.shape[0]:
         raise ValueError(f"sample: {logits.shape[0]} rows but {len(params)} params and "
                          f"{len(generators)} generators")
     dev = logits.device
     if all(p.temperature == 0 for p in params):  # greedy batch: no filtering, no noise
         tokens = logits.argmax(-1)
-        return tokens, torch.zeros(tokens.shape, device=dev)  # the filtered distribution is one-hot
+        picked = torch.zeros(tokens.shape, device=dev)  # the filtered distribution is one-hot
+        if not distribution:
+            return tokens, picked
+        return tokens, picked, torch.zeros(logits.shape, device=dev).scatter_(-1, tokens[:, None], 1.0)
     settings = host_to_device([[p.temperature, p.top_p, p.top_k] for p in params], dev)  # one copy
     temperature, top_p, top_k = settings.unbind(1)
-    logp = filtered_logprobs(logits, temperature, top_k.long(), top_p)
+    logp = filtered_logprobs(logits, temperature, top_k.long(), top_p, filters(params))
     # Exp(1) noise: unseeded rows (or a generator all rows share) take one draw; a seeded
     # request's own generator then fills only its row, so its tokens do not depend on the batch
     shared = generators[0] if all(g is generators[0] for g in generators) else None
@@ -109,9 +125,11 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
         for row, g in enumerate(generators):
             if g is not None:
                 noise[row].exponential_(generator=g)
-    tokens = (logp.exp() / noise).argmax(-1)  # exponential race: exact sampling from exp(logp)
+    probs = logp.exp()
+    tokens = (probs / noise).argmax(-1)  # exponential race: exact sampling from exp(logp)
     tokens = torch.where(temperature == 0, logp.argmax(-1), tokens)
-    return tokens, logp.gather(-1, tokens[:, None])[:, 0]
+    picked = logp.gather(-1, tokens[:, None])[:, 0]
+    return (tokens, picked, probs) if distribution else (tokens, picked)
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> torch.Tensor:

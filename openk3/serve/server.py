@@ -105,18 +105,14 @@ class Draining:
             asyncio.get_running_loop().call_later(seconds, self.engine.fail_all, _ShuttingDown())
 
 
-async def _sse(chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
-    """Each chunk as ``data: {json}``, then ``data: [DONE]``. An engine failure mid-stream, or a
-    shutdown that outlasts the stream's grace period, becomes an error event: the 200 status line
-    is already out."""
+async def _sse(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    """Each chunk (JSON text) as ``data: {json}``, then ``data: [DONE]``. An engine failure
+    mid-stream, or a shutdown that outlasts the stream's grace period, becomes an error event: the
+    200 status line is already out."""
     async with contextlib.aclosing(chunks):
         try:
-            while True:
-                try:
-                    chunk = await anext(chunks)
-                except StopAsyncIteration:
-                    break
-                yield f"data: {json.dumps(chunk)}\n\n"
+            async for chunk in chunks:
+                yield f"data: {chunk}\n\n"
         except _ShuttingDown:
             yield f"data: {json.dumps(error_body(SHUTDOWN_MESSAGE, 'server_error'))}\n\n"
         except Exception as e:
@@ -153,22 +149,22 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T | None
     return None
 
 
-async def _merged(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """``(i, output)`` of every stream, as they come. Closing it closes them all (aborting their
-    engine requests); a failing stream fails it."""
-    if len(streams) == 1:  # the common case (n=1, one prompt): no pump task, no second queue
-        async with contextlib.aclosing(streams[0]) as stream:
-            async for out in stream:
-                yield 0, out
-        return
+def _merged(streams: list[AsyncIterator[tuple[int, RequestOutput]]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """``(i, output)`` of every stream (each yields its own choice index ``i``), as they come.
+    Closing it closes them all (aborting their engine requests); a failing stream fails it. One
+    stream (n=1, one prompt: the common case) is returned as it is: no pump task, no queue."""
+    return streams[0] if len(streams) == 1 else _interleaved(streams)
+
+
+async def _interleaved(streams: list[AsyncIterator[tuple[int, RequestOutput]]]) -> AsyncIterator[tuple[int, RequestOutput]]:
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
 
-    async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:
+    async def pump(i: int, stream: AsyncIterator[tuple[int, RequestOutput]]) -> None:
         try:
             async with contextlib.aclosing(stream):
-                async for out in stream:
-                    queue.put_nowait((i, out))
+                async for item in stream:
+                    queue.put_nowait(item)
         except Exception as e:  # noqa: BLE001 - handed to the consumer
             queue.put_nowait((i, e))
         finally:
@@ -222,9 +218,10 @@ class OpenAIServer:
             if value is not None and value != off:
                 raise APIError(400, f"{name}={value!r} is not supported (only {off!r})", name)
 
-    async def _generate(self, ids: list[int], params: SamplingParams, request_id: str,
-                        images: MultiModalInput | None = None) -> AsyncIterator[RequestOutput]:
-        """The engine's outputs for one request, timed for /metrics. Closing it aborts the request."""
+    async def _generate(self, index: int, ids: list[int], params: SamplingParams, request_id: str,
+                        images: MultiModalInput | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """``(index, output)`` for each of the engine's outputs for one request (choice number
+        ``index``), timed for /metrics. Closing it aborts the request."""
         start, last, reason = time.monotonic(), None, "abort"  # unless the engine finishes it
         try:
             async with contextlib.aclosing(self.engine.generate(ids, params, request_id, images)) as outputs:
@@ -239,7 +236,7 @@ class OpenAIServer:
                     if out.finished:
                         reason = out.finish_reason
                         self.metrics.e2e.observe(now - start)
-                    yield out
+                    yield index, out
         finally:
             self.metrics.finished.labels(finish_reason=reason).inc()
 
@@ -272,7 +269,7 @@ class OpenAIServer:
         request (each with the prompt's ``images``). Stream ``chunks(...)`` as server-sent events,
         or wait for every choice and answer ``choice(...)`` for each with the usage; 499 if the
         client left first."""
-        outputs = _merged([self._generate(ids, params, f"{head['id']}-{i}", images)
+        outputs = _merged([self._generate(i, ids, params, f"{head['id']}-{i}", images)
                            for i, (ids, params, _) in enumerate(choices)])
         echoes = [echo for _, _, echo in choices]
         if req.stream:

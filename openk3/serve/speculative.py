@@ -34,7 +34,12 @@ from collections.abc import Sequence
 
 import torch
 
-from openk3.serve.sampler import SamplingParams, filtered_logprobs, host_to_device
+from openk3.serve.sampler import (
+    SamplingParams,
+    filtered_logprobs,
+    filters,
+    host_to_device,
+)
 
 
 def acceptance_prob(p_d: torch.Tensor, q_d: torch.Tensor) -> torch.Tensor:
@@ -68,7 +73,7 @@ def sampling_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> to
     settings = host_to_device([[p.temperature, p.top_p, p.top_k] for p in params],
                               logits.device).repeat_interleave(P, dim=0)  # [B*P, 3]
     temperature, top_p, top_k = settings.unbind(1)
-    logp = filtered_logprobs(logits.reshape(B * P, V), temperature, top_k.long(), top_p)
+    logp = filtered_logprobs(logits.reshape(B * P, V), temperature, top_k.long(), top_p, filters(params))
     return logp.exp().view(B, P, V)
 
 

@@ -35,6 +35,7 @@ from openk3.model.mla import MLAttention
 from openk3.ops.kda import kda
 from openk3.parallel.context_parallel import (
     ContextParallel,
+    _causal,
     apply_context_parallel,
     make_context_parallel,
     split_sizes,
@@ -277,6 +278,25 @@ def test_context_parallel_equals_one_process(world, tmp_path):
     assert not failures, "\n".join(f"{k}\n{v}" for k, v in failures.items())
 
 
+@pytest.mark.parametrize("Tq, Tk", [(5, 5), (7, 19), (1, 4)])
+def test_bottom_right_causal_attention_with_narrow_values(Tq, Tk):
+    """CP's attention of the last Tq of Tk positions, v narrower than q/k (padded inside), equals
+    attention with the explicit bottom-right mask, forward and backward."""
+    gen = torch.Generator().manual_seed(Tq * 31 + Tk)
+    q, k = (torch.randn(2, 3, T, 12, generator=gen, requires_grad=True) for T in (Tq, Tk))
+    v = torch.randn(2, 3, Tk, 8, generator=gen, requires_grad=True)
+    cot = torch.randn(2, 3, Tq, 8, generator=gen)
+    o = _causal(q, k, v, 0.3)
+    grads = torch.autograd.grad((o * cot).sum(), (q, k, v))
+    mask = torch.ones(Tq, Tk, dtype=torch.bool).tril(diagonal=Tk - Tq)
+    want = torch.softmax((q @ k.transpose(-1, -2) * 0.3).masked_fill(~mask, float("-inf")), -1) @ v
+    want_grads = torch.autograd.grad((want * cot).sum(), (q, k, v))
+    assert o.shape == want.shape
+    torch.testing.assert_close(o, want, rtol=1e-5, atol=1e-5)
+    for name, got, ref in zip("qkv", grads, want_grads):
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5, msg=f"d{name}")
+
+
 def test_split_sizes_are_contiguous_and_near_equal():
     assert split_sizes(23, 4) == [6, 6, 6, 5]
     assert split_sizes(8, 2) == [4, 4]
@@ -310,7 +330,7 @@ def test_run_config_cp_and_length_schedule():
 
 
 def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float((got.float() - want.float()).norm() / want.float().norm())
+    return float((got.detach().float() - want.float()).norm() / want.float().norm())
 
 
 def _gpu_worker(rank: int, port: int, out_dir: str) -> None:

@@ -3,7 +3,13 @@
 import pytest
 import torch
 
-from openk3.serve.sampler import SamplingParams, filtered_logprobs, make_generator, sample
+from openk3.serve.sampler import (
+    SamplingParams,
+    filtered_logprobs,
+    filters,
+    make_generator,
+    sample,
+)
 
 
 def _logits(B=3, V=11, seed=0):
@@ -72,3 +78,25 @@ def test_greedy_batch_fast_path_and_mixed_batches():
     solo, _ = sample(logits[1:2], [p], [make_generator(5)])
     assert mixed[0] == logits[0].argmax() and mixed[2] == logits[2].argmax()
     assert mixed[1] == solo[0]
+
+
+def test_unfiltered_fast_path_is_the_tempered_softmax():
+    """Without top-k / top-p the sort is skipped: the same distribution as the sorting path
+    (greedy rows one-hot at the argmax, sampled rows the tempered softmax), and ``sample``
+    returns it with ``distribution``."""
+    logits = torch.randn(5, 300, generator=torch.Generator().manual_seed(3)) * 4
+    temperature = torch.tensor([0.0, 0.7, 1.0, 2.5, 0.0])
+    top_k, top_p = torch.zeros(5, dtype=torch.long), torch.ones(5)
+    fast = filtered_logprobs(logits, temperature, top_k, top_p, filtering=False)
+    slow = filtered_logprobs(logits, temperature, top_k, top_p)
+    torch.testing.assert_close(fast.exp(), slow.exp(), rtol=0, atol=1e-6)
+    want = torch.log_softmax(logits[1:4] / temperature[1:4, None], dim=-1)
+    torch.testing.assert_close(fast[1:4], want, rtol=1e-6, atol=1e-6)
+    assert (fast[[0, 4]] == 0).sum() == 2 and fast[0].argmax() == logits[0].argmax()
+    params = [SamplingParams(temperature=float(t)) for t in temperature]
+    assert not filters(params) and filters(params + [SamplingParams(top_k=5)])
+    assert not filters([SamplingParams(temperature=0, top_p=0.5)])  # greedy rows never filter
+    tokens, picked, probs = sample(logits, params, [make_generator(1)] * 5, distribution=True)
+    torch.testing.assert_close(probs, fast.exp())
+    torch.testing.assert_close(picked, fast.gather(-1, tokens[:, None])[:, 0])
+    assert tokens[0] == logits[0].argmax() and tokens[4] == logits[4].argmax()
