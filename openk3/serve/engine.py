@@ -327,7 +327,7 @@ class LLMEngine:
         requests = self.requests
         if stream:
             return [self._output(requests[s.request_id], True) for s in seqs]
-        outputs = [self._output(requests[s.request_id], s.status is SequenceStatus.FINISHED) for s in seqs]
+        outputs = [self._output(requests[s.request_id], False) for s in seqs]
         return [o for o in outputs if o is not None]
 
     def _sample(self, result: StepResult) -> list[list[int]]:
@@ -413,9 +413,10 @@ class LLMEngine:
             pos = piece.first + i  # a recomputation after preemption overwrites, never appends
             r.prompt_logprobs[pos] = Logprob(r.seq.token_ids[pos], lp, dict(zip(top_ids, top_values)))
 
-    def _output(self, r: _Request, build: bool) -> RequestOutput | None:
-        """The request's output after this step (None unless ``build``); finds stop strings in
-        the new text, and forgets the request once it finished."""
+    def _output(self, r: _Request, stream: bool) -> RequestOutput | None:
+        """The request's output after this step (unless ``stream``, None while it runs on: a
+        stop string found here finishes it too); finds stop strings in the new text, and
+        forgets the request once it finished."""
         seq, params = r.seq, r.params
         finished = seq.status is SequenceStatus.FINISHED
         finish = seq.finish_reason if finished else None
@@ -446,7 +447,7 @@ class LLMEngine:
         r.text = visible
         delta_text, r.sent_text = visible[r.sent_text:], len(visible)
         sent_tokens, r.sent_tokens = r.sent_tokens, end - start
-        if not build:
+        if not stream and finish is None:
             return None
         return RequestOutput(seq.request_id, seq.prompt_token_ids, token_ids[start:end], visible,
                              token_ids[start + sent_tokens:end], delta_text,
@@ -494,6 +495,9 @@ class LLMEngine:
                 ids.append(self.add_request(p, sp))
         final: dict[str, RequestOutput] = {}
         while len(final) < len(ids):
+            if not self.has_unfinished():  # an engine bug, not a request's: fail instead of spinning
+                lost = [i for i in ids if i not in final]
+                raise RuntimeError(f"requests {lost} finished without a final output")
             with torch.inference_mode():
                 for o in self._step(stream=False):
                     final[o.request_id] = o
