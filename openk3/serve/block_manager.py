@@ -408,13 +408,16 @@ class BlockManager:
         seq.num_registered_hash_blocks = num_full
         seq.last_registered_serial = parent_serial
 
-    def is_kda_checkpoint_boundary(self, seq: Sequence, num_tokens: int) -> bool:
-        """Checkpoints sit every ``kda_checkpoint_interval`` tokens and at the prompt end rounded
-        down to a hash boundary."""
-        if not self.config.enable_prefix_caching or self.config.num_kda_checkpoints == 0 or num_tokens <= 0:
-            return False
-        prompt_end = seq.num_prompt_tokens // self.hash_block_size * self.hash_block_size
-        return num_tokens % self.config.kda_checkpoint_interval == 0 or num_tokens == prompt_end
+    def kda_checkpoint_boundaries(self, seqs: list[Sequence]) -> list[Sequence]:
+        """The sequences of ``seqs`` whose computed tokens end at a KDA checkpoint boundary, in
+        order. Checkpoints sit every ``kda_checkpoint_interval`` tokens and at the prompt end
+        rounded down to a hash boundary. (One call per step: the scheduler asks for the batch.)"""
+        config = self.config
+        if not config.enable_prefix_caching or config.num_kda_checkpoints == 0:
+            return []
+        interval, size = config.kda_checkpoint_interval, self.hash_block_size
+        return [s for s in seqs if s.num_computed_tokens > 0 and (
+            s.num_computed_tokens % interval == 0 or s.num_computed_tokens == s.num_prompt_tokens // size * size)]
 
     def next_kda_checkpoint_boundary(self, seq: Sequence, after: int) -> int | None:
         """The first checkpoint boundary strictly after token ``after``, or None when disabled."""
@@ -462,6 +465,17 @@ class BlockManager:
         self.pending_checkpoints[seq.request_id] = (key, _Checkpoint(checkpoint_id, seq.token_ids,
                                                                      num_tokens, prefix.image_keys))
         return KDASave(seq.state_slot, checkpoint_id)
+
+    def commit_step(self, seqs: list[Sequence]) -> None:
+        """The step that computed ``seqs`` has run: ``register_computed_blocks`` and
+        ``commit_kda_save`` for each, in order, calling them only for sequences with new full
+        hash blocks or a planned save (most decode steps have neither)."""
+        size, pending = self.hash_block_size, self.pending_checkpoints
+        for seq in seqs:
+            if seq.num_computed_tokens // size > seq.num_registered_hash_blocks:
+                self.register_computed_blocks(seq)
+            if pending and seq.request_id in pending:
+                self.commit_kda_save(seq)
 
     def commit_kda_save(self, seq: Sequence) -> None:
         """The step that saved ``seq``'s planned checkpoint has run: make it available to hits."""

@@ -7,7 +7,8 @@ listening. ``openk3.LLM`` (``openk3/serve/llm.py``) is the offline API over the 
 
 Text: output ids are decoded incrementally (each step decodes only the last few ids, the
 window since the previous complete character, so long outputs cost O(n), not O(n^2)); a trailing
-U+FFFD (an incomplete UTF-8 sequence) waits until the next token completes it. Stop strings are searched in the generated text;
+U+FFFD (an incomplete UTF-8 sequence) waits until the next token completes it. Stop strings are searched in the generated text
+(each step only where one may end: the new text and the ``max(len(stop)) - 1`` characters before it);
 the text is cut before the stop string and the request finishes with ``finish_reason="stop"``.
 While streaming, the last ``max(len(stop)) - 1`` characters are held back, since they may
 turn out to begin a stop string.
@@ -46,7 +47,7 @@ from openk3.serve.model_runner import ModelRunner, PromptLogprobs, StepResult
 from openk3.serve.multimodal import ImageLike, MultiModalInput, open_image, place_images, special_token_id
 from openk3.serve.sampler import InvalidRequest, SamplingParams, make_generator, sample, token_logprobs
 from openk3.serve.scheduler import Scheduler, SchedulerOutput
-from openk3.serve.sequence import Sequence
+from openk3.serve.sequence import Sequence, SequenceStatus
 from openk3.serve.speculative import sampling_probs, speculative_sample
 from openk3.vision.preprocess import pack_images
 
@@ -116,6 +117,8 @@ class _Request:
     prefix_offset: int = 0  # decode window: ids[prefix_offset:read_offset] are already text
     read_offset: int = 0
     sent_text: int = 0  # characters already returned as deltas
+    stop_searched: int = 0  # characters of ``decoded`` already searched for stop strings
+    hold: int = 0  # characters held back while streaming: they may begin a stop string
     sent_tokens: int = 0
     logprobs: list[Logprob] | None = None
     prompt_logprobs: list[Logprob | None] | None = None
@@ -262,7 +265,8 @@ class LLMEngine:
             self.runner.add_images(rid, images.images)
         self.requests[rid] = _Request(
             seq, params, gen, logprobs=[] if params.logprobs is not None else None,
-            prompt_logprobs=[None] * len(ids) if seq.wants_prompt_logprobs else None)
+            prompt_logprobs=[None] * len(ids) if seq.wants_prompt_logprobs else None,
+            hold=max(map(len, params.stop), default=1) - 1)
         return rid
 
     def abort(self, request_id: str) -> bool:
@@ -295,16 +299,20 @@ class LLMEngine:
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         """One scheduler step and forward pass; returns the requests that made progress."""
+        return self._step(stream=True)
+
+    def _step(self, stream: bool) -> list[RequestOutput]:
+        """``step``; with ``stream`` False only the finished requests' outputs are built (the
+        others advance their text and stop-string state all the same)."""
         out = self.scheduler.step()
         if not out.scheduled:
             return []
         self.stats.num_steps += 1
         self.stats.num_preemptions += len(out.preempted_ids)
         self.stats.prompt_tokens += sum(n for s, n in out.scheduled if s.num_computed_tokens <= s.num_prompt_tokens)
-        verified = [s for s, _ in out.scheduled if s.request_id in out.num_draft_tokens]
         drafts = None
         if self.drafter is not None:
-            vreqs = [self.requests[s.request_id] for s in verified]
+            vreqs = [self.requests[s.request_id] for s, _ in out.scheduled if s.request_id in out.num_draft_tokens]
             drafts = self.drafter.propose(out, [r.params for r in vreqs], [r.generator for r in vreqs])
         result = self.runner.execute(out, None if drafts is None else drafts[0])
         for rid, piece in result.prompt_logprobs.items():
@@ -316,7 +324,11 @@ class LLMEngine:
             self.stats.generation_tokens += sum(map(len, new_token_ids))
         if self.drafter is not None:  # every kept position's next token is known now
             self.drafter.observe(out, result)
-        return [self._output(self.requests[s.request_id]) for s in seqs]
+        requests = self.requests
+        if stream:
+            return [self._output(requests[s.request_id], True) for s in seqs]
+        outputs = [self._output(requests[s.request_id], False) for s in seqs]
+        return [o for o in outputs if o is not None]
 
     def _sample(self, result: StepResult) -> list[list[int]]:
         """One token for each of ``result.sampled``."""
@@ -324,9 +336,9 @@ class LLMEngine:
             return []
         reqs = [self.requests[s.request_id] for s in result.sampled]
         tokens, _ = sample(result.logits, [r.params for r in reqs], [r.generator for r in reqs])
-        token_ids = tokens.tolist()  # the step's one device -> host copy of tokens
-        self._record_logprobs(reqs, result.logits, [[t] for t in token_ids])
-        return [[t] for t in token_ids]
+        runs = [[t] for t in tokens.tolist()]  # the step's one device -> host copy of tokens
+        self._record_logprobs(reqs, result.logits, runs)
+        return runs
 
     def _record_logprobs(self, reqs: list[_Request], logits: torch.Tensor, runs: list[list[int]]) -> None:
         """Log-probabilities of each request's new tokens ``runs[i]``; ``logits`` [B, V] (one
@@ -334,19 +346,21 @@ class LLMEngine:
         k = max((r.params.logprobs for r in reqs if r.logprobs is not None), default=None)
         if k is None:
             return
-        if logits.dim() == 2:
-            logits = logits[:, None]
-        picked = [(i, j) for i, run in enumerate(runs) for j in range(len(run))]
-        i, j = torch.tensor(picked, device=logits.device).unbind(1)
         tokens = torch.tensor([t for run in runs for t in run], device=logits.device)
-        rows = iter(token_logprobs(logits[i, j], tokens, k).tolist())  # one host copy of log-probs
+        if logits.dim() == 3:
+            picked = [(i, j) for i, run in enumerate(runs) for j in range(len(run))]
+            i, j = torch.tensor(picked, device=logits.device).unbind(1)
+            logits = logits[i, j]
+        rows = iter(token_logprobs(logits, tokens, k).tolist())  # one host copy of log-probs
         for r, run in zip(reqs, runs):
+            if r.logprobs is None:
+                for _ in run:
+                    next(rows)
+                continue
+            n = r.params.logprobs
             for token_id in run:
                 row = next(rows)
-                if r.logprobs is not None:
-                    n = r.params.logprobs
-                    top = dict(zip(map(int, row[1 + k:1 + k + n]), row[1:1 + n]))
-                    r.logprobs.append(Logprob(token_id, row[0], top))
+                r.logprobs.append(Logprob(token_id, row[0], dict(zip(map(int, row[1 + k:1 + k + n]), row[1:1 + n]))))
 
     def _verify(self, result: StepResult, out: SchedulerOutput, draft_tokens: torch.Tensor,
                 draft_probs: torch.Tensor) -> list[list[int]]:
@@ -399,49 +413,58 @@ class LLMEngine:
             pos = piece.first + i  # a recomputation after preemption overwrites, never appends
             r.prompt_logprobs[pos] = Logprob(r.seq.token_ids[pos], lp, dict(zip(top_ids, top_values)))
 
-    def _output(self, r: _Request) -> RequestOutput:
-        seq, stops = r.seq, r.params.stop
-        finish = seq.finish_reason if seq.is_finished else None
-        ids = seq.output_token_ids
-        if r.params.max_tokens == 0:  # the one internal token is not reported
-            ids, finish = [], ("length" if finish is not None else None)
+    def _output(self, r: _Request, stream: bool) -> RequestOutput | None:
+        """The request's output after this step (unless ``stream``, None while it runs on: a
+        stop string found here finishes it too); finds stop strings in the new text, and
+        forgets the request once it finished."""
+        seq, params = r.seq, r.params
+        finished = seq.status is SequenceStatus.FINISHED
+        finish = seq.finish_reason if finished else None
+        # the output is token_ids[start:end]: index the sequence's list rather than copy it
+        token_ids, start, end = seq.token_ids, seq.num_prompt_tokens, len(seq.token_ids)
+        if params.max_tokens == 0:  # the one internal token is not reported
+            end, finish = start, ("length" if finish is not None else None)
             r.logprobs = [] if r.logprobs is not None else None
-        if finish == "stop" and ids and ids[-1] in seq.eos_token_ids:
-            text_ids = ids[:-1]  # the stop token itself is not text
-        else:
-            text_ids = ids
-        text = self._detokenize(r, text_ids, final=seq.is_finished)
-        if stops:
-            cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+        text_end = end
+        if finish == "stop" and end > start and token_ids[end - 1] in seq.eos_token_ids:
+            text_end = end - 1  # the stop token itself is not text
+        text = self._detokenize(r, token_ids, start, text_end, final=finished)
+        if params.stop:
+            # the text only grows and held no stop string before: search only where one may end
+            first = r.stop_searched - r.hold
+            cut = min((i for i in (text.find(s, max(0, first)) for s in params.stop) if i >= 0), default=-1)
+            r.stop_searched = len(text)
             if cut >= 0:
                 text, finish = text[:cut], "stop"
-                if not seq.is_finished:
+                if not finished:
                     self.scheduler.abort(seq.request_id)  # frees its cache
         if finish is None:
-            hold = max(len(s) for s in stops) - 1 if stops else 0  # may begin a stop string
-            visible = text[: max(len(text) - hold, r.sent_text)]
+            visible = text[: max(len(text) - r.hold, r.sent_text)] if r.hold else text
         else:
             visible = text
             self.requests.pop(seq.request_id, None)
             self.runner.drop_images(seq.request_id)
         r.text = visible
         delta_text, r.sent_text = visible[r.sent_text:], len(visible)
-        delta_ids, r.sent_tokens = ids[r.sent_tokens:], len(ids)
-        return RequestOutput(seq.request_id, seq.prompt_token_ids, list(ids), visible, delta_ids,
-                             delta_text, list(r.logprobs) if r.logprobs is not None else None,
+        sent_tokens, r.sent_tokens = r.sent_tokens, end - start
+        if not stream and finish is None:
+            return None
+        return RequestOutput(seq.request_id, seq.prompt_token_ids, token_ids[start:end], visible,
+                             token_ids[start + sent_tokens:end], delta_text,
+                             list(r.logprobs) if r.logprobs is not None else None,
                              finish is not None, finish, seq.num_cached_tokens,
                              list(r.prompt_logprobs) if r.prompt_logprobs is not None else None)
 
-    def _detokenize(self, r: _Request, ids: list[int], final: bool) -> str:
-        """Text of ``ids`` (the output so far), decoding only the window since the last
-        complete character; an incomplete one at the end waits unless ``final``."""
-        if len(ids) > r.read_offset:
+    def _detokenize(self, r: _Request, token_ids: list[int], start: int, end: int, final: bool) -> str:
+        """Text of ``token_ids[start:end]`` (the output so far), decoding only the window since
+        the last complete character; an incomplete one at the end waits unless ``final``."""
+        if end - start > r.read_offset:
             decode = self.tokenizer.decode
-            prefix = decode(ids[r.prefix_offset:r.read_offset])
-            new = decode(ids[r.prefix_offset:])
+            prefix = decode(token_ids[start + r.prefix_offset:start + r.read_offset])
+            new = decode(token_ids[start + r.prefix_offset:end])
             if final or (len(new) > len(prefix) and not new.endswith("\ufffd")):
                 r.decoded += new[len(prefix):]
-                r.prefix_offset, r.read_offset = r.read_offset, len(ids)
+                r.prefix_offset, r.read_offset = r.read_offset, end - start
         return r.decoded
 
     def snapshot_stats(self) -> EngineStats:
@@ -472,8 +495,11 @@ class LLMEngine:
                 ids.append(self.add_request(p, sp))
         final: dict[str, RequestOutput] = {}
         while len(final) < len(ids):
-            for o in self.step():
-                if o.finished:
+            if not self.has_unfinished():  # an engine bug, not a request's: fail instead of spinning
+                lost = [i for i in ids if i not in final]
+                raise RuntimeError(f"requests {lost} finished without a final output")
+            with torch.inference_mode():
+                for o in self._step(stream=False):
                     final[o.request_id] = o
         return [final[i] for i in ids]
 

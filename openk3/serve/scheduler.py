@@ -154,11 +154,9 @@ class Scheduler:
 
     def _register_computed(self) -> None:
         """The last step has run: its hash blocks and KDA checkpoints may serve hits."""
-        for seq in self._last_scheduled:
-            if seq.status is SequenceStatus.RUNNING:
-                self.block_manager.register_computed_blocks(seq)
-                self.block_manager.commit_kda_save(seq)
-        self._last_scheduled = []
+        if self._last_scheduled:
+            self.block_manager.commit_step([s for s in self._last_scheduled if s.status is SequenceStatus.RUNNING])
+            self._last_scheduled = []
 
     @staticmethod
     def _update_table(out: SchedulerOutput, seq: Sequence, start: int) -> None:
@@ -173,11 +171,19 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
 
         # Running sequences: decodes first, then prefill chunks; victims come from the back.
-        pending = deque(sorted(self.running, key=lambda s: s.is_prefill))
+        pending = deque(sorted(self.running, key=lambda s: len(s.token_ids) - s.num_computed_tokens > 1))
+        speculative, block_size = self.config.num_speculative_tokens > 0, bm.block_size
         while pending and budget > 0:
             seq = pending.popleft()
-            if seq.num_uncomputed_tokens == 0:
+            uncomputed = len(seq.token_ids) - seq.num_computed_tokens
+            if uncomputed == 0:
                 continue  # its sampled token has not been reported yet
+            if uncomputed == 1 and not speculative and len(seq.token_ids) <= len(seq.block_table) * block_size:
+                # a plain decode whose last block has room: no drafts, no new block, one token
+                # (a checkpoint boundary lies strictly after the computed tokens)
+                out.scheduled.append((seq, 1))
+                budget -= 1
+                continue
             k = self._num_draft_tokens(seq, budget)  # never preempts for drafts
             while not bm.can_append(seq):
                 victim = pending.pop() if pending else seq
@@ -218,10 +224,10 @@ class Scheduler:
 
         for seq, n in out.scheduled:
             seq.num_computed_tokens += n
-            if bm.is_kda_checkpoint_boundary(seq, seq.num_computed_tokens):
-                save = bm.plan_kda_save(seq, seq.num_computed_tokens)
-                if save is not None:
-                    out.kda_saves.append(save)
+        for seq in bm.kda_checkpoint_boundaries([seq for seq, _ in out.scheduled]):
+            save = bm.plan_kda_save(seq, seq.num_computed_tokens)
+            if save is not None:
+                out.kda_saves.append(save)
         self._last_scheduled = [seq for seq, _ in out.scheduled]
         return out
 
@@ -235,24 +241,31 @@ class Scheduler:
         """
         if len(seq_ids) != len(new_token_ids):
             raise ValueError(f"{len(seq_ids)} sequence ids but {len(new_token_ids)} token lists")
-        seqs = [self.requests.get(rid) for rid in seq_ids]
-        seqs = [(s, t) for s, t in zip(seqs, new_token_ids) if s is not None and s.status is SequenceStatus.RUNNING]
-        for seq, token_ids in seqs:  # before registration: hashes cover kept tokens only
-            if not 1 <= len(token_ids) <= len(seq.draft_token_ids) + 1:
+        seqs, requests, running = [], self.requests, SequenceStatus.RUNNING
+        for rid, token_ids in zip(seq_ids, new_token_ids):  # before registration: hashes cover kept tokens only
+            seq = requests.get(rid)
+            if seq is None or seq.status is not running:
+                continue
+            num_drafts = len(seq.draft_token_ids)
+            if not 1 <= len(token_ids) <= num_drafts + 1:
                 raise ValueError(f"request {seq.request_id!r}: {len(token_ids)} new tokens, but "
-                                 f"{len(seq.draft_token_ids)} drafts allow 1 to {len(seq.draft_token_ids) + 1}")
-            if seq.num_computed_tokens - len(seq.draft_token_ids) != seq.num_tokens:
+                                 f"{num_drafts} drafts allow 1 to {num_drafts + 1}")
+            num_tokens = len(seq.token_ids)
+            if seq.num_computed_tokens - num_drafts != num_tokens:
                 raise ValueError(f"request {seq.request_id!r} was not due to sample this step")
-            seq.num_computed_tokens = seq.num_tokens + len(token_ids) - 1  # the kept drafts
-            seq.draft_token_ids = []
+            seq.num_computed_tokens = num_tokens + len(token_ids) - 1  # the kept drafts
+            if num_drafts:
+                seq.draft_token_ids = []
+            seqs.append((seq, token_ids))
         self._register_computed()
         finished = []
         for seq, token_ids in seqs:
+            eos, limit = seq.eos_token_ids, seq.num_prompt_tokens + seq.max_tokens
             for token_id in token_ids:
                 seq.append_token(token_id)
-                if token_id in seq.eos_token_ids:
+                if token_id in eos:
                     seq.finish_reason = "stop"
-                elif seq.num_output_tokens >= seq.max_tokens:
+                elif len(seq.token_ids) >= limit:  # max_tokens output tokens
                     seq.finish_reason = "length"
                 else:
                     continue

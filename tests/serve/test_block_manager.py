@@ -312,7 +312,7 @@ def test_registration_work_per_decode_step_is_constant(monkeypatch):
         bm.append_slot(seq)
         seq.num_computed_tokens = seq.num_tokens
         bm.register_computed_blocks(seq)
-        if bm.is_kda_checkpoint_boundary(seq, seq.num_computed_tokens):
+        if bm.kda_checkpoint_boundaries([seq]):
             save(bm, seq, seq.num_computed_tokens)
     assert seq.num_registered_hash_blocks == 500 // size
     assert calls["hash"] == 100 // size

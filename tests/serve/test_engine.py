@@ -240,12 +240,12 @@ def test_incremental_detokenization_waits_for_whole_characters(model):
     r = _Request(seq=None, params=SamplingParams(), generator=None)
     seen = []
     for k in range(1, len(ids) + 1):
-        seen.append(eng._detokenize(r, ids[:k], final=False))
+        seen.append(eng._detokenize(r, ids, 0, k, final=False))
         assert "\ufffd" not in seen[-1]
         assert seen[-1] == bytes(ids[:k]).decode(errors="ignore")[: len(seen[-1])]
     assert seen[-1] == "h€llo, wörld ✓"
     r = _Request(seq=None, params=SamplingParams(), generator=None)
-    assert eng._detokenize(r, ids[:2], final=True) == "h\ufffd"  # flushed when the request ends
+    assert eng._detokenize(r, [7] + ids, 1, 3, final=True) == "h\ufffd"  # flushed when the request ends
 
 
 def test_engine_config_is_the_one_source_of_defaults(model):
