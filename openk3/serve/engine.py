@@ -34,7 +34,7 @@ import itertools
 import queue
 import threading
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -504,6 +504,13 @@ class LLMEngine:
         return [final[i] for i in ids]
 
 
+def _coalesce(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
+    """Two consecutive outputs of one request as one: the newer with both deltas (every other
+    field already holds everything so far)."""
+    return replace(newer, delta_token_ids=older.delta_token_ids + newer.delta_token_ids,
+                   delta_text=older.delta_text + newer.delta_text)
+
+
 def _deliver(deliveries: list[tuple[asyncio.Queue, object]]) -> None:
     for q, item in deliveries:
         q.put_nowait(item)
@@ -513,7 +520,10 @@ class AsyncEngine:
     """``LLMEngine`` on a background thread, for asyncio servers.
 
     ``generate`` validates in the caller (raising ``InvalidRequest`` before anything is queued),
-    then yields ``RequestOutput`` objects as steps produce them. If the consumer stops early
+    then yields ``RequestOutput`` objects as steps produce them; outputs that queued up while
+    the consumer was busy arrive merged into one (their deltas concatenated, as vLLM's output
+    collector does), so a lagging server writes one chunk per stream per wake-up, not one per
+    step. If the consumer stops early
     (client disconnect: the async generator is closed or cancelled), the request is aborted.
     """
 
@@ -603,11 +613,18 @@ class AsyncEngine:
         finished = False
         try:
             while not finished:
-                item = await q.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
+                items = [await q.get()]
+                while not q.empty():  # a consumer slower than the engine: one output for all
+                    items.append(q.get_nowait())
+                out = None
+                for item in items:
+                    if isinstance(item, BaseException):
+                        if out is not None:
+                            yield out
+                        raise item
+                    out = item if out is None else _coalesce(out, item)
+                finished = out.finished
+                yield out
         finally:
             self._streams.pop(request_id, None)
             if not finished:

@@ -271,3 +271,33 @@ def test_engine_config_is_the_one_source_of_defaults(model):
 def test_invalid_engine_config_names_field(field, value):
     with pytest.raises(ValueError, match=f"EngineConfig.{field}="):
         EngineConfig(**{field: value})
+
+
+def test_async_stream_merges_outputs_a_slow_consumer_left_queued(model):
+    """AsyncEngine.generate: outputs queued while the consumer was busy arrive as one whose
+    deltas are theirs concatenated; the stream still adds up to LLMEngine.generate's output."""
+    import asyncio
+
+    from openk3.serve.engine import AsyncEngine
+
+    params = SamplingParams(temperature=0, max_tokens=24, logprobs=2)
+    want, = make_engine(model).generate(["merge me"], params)
+    engine = AsyncEngine(make_engine(model))
+
+    async def consume():
+        outs = []
+        async for out in engine.generate("merge me", params, "r0"):
+            outs.append(out)
+            if len(outs) == 1:
+                await asyncio.sleep(0.5)  # the engine thread runs ahead
+        return outs
+
+    try:
+        outs = asyncio.run(consume())
+    finally:
+        engine.shutdown()
+    assert len(outs) < 24  # merged: fewer outputs than tokens
+    assert [t for o in outs for t in o.delta_token_ids] == want.token_ids == outs[-1].token_ids
+    assert "".join(o.delta_text for o in outs) == want.text == outs[-1].text
+    assert outs[-1].finished and [o.finished for o in outs[:-1]] == [False] * (len(outs) - 1)
+    assert [lp.token_id for lp in outs[-1].logprobs] == want.token_ids
