@@ -13,7 +13,9 @@ processes exactly S*K pairs, with replicas of the hot experts copied in for the 
 Floor: 6 * D * F * S * K flops per rank forward (3 matmuls), x3 with backward; at S=16384, K=4
 that is ~8.7 TFLOP per rank per step, ~11 ms at 800 TFLOP/s if perfectly balanced.
 
-Run on the device: ``torchrun --nproc-per-node 2 -m benchmarks.moonep_ep``. Without CUDA it runs
+``--shape small|medium`` takes the routed experts of those presets instead (issue P14).
+
+Run on the device: ``torchrun --nproc-per-node 2 -m benchmarks.moonep_ep [--shape small]``. Without CUDA it runs
 on gloo/CPU (a check of the script at tiny shapes: ``--tokens 64 --experts 8 --dim 32 --hidden 16``).
 """
 
@@ -43,14 +45,30 @@ def routing(kind: str, S: int, E: int, R: int, k: int, gen: torch.Generator) -> 
     return torch.multinomial(p.expand(S, E), k, replacement=False, generator=gen)
 
 
+def _preset_shape(name: str) -> tuple[int, int, int, int]:
+    c = preset(name)
+    return c.num_experts, c.num_experts_per_token, c.moe_latent_size or c.hidden_size, c.moe_intermediate_size
+
+
+# --shape: (experts, top-k, input width, hidden size) of the routed experts
+SHAPES = {"k3-scaled": lambda: (64, 4, 3584, 1024),
+          "small": lambda: _preset_shape("small"), "medium": lambda: _preset_shape("medium")}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=16384, help="tokens per rank")
-    ap.add_argument("--experts", type=int, default=64)
-    ap.add_argument("--topk", type=int, default=4)
-    ap.add_argument("--dim", type=int, default=3584)
-    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="k3-scaled",
+                    help="experts, top-k, input width (the MoE latent) and hidden size: K3's widths "
+                         "with 64 experts (above), or a preset's routed experts")
+    ap.add_argument("--experts", type=int, help="overrides the shape's")
+    ap.add_argument("--topk", type=int, help="overrides the shape's")
+    ap.add_argument("--dim", type=int, help="overrides the shape's")
+    ap.add_argument("--hidden", type=int, help="overrides the shape's")
     args = ap.parse_args()
+    for name, value in zip(("experts", "topk", "dim", "hidden"), SHAPES[args.shape]()):
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
     rank, R = dist.get_rank(), dist.get_world_size()
@@ -88,8 +106,8 @@ def main() -> None:
             dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step ends when the slowest rank ends
             p = layer.last_plan
             load = p.rank_load().double()
-            rows.append({"routing": kind, "system": "MoonEP" if rep else "EP (no replication)",
-                         "ranks": R, "tokens_per_rank": S, "ms": 1e3 * t.item(),
+            rows.append({"shape": args.shape, "routing": kind,
+                         "system": "MoonEP" if rep else "EP (no replication)", "ranks": R, "tokens_per_rank": S, "ms": 1e3 * t.item(),
                          "Mtok_s_total": R * S / t.item() / 1e6,
                          "max_over_mean_rank_load": (load.max() / load.mean()).item(),
                          "replicas": p.num_replicas()})

@@ -38,12 +38,12 @@ class ExpertShares:
     rank-local expert parameters (``params``: state-dict name -> [G, ...] parameter) and the
     ``[replica, ep]`` device ``mesh`` they are laid out on."""
 
-    def __init__(self, model: nn.Module, ep: int):
+    def __init__(self, model: nn.Module, ep: int, replicate: bool = True):
         self.mesh = expert_mesh(ep, next(model.parameters()).device.type)
         self.ep_group = self.mesh.get_group("ep")
         # without replicas there is nothing to reduce over (and no zero gradients to make)
         self.replica_group = self.mesh.get_group("replica") if self.mesh.size(0) > 1 else None
-        apply_moonep(model, self.ep_group)
+        apply_moonep(model, self.ep_group, replicate)
         self.params: dict[str, nn.Parameter] = {
             f"{name}.{w}": getattr(m, w) for name, m in model.named_modules()
             if isinstance(m, MoonEPExperts) for w in ("w1", "w2", "w3")}

@@ -39,7 +39,8 @@ from openk3.parallel.fsdp import apply_fsdp
 
 
 def parallelize(model: nn.Module, env, ep: int = 1, compile: bool | None = None,
-                activation_checkpointing: bool = False, cp: int = 1) -> Parallel:
+                activation_checkpointing: bool = False, cp: int = 1,
+                ep_replicate: bool = True) -> Parallel:
     """Apply the parallel layout to ``model`` in place and return its ``Parallel``.
 
     env: the trainer's ``Env`` (``rank``, ``world_size``, ``device``, ``dtype``); the process
@@ -47,7 +48,8 @@ def parallelize(model: nn.Module, env, ep: int = 1, compile: bool | None = None,
     (``RunConfig.ep``); 1 keeps every expert on every rank. compile, activation_checkpointing:
     as ``RunConfig``'s fields (``compile.py``); MoonEP's experts stay eager (their dispatch
     reads split sizes on the host). cp: context-parallel size (``RunConfig.cp``). Collective
-    when ``world_size > 1``.
+    when ``world_size > 1``. ep_replicate: ``RunConfig.ep_replicate`` (False: plain expert
+    parallelism, no replicas; the baseline MoonEP is measured against).
     """
     if env.world_size % ep:
         raise ValueError(f"RunConfig.ep={ep}: must divide the number of processes "
@@ -61,7 +63,7 @@ def parallelize(model: nn.Module, env, ep: int = 1, compile: bool | None = None,
     if cp > 1:
         context = ContextParallel(dist.new_subgroups(group_size=cp)[0])
         apply_context_parallel(model, context)
-    experts = ExpertShares(model, ep) if ep > 1 else None
+    experts = ExpertShares(model, ep, ep_replicate) if ep > 1 else None
     if activation_checkpointing:
         checkpoint_layers(model)
     if compile is None:  # on CPU the references' host reads leave little to compile

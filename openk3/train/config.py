@@ -47,6 +47,9 @@ class RunConfig(_DictIO):
     clip_grad: float = 1.0
     balance: str = "qb"  # "qb", "sign", "aux" or "none"
     ep: int = 1  # expert parallelism (MoonEP): ranks per expert group; divides the process count
+    # with ep > 1: MoonEP's exact balance (replicas of the step's hot experts, every rank the same
+    # number of pairs); False: plain expert parallelism, every pair to its expert's home rank
+    ep_replicate: bool = True
     cp: int = 1  # context parallelism: ranks sharing each sequence; divides the process count
     aux_loss_coef: float = 1e-2
     # quantisation-aware training of the routed experts (docs/mxfp4.md): "mxfp4" trains them on
@@ -205,7 +208,7 @@ RUN_CONFIG_FILE = "run_config.json"  # in the run directory: {"run": RunConfig, 
 RESUMABLE_FIELDS = ("resume", "out", "max_steps", "log_interval", "eval_interval", "eval_batches",
                     "ckpt_interval", "keep_last", "num_samples", "sample_tokens",
                     "sample_temperature", "device", "batch_size", "compile", "activation_checkpointing",
-                    "cp", "qat")
+                    "cp", "qat", "ep_replicate")
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -163,7 +163,8 @@ def build_training(cfg: RunConfig, env: Env, model_cfg: ModelConfig) -> Training
     set_qat(model, cfg.qat)  # before parallelize: MoonEP's expert shares copy it
     model.train()
     parallel = parallelize(model, env, ep=cfg.ep, compile=cfg.compile,
-                           activation_checkpointing=cfg.activation_checkpointing, cp=cfg.cp)
+                           activation_checkpointing=cfg.activation_checkpointing, cp=cfg.cp,
+                           ep_replicate=cfg.ep_replicate)
     optimizers = build_optimizers(model, lr=cfg.lr, weight_decay=cfg.weight_decay,
                                   optimizer=cfg.optimizer)
     balancer = Balancer(cfg.balance, model_cfg.num_experts,
@@ -249,6 +250,11 @@ def train(cfg: RunConfig) -> dict:
     training = build_training(cfg, env, model_cfg)
     model, parallel, optimizers, balancer = (training.model, training.parallel, training.optimizers,
                                              training.balancer)
+    if env.world_size > 1:
+        ep = ("" if cfg.ep == 1 else f", expert parallelism {cfg.ep} "
+              f"({'MoonEP' if cfg.ep_replicate else 'plain: no replicas'})")
+        _log(env, f"layout: {env.world_size} processes, FSDP2 over {parallel.dp_size} data-parallel "
+                  f"groups{ep}{'' if cfg.cp == 1 else f', context parallelism {cfg.cp}'}")
     # the ranks of a context-parallel group read the same batch; the stream is opened at the
     # longest length of the run (it checks the data holds a window of it), then follows the schedule
     stream = TokenStream(data.train_path, data.dtype, max(cfg.seq_lens()), cfg.batch_size,
