@@ -80,16 +80,17 @@ def stub_engine(model, streams: int, gpu_ms: float) -> LLMEngine:
         return StepResult(logits, sampled=sampled)
 
     eng.runner.execute = execute
-    step, eng.step_times = eng.step, []
+    step, eng.step_times = eng._step, []
 
-    def timed_step():
+    def timed_step(stream):
         t = time.perf_counter()
-        outs = step()
-        if outs:
-            eng.step_times.append((t, time.perf_counter()))
+        outs = step(stream)
+        eng.step_times.append((t, time.perf_counter()))
         return outs
 
-    eng.step = timed_step  # the engine's steps, (start, end): how much the server slows them
+    # the engine's steps, (start, end): how much the server slows them (``step`` and
+    # ``generate`` both run ``_step``)
+    eng._step = timed_step
     return eng
 
 
