@@ -16,6 +16,8 @@
 #   OUT_DIR=runs/mopd-demo PRETRAIN_STEPS=120 RL_STEPS=30 DISTILL_STEPS=40 EVAL_PROBLEMS=200 \
 #     bash scripts/mopd_demo.sh
 # A run directory already holding the pre-trained base is reused (PRETRAINED=DIR to give one).
+# DISTILL_ARGS: more flags for the distillation (e.g. "--reward-weight 1": the task reward beside
+# the teachers').
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -50,6 +52,6 @@ evaluate base "$BASE"
 openk3 rl --checkpoint "$BASE" --task arithmetic --out "$OUT/teacher_math" --max-steps "${RL_STEPS:-30}" "${POST[@]}"
 openk3 rl --checkpoint "$BASE" --task sorting --out "$OUT/teacher_text" --max-steps "${RL_STEPS:-30}" "${POST[@]}"
 openk3 distill --checkpoint "$BASE" --task arithmetic sorting --out "$OUT/student" \
-  --teacher "math:*=$OUT/teacher_math" "text:*=$OUT/teacher_text" --max-steps "${DISTILL_STEPS:-40}" "${POST[@]}"
+  --teacher "math:*=$OUT/teacher_math" "text:*=$OUT/teacher_text" --max-steps "${DISTILL_STEPS:-40}" "${POST[@]}" ${DISTILL_ARGS:-}
 for name in teacher_math teacher_text student; do evaluate "$name" "$OUT/$name"; done
 python benchmarks/mopd_table.py "$OUT" --teacher arithmetic=teacher_math sorting=teacher_text
