@@ -14,7 +14,9 @@
 # 2 [math|code]: RL teacher_math on arithmetic and teacher_code on python (default both, one
 #    after the other), each from the base: the accuracy curves (sampled, per step) are
 #    rl_*.metrics.jsonl in $OUT. Needs phase 1's base.
-# 3: MOPD student from the base with both teachers (math:*, code:*); eval the teachers and the
+# 3: MOPD student from the base with both teachers (math:*, code:*) and the task reward beside
+#    theirs (--reward-weight 1: the CPU demo's student reached 1.00 / 0.99 of its teachers so,
+#    0.87 / 0.97 with the teachers alone); eval the teachers and the
 #    student; the table base / teachers / student and student / teacher. Needs phases 1 and 2.
 #    Its parts, for two GPUs side by side: `distill` (the student and its eval), `eval-teachers`,
 #    `table`.
@@ -53,7 +55,7 @@ distill() {
   needs "$R/base" "$R/teacher_math" "$R/teacher_code"
   rm -rf "$R/student"
   stage "${DISTILL_LIMIT:-260}" distill distill --checkpoint "$R/base" --task "$MATH" python --out "$R/student" \
-    --teacher "math:*=$R/teacher_math" "code:*=$R/teacher_code" --max-steps "${DISTILL_STEPS:-40}" "${POST[@]}"
+    --teacher "math:*=$R/teacher_math" "code:*=$R/teacher_code" --max-steps "${DISTILL_STEPS:-40}" --reward-weight 1 "${POST[@]}"
   cp "$R/student/metrics.jsonl" "$OUT/distill.metrics.jsonl" 2>/dev/null
   evaluate 80 student "$R/student"
 }
