@@ -11,7 +11,10 @@
 # 4 (P11, the session's last 700 s): phase 1 printed nothing within its limits (fla autotuning on a
 #   fresh machine, two processes per GPU; the caches it left are in the committed autotune tgz):
 #   --cp 2 alone with a longer limit and stack dumps, then the KDA comparison, then the test.
-# Results in docs/benchmarks.md, section "2026-12-01 (seventh session)".
+# Results in docs/benchmarks.md, section "2026-12-01 (seventh session)". Ran: 1, 2 (P12's base
+# at 300 pre-training steps; now 800), 4. For the next session: 4 (P11, with the flash-attention
+# fix), then 2 and 3 with no pause between the calls (a machine idle for 30 s is released, and
+# phase 3 needs phase 2's base).
 source "$(dirname "$0")/device_common.sh"
 case "${1:?phase}" in
 1)
