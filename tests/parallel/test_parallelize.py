@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from openk3.config import preset
 from openk3.model import build_model
+from openk3.parallel.expert_parallel import MoonEPExperts
 from openk3.parallel.parallelize import parallelize
 from openk3.train.optim import build_optimizers
 from openk3.train.trainer import Env
@@ -124,7 +125,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, ep: int, results) -> None:
+def _worker(rank: int, world: int, port: int, ep: int, results, replicate: bool = True) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
@@ -137,7 +138,8 @@ def _worker(rank: int, world: int, port: int, ep: int, results) -> None:
         _step(ref_opts)
 
         model = _model()
-        parallel = parallelize(model, _env(rank, world), ep=ep)
+        parallel = parallelize(model, _env(rank, world), ep=ep, ep_replicate=replicate)
+        assert all(m.replicate is replicate for m in model.modules() if isinstance(m, MoonEPExperts))
         opts = build_optimizers(model, 1e-2, 0.1)
         _backward(model, ids.chunk(world)[rank])
         parallel.reduce_gradients()
@@ -157,9 +159,13 @@ def _worker(rank: int, world: int, port: int, ep: int, results) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("ep", [1, 2], ids=["fsdp", "fsdp+moonep"])
-def test_two_processes_equal_one(ep):
+@pytest.mark.parametrize("ep, replicate", [(1, True), (2, True), (2, False)],
+                         ids=["fsdp", "fsdp+moonep", "fsdp+plain-ep"])
+def test_two_processes_equal_one(ep, replicate):
+    """One step on 2 processes: the gradient norm, weights, optimiser state and exported model
+    of one process on the global batch; with ep 2 MoonEP's experts, or plain expert
+    parallelism (``ep_replicate=False``, the baseline MoonEP is measured against)."""
     results = mp.Manager().dict()
-    mp.start_processes(_worker, args=(2, _free_port(), ep, results), nprocs=2, join=True,
+    mp.start_processes(_worker, args=(2, _free_port(), ep, results, replicate), nprocs=2, join=True,
                        start_method="spawn")
     assert dict(results) == {0: "ok", 1: "ok"}

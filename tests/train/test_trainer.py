@@ -203,9 +203,8 @@ def _losses(run_dir):
     return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("parallel", [[], ["--ep", "2"], ["--ep", "2", "--mtp-layers", "1"],
-                                      ["--ep", "2", "--no-ep-replicate"]],
-                         ids=["fsdp", "fsdp+moonep", "fsdp+moonep+mtp", "fsdp+plain-ep"])
+@pytest.mark.parametrize("parallel", [[], ["--ep", "2"], ["--ep", "2", "--mtp-layers", "1"]],
+                         ids=["fsdp", "fsdp+moonep", "fsdp+moonep+mtp"])
 def test_two_process_gloo_run_matches_one_process(corpus, tmp_path, parallel):
     """2 ranks x batch 1 see the same global batch as 1 rank x batch 2: same losses (fp32).
     With --ep 2 each rank also holds only half of every layer's experts (MoonEP); with
@@ -216,8 +215,8 @@ def test_two_process_gloo_run_matches_one_process(corpus, tmp_path, parallel):
     args += ["--balance", "sign", *parallel]  # exact QB on one rank vs its histogram on two differ
     out = _torchrun(args)
     assert "--- sample 1 ---" in out
-    if parallel:  # the layout line names the expert parallelism asked for
-        assert ("plain: no replicas" if "--no-ep-replicate" in parallel else "(MoonEP)") in out, out
+    if parallel:  # the layout line names the expert parallelism
+        assert "expert parallelism 2 (MoonEP)" in out, out
     mtp = int("--mtp-layers" in parallel)
     single = train(tiny(corpus, tmp_path / "one", max_steps=3, warmup_steps=1, log_interval=1,
                         eval_interval=1000, ckpt_interval=1000, balance="sign", mtp_layers=mtp))["losses"]
