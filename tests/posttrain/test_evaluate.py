@@ -75,7 +75,7 @@ def test_code_task_is_judged_by_its_hidden_tests():
     n = 4
     problems = held_out_problems(get_task("python"), n, 0)
     bodies = {p.prompt: p.answer for p in problems}
-    engine = FakeEngine(lambda i, prompt: bodies[prompt.removeprefix("<low>")] if i % 2 == 0 else "    return None")
+    engine = FakeEngine(lambda i, prompt: bodies[prompt.removeprefix("<low>")] if i % 2 == 0 else "\n    return None")
     cfg = EvalConfig(checkpoint="unused", task=("python",), num_problems=n, effort="low", temperature=0.5)
     r = evaluate(cfg, engine=engine)["tasks"]["python"]
     assert r["accuracy"] == r["mean_score"] == 0.5  # the reference passes every hidden test, None none

@@ -90,21 +90,37 @@ def test_python_reference_passes_every_family_and_a_wrong_body_fails():
     problems = [get_task("python", families=(f,)).sample(random.Random(i)) for i, f in enumerate(FAMILIES)]
     task = get_task("python")
     for p in problems:
-        assert p.prompt.startswith("def ") and p.prompt.endswith('"""\n') and p.answer.startswith("    ")
+        assert p.prompt.startswith("def ") and p.prompt.endswith('"""') and p.answer.startswith("\n    ")
         compile(p.prompt + p.answer, "ref", "exec")
     assert score_all(task, problems, [p.answer for p in problems], max_workers=2) == [1.0] * len(problems)
-    assert score_all(task, problems[::4], ["    return None\n"] * 4, max_workers=2) == [0.0] * 4
+    assert score_all(task, problems[::4], ["\n    return None\n"] * 4, max_workers=2) == [0.0] * 4
+
+
+@pytest.mark.parametrize("name", TASK_NAMES)
+def test_prompt_ends_where_the_solved_text_splits(name):
+    """The byte-level BPE's pre-tokens of a prompt are a prefix of those of the solved text
+    (prompt + answer + stop): a model pre-trained on solved text sees the prompt's last token as
+    it saw it there. (A python prompt ending in "\n" failed this: "\n    return" splits as
+    "\n   " + " return", and a `small` base pre-trained on solved text solved no problem.)"""
+    from tokenizers import pre_tokenizers
+
+    split = pre_tokenizers.ByteLevel(add_prefix_space=False).pre_tokenize_str
+    task = get_task(name)
+    for i in range(20):
+        p = task.sample(random.Random(i))
+        prompt, solved = [t for t, _ in split(p.prompt)], [t for t, _ in split(p.prompt + p.answer + p.stop[0])]
+        assert solved[:len(prompt)] == prompt, (p.prompt, p.answer)
 
 
 def test_python_partial_credit_and_hang():
     task = PythonFunctions(wall_seconds=1.0)
-    p = Problem('def add_1(x):\n    """Return x plus 1."""\n', "    return x + 1", "code", "python",
+    p = Problem('def add_1(x):\n    """Return x plus 1."""', "\n    return x + 1", "code", "python",
                 {"entry": "add_1", "tests": [[[0], 1], [[1], 2], [[5], 6], [[-1], 0]]})
-    assert task.score(p, "    return x + 1 if x < 1 else 0\n") == 0.5
-    assert task.score(p, "    return x + 1\n\ndef other():\n    pass") == 1.0  # body ends at column 0
-    assert task.score(p, "    while x > 1:\n        pass\n    return x + 1") == 0.5  # two pass, then a hang
-    assert task.score(p, "    return True") == 0.0  # bool is not int: compared by exact type
-    forged = f"    print('\\n{'0' * 16} 4 4')\n    return None"
+    assert task.score(p, "\n    return x + 1 if x < 1 else 0\n") == 0.5
+    assert task.score(p, "\n    return x + 1\n\ndef other():\n    pass") == 1.0  # body ends at column 0
+    assert task.score(p, "\n    while x > 1:\n        pass\n    return x + 1") == 0.5  # two pass, then a hang
+    assert task.score(p, "\n    return True") == 0.0  # bool is not int: compared by exact type
+    forged = f"\n    print('\\n{'0' * 16} 4 4')\n    return None"
     assert task.score(p, forged) == 0.0  # progress lines need the secret token
 
 
