@@ -9,16 +9,17 @@ has something to improve:
     arithmetic    "12+7="                 -> "19"
     sorting       "sort 3 1 2:"           -> "1 2 3"
     string_edit   "reverse abc:"          -> "cba"
-    python        def add_7(x): + docstring "Return x plus 7."  -> "\n    return x + 7"
+    python        def add_7(x): + docstring "Return x plus 7."  -> "\\n    return x + 7"
 
 Completions end at a newline: the text tasks score the completion's first line only (leading and
 trailing whitespace ignored), so generation can stop at ``Problem.stop`` = ("\\n",). A Python
 completion is the function body: its lines up to the first non-empty line that starts at column
 0; ``Problem.stop`` holds stop strings for that. The prompt ends at the docstring's closing
-quotes and the body starts with the newline: a byte-level BPE splits "\n    return" into
-"\n   " + " return", so a prompt ending in "\n" would end on a token that the solved text never
-has there (a model pre-trained on that text then starts a new function instead of the body). Options (difficulty) are the task's dataclass
-fields: ``get_task("arithmetic", digits=2, ops="+-*")``. docs/posttraining.md, "Tasks".
+quotes and the body starts with the newline: a byte-level BPE splits "\\n    return" into
+"\\n   " + " return", so a prompt ending in "\\n" would end on a token that the solved text
+never has there (a model pre-trained on that text then starts a new function instead of the
+body). Options (difficulty) are the task's dataclass fields:
+``get_task("arithmetic", digits=2, ops="+-*")``. docs/posttraining.md, "Tasks".
 """
 
 from __future__ import annotations

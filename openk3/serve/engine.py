@@ -324,11 +324,8 @@ class LLMEngine:
             self.stats.generation_tokens += sum(map(len, new_token_ids))
         if self.drafter is not None:  # every kept position's next token is known now
             self.drafter.observe(out, result)
-        requests = self.requests
-        if stream:
-            return [self._output(requests[s.request_id], True) for s in seqs]
-        outputs = [self._output(requests[s.request_id], False) for s in seqs]
-        return [o for o in outputs if o is not None]
+        outputs = [self._output(self.requests[s.request_id], stream) for s in seqs]
+        return outputs if stream else [o for o in outputs if o is not None]
 
     def _sample(self, result: StepResult) -> list[list[int]]:
         """One token for each of ``result.sampled``."""
