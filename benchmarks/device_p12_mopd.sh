@@ -10,7 +10,9 @@
 # 1: solved text of arithmetic (2 digits) and python functions, written by the tasks; pre-train
 #    `small` on it (vocab 1024, a short run so that the base is middling and RL has room); eval
 #    the base on both tasks. Needs nothing. (The seventh session's 300 steps, ~125 s, gave a
-#    base at 0.085 on arithmetic and 0.000 on python: no reward for RL to climb; now 800.)
+#    base at 0.085 on arithmetic and 0.000 on python: no reward for RL to climb; now 800. The
+#    eighth's 800 steps gave 0.365 and 1.000: python saturated, every family being in the text;
+#    the text now leaves out the families in HELD_OUT, which RL and the evaluations still ask.)
 # 2 [math|code]: RL teacher_math on arithmetic and teacher_code on python (default both, one
 #    after the other), each from the base: the accuracy curves (sampled, per step) are
 #    rl_*.metrics.jsonl in $OUT. Needs phase 1's base.
@@ -20,13 +22,18 @@
 #    student; the table base / teachers / student and student / teacher. Needs phases 1 and 2.
 #    Its parts, for two GPUs side by side: `distill` (the student and its eval), `eval-teachers`,
 #    `table`.
-# Step counts: PRETRAIN_STEPS (800), RL_STEPS (40), DISTILL_STEPS (40), EVAL_PROBLEMS (200); limits in
+# RL and distillation run at openk3's default lr (3e-5 since the eighth session: 3e-4 took the
+# base's arithmetic from 0.365 to 0.120).
+# Step counts: PRETRAIN_STEPS (800), RL_STEPS (60), DISTILL_STEPS (40), EVAL_PROBLEMS (200); limits in
 # seconds RL_LIMIT (240 each), DISTILL_LIMIT (260); PRESET
 # (small) and DEVICE (cuda) too, for checking the command lines on the CPU with `debug`.
 # Results: $OUT/*.log, *.metrics.jsonl, eval_*.json, mopd_table.md (docs/posttraining.md).
 source "$(dirname "$0")/device_common.sh"
 R=/tmp/p12m
 MATH=arithmetic:digits=2
+# python families absent from the pre-training text, each near one that is there (+ -> *, max -> min,
+# xs[0] -> xs[-1], s[::-1] -> s.upper()): the base solves about 12 of 16, RL can find the rest
+HELD_OUT=${HELD_OUT:-times,smaller,last,shout}
 # a python body is one line of up to ~40 characters; a prompt ~25 tokens at vocab 1024
 DEVICE=${DEVICE:-cuda}
 POST=(--group-size 8 --prompts-per-step 8 --max-new-tokens 48 --max-model-len 128 --ckpt-interval 100000
@@ -68,11 +75,15 @@ table() {
 case "$PHASE" in
 1)
   rm -rf "$R/base"
-  python3 - "$R/solved.jsonl" "$MATH" python <<'PY'
+  python3 - "$R/solved.jsonl" "$MATH" "$HELD_OUT" <<'PY'
 import json, random, sys
-from openk3.posttrain.tasks import parse_task
+from openk3.posttrain.tasks import FAMILIES, parse_task
 
-tasks, rng = [parse_task(s, {}) for s in sys.argv[2:]], random.Random(0)
+held_out = set(sys.argv[3].split(","))
+if held_out - set(FAMILIES):
+    sys.exit(f"HELD_OUT: unknown python families {sorted(held_out - set(FAMILIES))}; known: {list(FAMILIES)}")
+seen = ",".join(f for f in FAMILIES if f not in held_out)
+tasks, rng = [parse_task(sys.argv[2]), parse_task(f"python:families={seen}")], random.Random(0)
 with open(sys.argv[1], "w") as fh:
     for _ in range(20000):  # documents of 16 solved problems, each ending as generation stops
         fh.write(json.dumps({"text": "".join((p := rng.choice(tasks).sample(rng)).prompt + p.answer + p.stop[0]
@@ -90,7 +101,7 @@ PY
     [ -n "${2:-}" ] && [ "$2" != "${t%%:*}" ] && continue
     rm -rf "$R/teacher_${t%%:*}"
     stage "${RL_LIMIT:-240}" "rl_${t%%:*}" rl --checkpoint "$R/base" --task "${t#*:}" --out "$R/teacher_${t%%:*}" \
-      --max-steps "${RL_STEPS:-40}" "${POST[@]}"
+      --max-steps "${RL_STEPS:-60}" "${POST[@]}"
     cp "$R/teacher_${t%%:*}/metrics.jsonl" "$OUT/rl_${t%%:*}.metrics.jsonl" 2>/dev/null
   done
   ;;

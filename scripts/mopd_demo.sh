@@ -27,7 +27,7 @@ BASE=${PRETRAINED:-$OUT/base}
 N=${EVAL_PROBLEMS:-200}
 # the longest sorting answer ("0 1 2 3 4 5 6 7 8 9" at most 5 numbers: 9 characters) fits in 12 tokens
 GEN=(--max-new-tokens 12 --device cpu)
-POST=(--group-size 8 --max-model-len 40 "${GEN[@]}")
+POST=(--group-size 8 --max-model-len 40 --lr 3e-4 "${GEN[@]}")  # lr: the tiny debug model's (the default 3e-5 is for real models)
 mkdir -p "$OUT"
 if [ ! -d "$BASE/export" ]; then
   python - "$OUT/solved.jsonl" <<'PY'

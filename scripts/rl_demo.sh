@@ -27,4 +27,4 @@ PY
 fi
 rm -rf "$OUT/rl"
 openk3 rl --checkpoint "$PRETRAINED" --task arithmetic --out "$OUT/rl" --max-steps "${RL_STEPS:-40}" \
-  --group-size 8 --max-new-tokens 6 --max-model-len 32 --device cpu "$@"
+  --group-size 8 --max-new-tokens 6 --max-model-len 32 --lr 3e-4 --device cpu "$@"

@@ -101,7 +101,7 @@ class PostTrainConfig(_DictIO):
     # optimisation
     max_steps: int = 100
     optimizer: str = "muon"
-    lr: float = 3e-4
+    lr: float = 3e-5
     weight_decay: float = 0.0
     clip_grad: float = 1.0
     micro_batch_size: int = 32
