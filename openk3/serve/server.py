@@ -38,6 +38,7 @@ import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 
 from openk3.serve.chat import ChatTemplate, ChatTemplateError, encode_with_images
@@ -391,12 +392,39 @@ async def _handle_error(request: Request, e: Exception) -> JSONResponse:
     return JSONResponse(error_body(e.message, e.type, e.param, e.code), status_code=e.status)
 
 
+_ANSWERED = (APIError, InvalidRequest, ChatTemplateError, RequestValidationError, HTTPException)
+
+
+class _Route(APIRoute):
+    """A route whose unexpected exceptions become a 500 ``APIError`` inside the route. Starlette
+    answers an ``Exception`` handler's response from its outermost middleware and then re-raises
+    the exception to the ASGI server, which closes the connection: a client's next request on that
+    kept-alive connection then failed to read its answer (``tests/serve/test_server.py``,
+    ``test_engine_failure_is_a_server_error``). An ``APIError`` is answered and not re-raised."""
+
+    def get_route_handler(self):
+        handler = super().get_route_handler()
+
+        async def route(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except _ANSWERED:
+                raise
+            except Exception as e:
+                logger.exception("request failed")
+                raise APIError(500, f"internal error: {e!r}", type="server_error") from e
+
+        return route
+
+
 def build_app(async_engine: AsyncEngine, model_name: str, api_key: str | None = None,
               chat_template: ChatTemplate | None = None) -> FastAPI:
     """The HTTP app over ``async_engine``; ``chat_template`` None is ``chat.DEFAULT_CHAT_TEMPLATE``."""
     server = OpenAIServer(async_engine, model_name, chat_template or ChatTemplate())
     app = FastAPI(title="openk3", summary="OpenAI-compatible API of the openk3 serving engine")
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_require_api_key(api_key))] if api_key else [])
+    app.router.route_class = _Route
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_require_api_key(api_key))] if api_key else [],
+                   route_class=_Route)
     v1.add_api_route("/completions", server.completions, methods=["POST"])
     v1.add_api_route("/chat/completions", server.chat_completions, methods=["POST"])
     v1.add_api_route("/models", server.models, methods=["GET"])
@@ -404,8 +432,7 @@ def build_app(async_engine: AsyncEngine, model_name: str, api_key: str | None = 
     app.add_api_route("/health", server.health, methods=["GET"])
     app.add_api_route("/metrics", server.prometheus, methods=["GET"])
 
-    for error in (APIError, InvalidRequest, ChatTemplateError, RequestValidationError, HTTPException,
-                  Exception):
+    for error in (*_ANSWERED, Exception):  # Exception: what fails outside a route
         app.add_exception_handler(error, _handle_error)
     app.state.draining = server.draining
     return app
