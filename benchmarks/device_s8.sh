@@ -12,7 +12,7 @@
 # default lr 3e-4), then by hand the teachers' evaluations, RL on arithmetic and the student at
 # --lr 3e-5 (phase 3 as written was not run: phase 2 had already shown 512K out of memory).
 # For the next one-GPU session: device_p12_mopd.sh's phases 1, 2 and 3 (held-out python families,
-# lr 3e-5) in three calls made back to back.
+# lr 3e-5) in three calls made back to back; phase 4 here (P9: LK against KL).
 source "$(dirname "$0")/device_common.sh"
 cp1() {  # cp1 SECONDS SEQ_LEN...: one process, no CP, rows print as measured
   local limit=$1; shift
@@ -37,6 +37,22 @@ case "${1:?phase}" in
   bash benchmarks/device_p12_mopd.sh table
   grep -q "^   1    524288" "$OUT/kcp_cp1.log" 2>/dev/null || cp1 200 524288
   ;;
-*) echo "phase 1, 2 or 3" >&2; exit 2 ;;
+4)  # P9, for a later one-GPU call (not run): LK against KL on the same budget, both drafts
+    # training side by side on the one GPU from the same target + MTP layer, then both in the
+    # engine at batch 1 and 8 (the issue's table); ~560 s
+  train_run 230 target 1 --preset small --mtp-layers 1 --max-steps 120 --warmup-steps 12 --log-interval 10 \
+    --no-compile
+  for loss in lk kl; do
+    timeout -k 5 160 python3 -m openk3 train-draft --checkpoint /tmp/runs/target --out /tmp/drafts/$loss \
+      --loss $loss --init mtp --steps 150 --ttt-steps 7 --batch-size 8 --seq-len 512 --log-interval 10 \
+      --save-interval 50 > "$OUT/draft_$loss.log" 2>&1 &
+  done
+  wait
+  for loss in lk kl; do cp /tmp/drafts/$loss/metrics.jsonl "$OUT/draft_$loss.metrics.jsonl" 2>/dev/null; done
+  timeout -k 5 150 python3 benchmarks/spec_bench.py --checkpoint /tmp/runs/target --drafts /tmp/drafts/lk \
+    /tmp/drafts/kl --batch 1 8 --K 7 3 --temperatures 0 1 --num-prompts 8 --max-tokens 128 \
+    --json "$OUT/spec.json" > "$OUT/spec.log" 2>&1; echo "== rc $?" >> "$OUT/spec.log"
+  ;;
+*) echo "phase 1, 2, 3 or 4" >&2; exit 2 ;;
 esac
 summary
