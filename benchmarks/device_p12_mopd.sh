@@ -66,7 +66,8 @@ distill() {
   cp "$R/student/metrics.jsonl" "$OUT/distill.metrics.jsonl" 2>/dev/null
   evaluate 80 student "$R/student"
 }
-eval_teachers() { for name in teacher_math teacher_code; do evaluate 80 "$name" "$R/$name"; done; }
+# 150 s each: beside the distillation on one GPU, 80 s was too short (eighth session)
+eval_teachers() { for name in teacher_math teacher_code; do evaluate 150 "$name" "$R/$name"; done; }
 table() {
   cp "$R/eval_base.json" "$OUT/" 2>/dev/null
   python3 benchmarks/mopd_table.py "$OUT" --teacher "$MATH"=teacher_math python=teacher_code \
