@@ -50,6 +50,8 @@ class PostTrainConfig(_DictIO):
         finish_fraction: lambda, the fraction of a round's trajectories whose finishing ends the
             round; the freed slots then take new groups (``openk3/posttrain/partial.py``).
         max_model_len: the engine's context (prompt + completion).
+        score_workers: sandbox runs at once when a step's code completions are scored (all of
+            the step's at once: each run is mostly a Python start-up, ~35 ms of one core).
     Effort (prompt-side control text ``<low>``, ``<medium>``, ``<high>``):
         effort: "none" (no control text), one level, or "mixed" (each group draws one).
         length_penalty, length_penalty_low/_medium/_high: weight of Kimi k1.5's length reward
@@ -83,6 +85,7 @@ class PostTrainConfig(_DictIO):
     partial_rollouts: bool = True
     finish_fraction: float = 0.75
     max_model_len: int = 512
+    score_workers: int = 16
     # effort
     effort: str = "none"
     length_penalty: float = 0.0
@@ -124,7 +127,7 @@ class PostTrainConfig(_DictIO):
         if not self.task:
             raise bad("task", "name at least one task")
         for name in ("prompts_per_step", "group_size", "max_new_tokens", "max_model_len", "max_steps",
-                     "micro_batch_size", "log_interval", "ckpt_interval", "keep_last"):
+                     "micro_batch_size", "log_interval", "ckpt_interval", "keep_last", "score_workers"):
             if getattr(self, name) <= 0:
                 raise bad(name, "must be positive")
         if self.group_size < 2:
@@ -233,7 +236,7 @@ class EvalConfig(_DictIO):
     max_new_tokens: int = 32
     effort: str = "none"
     batch_size: int = 64
-    score_workers: int = 4
+    score_workers: int = 16
     out: str = ""
     device: str = "auto"
     dtype: str = "auto"

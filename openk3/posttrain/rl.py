@@ -225,10 +225,21 @@ def _score(groups: list[Group], tasks: list, tokenizer, eos_ids: tuple[int, ...]
     the total scalar reward per row."""
     rows: dict[str, list] = {k: [] for k in ("prompt", "teacher_prompt", "tokens", "logprobs", "versions",
                                              "score", "correct", "reward", "domain", "effort")}
-    for g in groups:
-        task, problem, effort = tasks[g.payload["task"]], g.payload["problem"], g.payload["effort"]
-        texts = [completion_text(tokenizer, t.tokens, eos_ids, g.stop) for t in g.members]
-        scores = [float(s) for s in score_all(task, [problem] * len(texts), texts)]  # sandbox runs in parallel
+    # every completion of the step, scored in one call per task (the code task's sandbox runs
+    # `score_workers` at a time across all the groups, not group by group)
+    pending: dict[int, list[tuple[int, object, str]]] = {}
+    for i, g in enumerate(groups):
+        for t in g.members:
+            pending.setdefault(g.payload["task"], []).append(
+                (i, g.payload["problem"], completion_text(tokenizer, t.tokens, eos_ids, g.stop)))
+    by_group: list[list[float]] = [[] for _ in groups]
+    for task_index, items in pending.items():
+        scores = score_all(tasks[task_index], [p for _, p, _ in items], [c for _, _, c in items],
+                           max_workers=cfg.score_workers)
+        for (i, _, _), s in zip(items, scores):
+            by_group[i].append(float(s))
+    for g, scores in zip(groups, by_group):
+        problem, effort = g.payload["problem"], g.payload["effort"]
         correct = [s >= 1.0 for s in scores]
         weight = cfg.length_penalty_weight(effort)
         lens = length_rewards([len(t.tokens) for t in g.members], correct) if weight else [0.0] * len(scores)

@@ -91,3 +91,41 @@ def test_cli_rl_and_distill(tiny_checkpoint, tmp_path, monkeypatch, capsys):
     saved = json.loads((tmp_path / "d" / "run_config.json").read_text())["posttrain"]
     assert saved["reward_weight"] == 0.0 and saved["teacher"] == [f"toy:*={tiny_checkpoint}"]
     assert main(["rl", *common, "--out", str(tmp_path / "rl"), "--resume", "--lr", "0.5"]) == 2  # conflict
+
+
+def test_a_steps_completions_are_scored_together_each_as_its_task_scores_it(tiny_checkpoint, monkeypatch):
+    """``_score``: one ``score_all`` call per task over all the step's groups (the sandbox's
+    workers then run across groups), and every row gets the score its own task gives it, in
+    group order, with its group's length reward and reward weight."""
+    import random
+
+    from openk3.posttrain import rl
+    from openk3.posttrain.partial import Group, Trajectory
+    from openk3.posttrain.tasks import get_task
+    from openk3.tokenizer import ByteTokenizer
+
+    tok, rng = ByteTokenizer(), random.Random(0)
+    tasks = [get_task("python", num_tests=2), get_task("arithmetic")]
+    groups, want = [], []
+    for uid in range(4):  # python, arithmetic, python, arithmetic
+        task = tasks[uid % 2]
+        problem = task.sample(rng)
+        texts = [problem.answer, "", problem.answer + " + 1", problem.answer] if uid % 2 == 0 else \
+            [problem.answer, "0", problem.answer + "9", problem.answer]
+        members = [Trajectory(uid * 10 + j, uid, 8, tokens=tok.encode(t), logprobs=[0.0] * len(tok.encode(t)),
+                              versions=[0] * len(tok.encode(t)), finish_reason="stop") for j, t in enumerate(texts)]
+        groups.append(Group(uid, tok.encode(problem.prompt), {"task": uid % 2, "problem": problem,
+                                                                "effort": "none", "teacher_ids": []},
+                            members, tuple(problem.stop)))
+        want += [task.score(problem, t) for t in texts]
+    calls = []
+    real = rl.score_all
+    monkeypatch.setattr(rl, "score_all", lambda task, ps, cs, max_workers: calls.append((task.name, len(ps),
+                                                                                          max_workers))
+                        or real(task, ps, cs, max_workers))
+    cfg = PostTrainConfig(checkpoint="x", reward_weight=0.5, score_workers=3)
+    rows = rl._score(groups, tasks, tok, (), cfg)
+    assert sorted(calls) == [("arithmetic", 8, 3), ("python", 8, 3)]
+    assert rows["score"] == want and sorted(set(want)) == [0.0, 1.0]
+    assert rows["correct"] == [s >= 1.0 for s in want] and rows["reward"] == [0.5 * s for s in want]
+    assert [len(t) for t in rows["tokens"]] == [len(t.tokens) for g in groups for t in g.members]
