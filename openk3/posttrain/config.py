@@ -107,7 +107,7 @@ class PostTrainConfig(_DictIO):
     lr: float = 3e-5
     weight_decay: float = 0.0
     clip_grad: float = 1.0
-    micro_batch_size: int = 32
+    micro_batch_size: int = 64
     # bookkeeping
     log_interval: int = 1
     ckpt_interval: int = 20

@@ -6,8 +6,10 @@ the last checkpoint intact, and the CLI wires it up."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
+import torch
 
 from openk3.cli import main
 from openk3.posttrain.config import PostTrainConfig
@@ -129,3 +131,41 @@ def test_a_steps_completions_are_scored_together_each_as_its_task_scores_it(tiny
     assert rows["score"] == want and sorted(set(want)) == [0.0, 1.0]
     assert rows["correct"] == [s >= 1.0 for s in want] and rows["reward"] == [0.5 * s for s in want]
     assert [len(t) for t in rows["tokens"]] == [len(t.tokens) for g in groups for t in g.members]
+
+
+@pytest.mark.parametrize("loss", ["grpo", "k15"])
+def test_micro_batches_accumulate_the_whole_batchs_gradient(loss):
+    """``_update`` with micro-batches of 3 rows gives the gradient of one pass over all 16 rows
+    (losses are sums over the step's totals), rows of different lengths and staleness."""
+    import random
+    from contextlib import nullcontext
+    from types import SimpleNamespace
+
+    from openk3 import build_model, preset
+    from openk3.posttrain import rl
+
+    rng = random.Random(0)
+    tokens = [[rng.randrange(1, 200) for _ in range(rng.randint(1, 6))] for _ in range(16)]
+    batch = {"prompt": [[rng.randrange(1, 200) for _ in range(rng.randint(2, 5))] for _ in tokens],
+             "tokens": tokens, "logprobs": [[-rng.random() * 3 for _ in t] for t in tokens],
+             "versions": [[rng.choice([2, 3]) for _ in t] for t in tokens],
+             "reward": [float(rng.random() < 0.5) for _ in tokens], "score": [0.0] * 16,
+             "correct": [False] * 16, "domain": ["math"] * 16, "effort": ["none"] * 16}
+    grads = {}
+    for mb in (3, 64):
+        policy = build_model(preset("debug"), seed=0)
+
+        class Capture:
+            def step(self):
+                grads[mb] = {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}
+
+            def zero_grad(self, set_to_none=True):
+                policy.zero_grad(set_to_none=set_to_none)
+
+        parallel = SimpleNamespace(clip_grad_norm_=lambda max_norm: torch.tensor(0.0))
+        cfg = PostTrainConfig(checkpoint="x", group_size=4, micro_batch_size=mb, loss=loss)
+        row = rl._update(cfg, policy, [Capture()], parallel, nullcontext, batch, 3, None, None)
+        assert math.isfinite(row["loss"])
+    assert grads[3].keys() == grads[64].keys() and len(grads[3]) > 10
+    for name, g in grads[64].items():
+        torch.testing.assert_close(grads[3][name], g, rtol=1e-4, atol=1e-6, msg=name)
