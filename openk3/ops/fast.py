@@ -56,15 +56,21 @@ def _signature(args) -> tuple:
 # dynamo's config is process-wide: calls that flip it hold this lock (re-entrant, uncontended in
 # practice: one thread runs the model)
 _CONFIG_LOCK = threading.RLock()
+# graphs each compiled op may keep (dynamo's default is 8 per function): RL runs one norm in the
+# rollout engine (bf16, inference), the trainer (autocast, grad), teachers and the reference, over
+# several ranks and size-1 patterns, and went past 8 on the device (eighth session); each graph is
+# one small elementwise kernel
+OP_RECOMPILE_LIMIT = 32
 
 
 def compiled(fn: Callable) -> Callable:
     """``torch.compile`` ``fn`` lazily (first CUDA call), with dynamic shapes; while dynamo
     traces a caller (a compiled region), ``fn`` itself, traced as part of that graph.
 
-    If dynamo gives up on a kind of call (its per-function recompile limit: serving calls the
-    same norm with many ranks, dtypes and grad modes), calls of that kind run ``fn`` eagerly
-    from then on, with one warning: the same numerics, just unfused.
+    If dynamo gives up on a kind of call (the per-function recompile limit, raised to
+    ``OP_RECOMPILE_LIMIT`` for these calls: serving and RL call the same norm with many ranks,
+    dtypes and grad modes), calls of that kind run ``fn`` eagerly from then on, with one
+    warning: the same numerics, just unfused.
 
     Parameters' shapes stay dynamic too: by default dynamo treats them as static, so every norm
     width (hidden size, q/kv LoRA ranks, MoE latent, KDA head) would cost a graph of its own and
@@ -86,6 +92,7 @@ def compiled(fn: Callable) -> Callable:
         config = torch._dynamo.config  # set and restored by hand: 2x cheaper than config.patch
         with _CONFIG_LOCK:
             static, config.force_parameter_static_shapes = config.force_parameter_static_shapes, False
+            limit, config.recompile_limit = config.recompile_limit, max(config.recompile_limit, OP_RECOMPILE_LIMIT)
             try:
                 return get()(*args, **kwargs)
             except torch._dynamo.exc.FailOnRecompileLimitHit:
@@ -94,6 +101,6 @@ def compiled(fn: Callable) -> Callable:
                 eager.add(sig)
                 return fn(*args, **kwargs)
             finally:
-                config.force_parameter_static_shapes = static
+                config.force_parameter_static_shapes, config.recompile_limit = static, limit
 
     return wrapper

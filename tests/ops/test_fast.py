@@ -64,3 +64,26 @@ def test_compiled_norm_keeps_one_graph_across_widths(monkeypatch, request):
                 y.sum().backward()
                 assert w.grad is not None
     assert counter.frame_count <= 4, counter.frame_count  # one graph per rank (+ respecialisation)
+
+
+def test_compiled_op_keeps_more_graphs_than_dynamos_default(monkeypatch, request):
+    """RL calls one norm in ~a dozen kinds of way (engine, trainer, teachers; ranks, dtypes, grad
+    modes): past dynamo's default of 8 graphs per function they would run eagerly. A compiled op
+    keeps up to ``OP_RECOMPILE_LIMIT``, and dynamo's global limit is left as it was."""
+    torch._dynamo.reset()
+    counter, real_compile = CompileCounter(), torch.compile
+    monkeypatch.setattr(fast.torch, "compile", lambda fn, **kw: real_compile(fn, backend=counter, **kw))
+    norm = fast.compiled(rms_norm_ref)
+    request.addfinalizer(torch._dynamo.reset)
+    default = torch._dynamo.config.recompile_limit
+    kinds = [(shape, dtype, grad) for shape in ((5, 8), (2, 5, 8), (2, 3, 5, 8))
+             for dtype in (torch.float32, torch.float64) for grad in (False, True)]
+    assert len(kinds) > default < fast.OP_RECOMPILE_LIMIT
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*recompile limit")  # no eager fallback
+        for shape, dtype, grad in kinds:
+            w = torch.rand(8, dtype=dtype) + 0.5
+            x = torch.randn(*shape, dtype=dtype, requires_grad=grad)
+            torch.testing.assert_close(norm(x, w, 1e-6), rms_norm_ref(x, w, 1e-6))
+    assert counter.frame_count > default, counter.frame_count
+    assert torch._dynamo.config.recompile_limit == default
