@@ -5,6 +5,7 @@ state dict) and exported model of one process that trains on the same global bat
 from __future__ import annotations
 
 import copy
+import functools
 import os
 import socket
 
@@ -125,47 +126,64 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, ep: int, results, replicate: bool = True) -> None:
+CASES = [(1, True), (2, True), (2, False)]  # (ep, replicate): FSDP, + MoonEP, + plain EP
+
+
+def _worker(rank: int, world: int, port: int, results) -> None:
+    """Every case in one set of processes (a spawn costs each a torch import and a rendezvous).
+    A failing case raises, naming itself; the other rank then fails at its next collective."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         torch.set_num_threads(1)
-        ids = _batch(2 * world)
-        ref = _model()  # one process, the whole global batch
-        ref_opts = build_optimizers(ref, 1e-2, 0.1)
-        _backward(ref, ids)
-        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)
-        _step(ref_opts)
-
-        model = _model()
-        parallel = parallelize(model, _env(rank, world), ep=ep, ep_replicate=replicate)
-        assert all(m.replicate is replicate for m in model.modules() if isinstance(m, MoonEPExperts))
-        opts = build_optimizers(model, 1e-2, 0.1)
-        _backward(model, ids.chunk(world)[rank])
-        parallel.reduce_gradients()
-        norm = parallel.clip_grad_norm_(MAX_NORM)
-        _step(opts)
-        state = full_state(parallel.state_dict(opts))  # checkpoints: tests/train/test_checkpoint_dcp.py
-        plain = parallel.gathered_model()
-        if rank == 0:
-            want = get_state_dict(ref, ref_opts, options=StateDictOptions(full_state_dict=True))
-            torch.testing.assert_close(norm, ref_norm, rtol=1e-5, atol=0)
-            _assert_state_close(state, {"model": want[0], "optim": want[1]})
-            _assert_state_close(plain.state_dict(), want[0])
-        else:
-            assert plain is None
-        results[rank] = "ok"
+        for ep, replicate in CASES:
+            try:
+                _case(rank, world, ep, replicate)
+            except Exception as e:
+                raise AssertionError(f"rank {rank}, ep={ep}, replicate={replicate}: {e}") from e
+            results[rank, ep, replicate] = "ok"
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("ep, replicate", [(1, True), (2, True), (2, False)],
-                         ids=["fsdp", "fsdp+moonep", "fsdp+plain-ep"])
+def _case(rank: int, world: int, ep: int, replicate: bool) -> None:
+    ids = _batch(2 * world)
+    ref = _model()  # one process, the whole global batch
+    ref_opts = build_optimizers(ref, 1e-2, 0.1)
+    _backward(ref, ids)
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)
+    _step(ref_opts)
+
+    model = _model()
+    parallel = parallelize(model, _env(rank, world), ep=ep, ep_replicate=replicate)
+    assert all(m.replicate is replicate for m in model.modules() if isinstance(m, MoonEPExperts))
+    opts = build_optimizers(model, 1e-2, 0.1)
+    _backward(model, ids.chunk(world)[rank])
+    parallel.reduce_gradients()
+    norm = parallel.clip_grad_norm_(MAX_NORM)
+    _step(opts)
+    state = full_state(parallel.state_dict(opts))  # checkpoints: tests/train/test_checkpoint_dcp.py
+    plain = parallel.gathered_model()
+    if rank == 0:
+        want = get_state_dict(ref, ref_opts, options=StateDictOptions(full_state_dict=True))
+        torch.testing.assert_close(norm, ref_norm, rtol=1e-5, atol=0)
+        _assert_state_close(state, {"model": want[0], "optim": want[1]})
+        _assert_state_close(plain.state_dict(), want[0])
+    else:
+        assert plain is None
+
+
+@functools.cache
+def _results() -> dict:
+    results = mp.Manager().dict()
+    mp.start_processes(_worker, args=(2, _free_port(), results), nprocs=2, join=True, start_method="spawn")
+    return dict(results)
+
+
+@pytest.mark.parametrize("ep, replicate", CASES, ids=["fsdp", "fsdp+moonep", "fsdp+plain-ep"])
 def test_two_processes_equal_one(ep, replicate):
     """One step on 2 processes: the gradient norm, weights, optimiser state and exported model
     of one process on the global batch; with ep 2 MoonEP's experts, or plain expert
     parallelism (``ep_replicate=False``, the baseline MoonEP is measured against)."""
-    results = mp.Manager().dict()
-    mp.start_processes(_worker, args=(2, _free_port(), ep, results, replicate), nprocs=2, join=True,
-                       start_method="spawn")
-    assert dict(results) == {0: "ok", 1: "ok"}
+    results = _results()
+    assert results[0, ep, replicate] == results[1, ep, replicate] == "ok"
