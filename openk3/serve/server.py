@@ -377,6 +377,10 @@ def _validation_error(e: RequestValidationError, content_type: str) -> APIError:
     return APIError(400, f"{'.'.join(map(str, loc))}: {err['msg']}", loc[0] if isinstance(loc[0], str) else None)
 
 
+def _internal_error(e: Exception) -> APIError:
+    return APIError(500, f"internal error: {e!r}", type="server_error")
+
+
 async def _handle_error(request: Request, e: Exception) -> JSONResponse:
     """Every failure as OpenAI's error object."""
     if isinstance(e, InvalidRequest):
@@ -388,7 +392,7 @@ async def _handle_error(request: Request, e: Exception) -> JSONResponse:
     elif isinstance(e, HTTPException):
         e = APIError(e.status_code, str(e.detail))
     elif not isinstance(e, APIError):
-        e = APIError(500, f"internal error: {e!r}", type="server_error")
+        e = _internal_error(e)
     return JSONResponse(error_body(e.message, e.type, e.param, e.code), status_code=e.status)
 
 
@@ -412,7 +416,7 @@ class _Route(APIRoute):
                 raise
             except Exception as e:
                 logger.exception("request failed")
-                raise APIError(500, f"internal error: {e!r}", type="server_error") from e
+                raise _internal_error(e) from e
 
         return route
 
