@@ -29,8 +29,8 @@ case "${1:?phase}" in
   ;;
 4)  # both drafts train side by side on the one GPU from the same target + MTP layer, then both
     # run in the engine at batch 1 and 8 (the table); ~560 s
-  train_run 230 target 1 --preset small --mtp-layers 1 --max-steps 120 --warmup-steps 12 --log-interval 10 \
-    --no-compile
+  [ -n "${SKIP_TARGET:-}" ] || train_run 230 target 1 --preset small --mtp-layers 1 --max-steps 120 \
+    --warmup-steps 12 --log-interval 10 --no-compile
   pids=()  # not a bare `wait`: it would wait for device_common's result saver too
   for loss in lk kl; do
     timeout -k 5 170 python3 -m openk3 train-draft --checkpoint /tmp/runs/target --out /tmp/drafts/$loss \

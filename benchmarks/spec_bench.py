@@ -45,6 +45,9 @@ and KL): tokens/verify >= 3 at K = 7 and a batch-1 speed-up >= 2x.
         --temperatures 0 --num-prompts 4 --max-tokens 64 --profile     # mechanics, ~2 min on an H200
     python benchmarks/spec_bench.py --preset debug --drafts random --device cpu --num-prompts 4 \
         --max-tokens 16 --batch 1 2 --K 3 --profile                    # a CPU sanity run
+
+``--prompts held-out`` takes the prompts from openk3's own Python files instead of the stdlib
+corpus the device runs' targets and drafts trained on.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -67,10 +71,19 @@ from openk3.serve.sampler import SamplingParams
 from openk3.train.corpus import default_corpus_files, read_documents
 
 
-def corpus_prompts(tokenizer, n: int, length: int, vocab: int) -> list[list[int]]:
-    """``n`` prompts of ``length`` tokens: the first ``length`` tokens of every k-th document of
-    the embedded corpus long enough (deterministic: the files in sorted order)."""
-    files = sorted(default_corpus_files())
+PROMPT_SOURCES = ("corpus", "held-out")
+
+
+def corpus_prompts(tokenizer, n: int, length: int, vocab: int, source: str = "corpus") -> list[list[int]]:
+    """``n`` prompts of ``length`` tokens: the first ``length`` tokens of every k-th document
+    long enough (deterministic: the files in sorted order) of ``source``: ``corpus``, the
+    embedded corpus (the stdlib, what the targets of the device runs trained on), or
+    ``held-out``, this package's own Python files (code of the same kind that no target trained
+    on here: acceptance there is not helped by a target that memorised its prompts)."""
+    if source not in PROMPT_SOURCES:
+        raise ValueError(f"--prompts {source!r}: choose one of {', '.join(PROMPT_SOURCES)}")
+    package = Path(__file__).resolve().parent.parent / "openk3"
+    files = sorted(default_corpus_files()) if source == "corpus" else sorted(package.rglob("*.py"))
     prompts = []
     for doc in read_documents(files[::max(1, len(files) // (4 * n))]):
         ids = [i for i in tokenizer.encode(doc[:8 * length]) if i < vocab]
@@ -275,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="EAGLE-3 draft directories, 'mtp', 'random', 'self', or draft model directories")
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--prompts", default="corpus", choices=PROMPT_SOURCES,
+                   help="corpus: the stdlib the targets trained on; held-out: openk3's own Python files")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
@@ -289,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     target, tokenizer, name = load_model(args.checkpoint, args.preset, random_init=args.preset is not None,
                                          device=args.device, dtype=args.dtype)
     device, dtype = target.lm_head.weight.device, target.lm_head.weight.dtype
-    prompts = corpus_prompts(tokenizer, args.num_prompts, args.prompt_len, target.cfg.vocab_size)
+    prompts = corpus_prompts(tokenizer, args.num_prompts, args.prompt_len, target.cfg.vocab_size, args.prompts)
     drafts = {spec: make_draft(spec, target, device, dtype) for spec in args.drafts}
     print(f"target {name} on {device} ({dtype}), {len(prompts)} prompts of {args.prompt_len} tokens, "
           f"{args.max_tokens} new tokens each", file=sys.stderr)

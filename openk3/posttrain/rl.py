@@ -47,7 +47,7 @@ from openk3.runtime import checkpoint_dir, load_model, resolve_device, resolve_d
 from openk3.train import state as ckpt
 from openk3.train.metrics import MetricsLog, Progress
 from openk3.train.optim import build_optimizers
-from openk3.train.trainer import Env, TrainingDiverged, _StopFlag
+from openk3.train.trainer import Env, StopFlag, TrainingDiverged
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tiktoken.model")
 DEFAULT_STOP = ("\n",)  # a problem without its own ``stop`` strings ends at its first newline
@@ -184,7 +184,8 @@ def run(cfg: PostTrainConfig, tasks: list | None = None,
          + (f", teachers {', '.join(f'{d}:{e}' for d, e in teachers.models)}" if teachers else ""))
     rewards_log, acc_log = [], []
     step = start
-    with _StopFlag() as flag, _RLProgress(cfg.max_steps, start) as bar:
+    prog = "openk3 distill" if cfg.teacher else "openk3 rl"
+    with StopFlag(prog) as flag, _RLProgress(cfg.max_steps, start) as bar:
         for step in range(start + 1, cfg.max_steps + 1):
             t0 = time.perf_counter()
             ready, stats = scheduler.generate(new_groups, version, cfg.prompts_per_step)

@@ -34,6 +34,7 @@ from openk3.train.data import prepare_data
 from openk3.train.draft_loss import acceptance_rate, kl_loss, lk_alpha_loss, lk_lambda_loss
 from openk3.train.optim import lr_multiplier
 from openk3.train.stream import TokenStream
+from openk3.train.trainer import StopFlag
 
 DRAFT_METRICS_FILE = "metrics.jsonl"
 
@@ -188,34 +189,38 @@ def train_draft(cfg: DraftRunConfig) -> dict:
         draft.cfg = dataclasses.replace(draft.cfg, train_steps=step)
         save_draft(draft, out, {DRAFT_METRICS_FILE: "".join(json.dumps(r) + "\n" for r in rows).encode()})
 
-    for step in range(1, cfg.steps + 1):
-        lr = cfg.lr * lr_multiplier(step - 1, cfg.steps, warmup, "cosine", cfg.min_lr_ratio)
-        for group in opt.param_groups:
-            group["lr"] = lr
-        inputs, _ = stream.next_batch()
-        with autocast():
-            loss, step_losses, step_alphas = ttt_losses(target, draft, inputs.to(device), cfg.ttt_steps,
-                                                        loss_fn, cfg.ttt_decay)
-        loss_f = loss.item()
-        if not math.isfinite(loss_f):
-            raise RuntimeError(f"non-finite draft loss {loss_f} at step {step}; lower --lr")
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(draft.parameters(), cfg.clip_grad if cfg.clip_grad > 0 else 1e30)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        per_step = [l.item() for l in step_losses]
-        alpha = [a.item() for a in step_alphas]
-        losses.append(per_step)
-        alphas.append(alpha)
-        if step % cfg.log_interval == 0 or step == cfg.steps:
-            now = time.perf_counter()
-            tok_s = tokens_per_step * (step - step_last) / max(now - t_last, 1e-9)
-            t_last, step_last = now, step
-            row = {"step": step, "loss": loss_f, "loss_per_depth": per_step, "alpha": alpha,
-                   "lr": lr, "grad_norm": float(grad_norm), "tokens_per_s": tok_s}
-            rows.append(row)
-            _log(f"step {step:>6}  loss {loss_f:.4f}  lr {lr:.2e}  gnorm {float(grad_norm):.2f}  "
-                 f"{tok_s:,.0f} tok/s  alpha " + " ".join(f"{a:.3f}" for a in alpha))
-        if step % cfg.save_interval == 0 or step == cfg.steps:
-            save(step)
+    with StopFlag("openk3 train-draft") as flag:
+        for step in range(1, cfg.steps + 1):
+            lr = cfg.lr * lr_multiplier(step - 1, cfg.steps, warmup, "cosine", cfg.min_lr_ratio)
+            for group in opt.param_groups:
+                group["lr"] = lr
+            inputs, _ = stream.next_batch()
+            with autocast():
+                loss, step_losses, step_alphas = ttt_losses(target, draft, inputs.to(device), cfg.ttt_steps,
+                                                            loss_fn, cfg.ttt_decay)
+            loss_f = loss.item()
+            if not math.isfinite(loss_f):
+                raise RuntimeError(f"non-finite draft loss {loss_f} at step {step}; lower --lr")
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(draft.parameters(), cfg.clip_grad if cfg.clip_grad > 0 else 1e30)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            per_step = [l.item() for l in step_losses]
+            alpha = [a.item() for a in step_alphas]
+            losses.append(per_step)
+            alphas.append(alpha)
+            if step % cfg.log_interval == 0 or step == cfg.steps:
+                now = time.perf_counter()
+                tok_s = tokens_per_step * (step - step_last) / max(now - t_last, 1e-9)
+                t_last, step_last = now, step
+                row = {"step": step, "loss": loss_f, "loss_per_depth": per_step, "alpha": alpha,
+                       "lr": lr, "grad_norm": float(grad_norm), "tokens_per_s": tok_s}
+                rows.append(row)
+                _log(f"step {step:>6}  loss {loss_f:.4f}  lr {lr:.2e}  gnorm {float(grad_norm):.2f}  "
+                     f"{tok_s:,.0f} tok/s  alpha " + " ".join(f"{a:.3f}" for a in alpha))
+            if flag.stop or step % cfg.save_interval == 0 or step == cfg.steps:
+                save(step)
+            if flag.stop:  # Ctrl-C: the draft of this step is saved, stop
+                _log(f"openk3 train-draft: stopped after step {step}; draft in {out}")
+                break
     return {"losses": losses, "alphas": alphas, "out": str(out)}

@@ -76,10 +76,12 @@ def _log(env: Env, msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
 
-class _StopFlag:
-    """Ctrl-C sets a flag; the loop saves a checkpoint after the current step and exits."""
+class StopFlag:
+    """Ctrl-C sets a flag; the loop saves a checkpoint after the current step and exits.
+    ``prog`` names the command in the message (``openk3 train``, ``openk3 rl``, ...)."""
 
-    def __init__(self) -> None:
+    def __init__(self, prog: str = "openk3 train") -> None:
+        self.prog = prog
         self.stop = False
 
     def __enter__(self):
@@ -90,7 +92,7 @@ class _StopFlag:
         if self.stop:  # a second Ctrl-C: give up at once
             raise KeyboardInterrupt
         self.stop = True
-        print("\nopenk3 train: interrupted, saving a checkpoint after this step "
+        print(f"\n{self.prog}: interrupted, saving a checkpoint after this step "
               "(Ctrl-C again to abort)", file=sys.stderr, flush=True)
 
     def __exit__(self, *exc) -> None:
@@ -297,7 +299,7 @@ def train(cfg: RunConfig) -> dict:
                              {"data": stream.state_dict(), "lr_schedule": schedule.to_dict()}, cfg.keep_last)
         last_saved = step
 
-    with _StopFlag() as flag, Progress(cfg.max_steps, start, enabled=env.is_main) as bar:
+    with StopFlag() as flag, Progress(cfg.max_steps, start, enabled=env.is_main) as bar:
         t_last, step, tokens_last = time.perf_counter(), start, 0
         tokens_total = sum(tokens_per_step(s) for s in range(1, start + 1))
         losses: list[float] = []

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import signal
 
 import pytest
 import torch
@@ -13,6 +15,7 @@ from openk3.checkpoint.draft import load_draft
 from openk3.cli import main
 from openk3.model.draft import draft_unroll
 from openk3.runtime import load_model
+from openk3.train import draft as draft_mod
 from openk3.train.config import run_preset
 from openk3.train.draft import DraftRunConfig, build_draft, draft_loss, train_draft, ttt_losses
 from openk3.train.draft_loss import acceptance_rate, kl_loss, lk_alpha_loss
@@ -142,6 +145,24 @@ def test_cli_end_to_end(target_run, tmp_path, capsys):
     other, _, _ = load_model(preset="debug", random_init=True, device="cpu")
     with pytest.raises(ValueError, match="trained for another target"):
         load_draft(out, other)
+
+
+def test_ctrl_c_saves_the_draft_of_the_step_and_stops(target_run, tmp_path, monkeypatch, capsys):
+    calls = []
+
+    def interrupted_at_step_3(*args, **kwargs):  # Ctrl-C arrives during step 3's forward
+        calls.append(1)
+        if len(calls) == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+        return ttt_losses(*args, **kwargs)
+
+    monkeypatch.setattr(draft_mod, "ttt_losses", interrupted_at_step_3)
+    out = tmp_path / "draft"
+    summary = train_draft(_cfg(target_run, out, steps=50, save_interval=20))
+    assert len(summary["losses"]) == 3 and len(calls) == 3
+    assert "openk3 train-draft: interrupted" in capsys.readouterr().err
+    assert json.loads((out / "config.json").read_text())["train_steps"] == 3
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handler restored
 
 
 def test_init_mtp_needs_an_mtp_layer(target_run, tmp_path):
