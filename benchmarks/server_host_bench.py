@@ -33,7 +33,7 @@ for cores and the wall times vary from run to run: compare CPU per chunk, and ru
 machine, interleaved.
 
 Run: ``python -m benchmarks.server_host_bench [--gpu-ms 6] [--client threads|async|raw]
-[--switch-interval S] [--profile]``.
+[--switch-interval S] [--http auto|h11|httptools] [--loop auto|asyncio|uvloop] [--profile]``.
 """
 
 from __future__ import annotations
@@ -287,14 +287,15 @@ def _thread_cpu(native_id: int) -> float:
 
 
 def time_server(model, ps: list[list[int]], new: int, client: str, repeats: int, profile: bool,
-                gpu_ms: float) -> tuple[list[dict], str | None]:
-    """``repeats`` timed rounds through the server (and with ``profile`` one more, profiled)."""
+                gpu_ms: float, http: str = "auto", loop: str = "auto") -> tuple[list[dict], str | None]:
+    """``repeats`` timed rounds through the server (and with ``profile`` one more, profiled);
+    ``http`` and ``loop`` are uvicorn's (``auto``: httptools and uvloop when installed)."""
     import uvicorn
 
     from openk3.serve.server import build_app
 
     ae = AsyncEngine(stub_engine(model, len(ps), gpu_ms))
-    server = uvicorn.Server(uvicorn.Config(build_app(ae, "bench"), log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(build_app(ae, "bench"), log_level="warning", http=http, loop=loop))
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     prof = cProfile.Profile() if profile else None
@@ -365,6 +366,10 @@ def main() -> None:
     ap.add_argument("--switch-interval", type=float, default=None,
                     help="sys.setswitchinterval of the server process (default: CPython's 0.005 s)")
     ap.add_argument("--profile", action="store_true", help="cProfile the event loop in the last round")
+    ap.add_argument("--http", choices=("auto", "h11", "httptools"), default="auto",
+                    help="uvicorn's HTTP implementation (auto, as openk3 serve: httptools when installed)")
+    ap.add_argument("--loop", choices=("auto", "asyncio", "uvloop"), default="auto",
+                    help="uvicorn's event loop (auto, as openk3 serve: uvloop when installed)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     if args.switch_interval is not None:
@@ -375,12 +380,14 @@ def main() -> None:
     async_s, async_chunks = min(time_async(model, ps, args.new, args.gpu_ms) for _ in range(args.repeats))
     replay_us = time_app_replay(ps, args.new, 2 * args.repeats)
     app_s, app_events, app_cpu = min(time_app(model, ps, args.new, args.gpu_ms) for _ in range(args.repeats))
-    rows, report = time_server(model, ps, args.new, args.client, args.repeats, args.profile, args.gpu_ms)
+    rows, report = time_server(model, ps, args.new, args.client, args.repeats, args.profile, args.gpu_ms,
+                               args.http, args.loop)
     best = min(rows[:args.repeats], key=lambda r: r["server_s"])  # the profiled round is slower
     chunks = best["chunks"]
     print(f"{args.streams} streams x {args.new} tokens, client {args.client}, gpu_ms {args.gpu_ms}, "
           f"switch interval {sys.getswitchinterval()} s, {os.cpu_count()} CPUs, uvicorn http "
-          f"{_installed('httptools') or 'h11'}, loop {_installed('uvloop') or 'asyncio'}")
+          f"{args.http if args.http != 'auto' else _installed('httptools') or 'h11'}, loop "
+          f"{args.loop if args.loop != 'auto' else _installed('uvloop') or 'asyncio'}")
     print(f"engine (LLMEngine.generate): {engine_s:.3f} s")
     print(f"async (AsyncEngine.generate): {async_s:.3f} s, {async_chunks} text outputs")
     print(f"app alone (replayed outputs, no engine, no HTTP): {replay_us:.2f} us/event")
