@@ -116,20 +116,19 @@ case "$PHASE" in
 import json, random, sys
 from openk3.posttrain.tasks import FAMILIES, parse_task
 
-out, math_text, math_rare, held, rare = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], float(sys.argv[5])
-held_out = set(held.split(",")) - {""}
-if held_out - set(FAMILIES):
-    sys.exit(f"HELD_OUT: unknown python families {sorted(held_out - set(FAMILIES))}; known: {list(FAMILIES)}")
-seen = ",".join(f for f in FAMILIES if f not in held_out)
+out, math_text, math_rare, rare = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[5])
+held = [f for f in sys.argv[4].split(",") if f]
+if set(held) - set(FAMILIES):
+    sys.exit(f"HELD_OUT: unknown python families {sorted(set(held) - set(FAMILIES))}; known: {list(FAMILIES)}")
+seen = ",".join(f for f in FAMILIES if f not in held)
 # (task, share of all problems): each domain half, its rare part RARE of that half; the held-out
 # python families share theirs unevenly, each a quarter of the one before (64/85, 16/85, 4/85,
 # 1/85 of it for four: at RARE 0.003 about 360, 90, 23 and 6 of the text's 320,000 problems), so
 # that whatever pre-training makes of a rate, some family is solved only sometimes
-held = held.split(",") if held_out else []
 shares = [4.0 ** -i for i in range(len(held))]
 sources = [(parse_task(math_text), 0.5 * (1 - rare * bool(math_rare))),
            (parse_task(f"python:families={seen}"), 0.5 * (1 - rare * bool(held)))]
-sources += [(parse_task(math_rare), 0.5 * rare)] * bool(math_rare)
+sources += [(parse_task(math_rare), 0.5 * rare)] if math_rare else []
 sources += [(parse_task(f"python:families={f}"), 0.5 * rare * h / sum(shares)) for f, h in zip(held, shares)]
 tasks, weights = zip(*sources)
 rng = random.Random(0)
