@@ -16,7 +16,9 @@
 (e) peer also times a 32K-token cold prefill through the engine against transformers' single
     forward over the same prompt and weights.
 (f) server: 64 concurrent streams through the OpenAI server (official client) vs the same
-    requests through the engine directly. Target: the server adds at most 10%.
+    requests through the engine directly, the streams in one client process and shared among
+    ``--client-procs`` processes (one process's GIL bounds the client). Target: the server adds
+    at most 10%.
 (g) million: one prompt of ``--million-tokens`` tokens (default 1,048,576; several values run
     one after another) with ``max_model_len`` just above it, prefilled in chunks of
     ``--million-chunk`` tokens, prefix caching off: time to first token, prefill tokens/s, peak
@@ -307,39 +309,22 @@ def part_peer() -> None:
         record(peer)
 
 
-def _client_process(port: int, prompts: list[list[int]], new: int, conn) -> None:
-    """The clients, in their own process (as users run them): one thread per stream of the official
-    ``openai`` client. Sends back (seconds for all streams, chunks received)."""
-    import concurrent.futures
-
-    import openai
-
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0,
-                           timeout=600)
-
-    def one(ids: list[int], max_tokens: int) -> int:
-        stream = client.completions.create(model="bench", prompt=ids, max_tokens=max_tokens,
-                                           temperature=0, stream=True)
-        return sum(1 for chunk in stream if chunk.choices and chunk.choices[0].text is not None)
-
-    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
-        list(pool.map(lambda ids: one(ids, 8), prompts))  # warm-up
-        t = time.perf_counter()
-        chunks = sum(pool.map(lambda ids: one(ids, new), prompts))
-        conn.send((time.perf_counter() - t, chunks))
-
-
-def part_server(model, streams: int = 64, new: int = 128, prompt_len: int = 128) -> None:
+def part_server(model, streams: int = 64, new: int = 128, prompt_len: int = 128,
+                client_procs: tuple[int, ...] = (1, 8)) -> None:
     """What the OpenAI server adds over the engine: the same 64 requests (128-token prompts, 128
-    greedy tokens each) through ``LLMEngine.generate``, then as 64 concurrent streams through the
-    official ``openai`` client against ``openk3 serve``'s app (uvicorn in this process, the
-    clients in another, so that their JSON parsing does not share this interpreter's GIL)."""
-    import multiprocessing
+    greedy tokens each) through ``LLMEngine.generate``, then as 64 concurrent streams of the
+    official ``openai`` client (a thread per stream) against ``openk3 serve``'s app (uvicorn in
+    this process), the clients in other processes so that their JSON parsing does not share this
+    interpreter's GIL: a round with all streams in one client process, then one with the streams
+    shared among ``client_procs[1]`` processes. One process's GIL bounds the client at ~220 us
+    per chunk (``benchmarks/openai_clients.py``); ``client_cpu_max_s`` near ``server_s`` says a
+    round measured the client."""
     import socket
     import threading
 
     import uvicorn
 
+    from benchmarks.openai_clients import Clients
     from openk3.serve.engine import AsyncEngine
     from openk3.serve.server import build_app
 
@@ -358,17 +343,17 @@ def part_server(model, streams: int = 64, new: int = 128, prompt_len: int = 128)
     threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True).start()
     while not server.started:
         time.sleep(0.05)
-    ctx = multiprocessing.get_context("spawn")
-    receive, send = ctx.Pipe(duplex=False)
-    clients = ctx.Process(target=_client_process, args=(sock.getsockname()[1], prompts, new, send))
-    clients.start()
-    server_s, chunks = receive.recv()
-    clients.join()
-    server.should_exit = True
-    async_engine.shutdown()
-    record({"part": "server", "streams": streams, "new_tokens": new, "engine_s": engine_s,
-            "server_s": server_s, "server_over_engine": server_s / engine_s, "chunks": chunks,
-            "engine_tok_s": streams * new / engine_s, "server_tok_s": streams * new / server_s})
+    try:
+        for procs in client_procs:
+            with Clients(sock.getsockname()[1], prompts, new, "threads", procs) as clients:
+                row = clients.round()
+            server_s = row.pop("seconds")
+            record({"part": "server", "streams": streams, "new_tokens": new, "engine_s": engine_s,
+                    "server_s": server_s, "server_over_engine": server_s / engine_s, **row,
+                    "engine_tok_s": streams * new / engine_s, "server_tok_s": streams * new / server_s})
+    finally:
+        server.should_exit = True
+        async_engine.shutdown()
 
 
 def main() -> None:
@@ -381,6 +366,8 @@ def main() -> None:
                     help="prompt lengths of the 'million' part (e.g. 524288 1048576)")
     ap.add_argument("--million-chunk", type=int, default=EngineConfig().max_num_batched_tokens,
                     help="the 'million' part's max_num_batched_tokens (prefill chunk)")
+    ap.add_argument("--client-procs", type=int, nargs="+", default=[1, 8],
+                    help="the 'server' part's client processes, one round per value")
     args = ap.parse_args()
     print(environment())
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
@@ -397,7 +384,7 @@ def main() -> None:
         elif part == "long":
             part_long(model)
         elif part == "server":
-            part_server(model)
+            part_server(model, client_procs=tuple(args.client_procs))
         elif part == "million":
             for tokens in args.million_tokens:
                 part_million(model, tokens, args.million_chunk)

@@ -13,10 +13,11 @@ after sleeping ``--gpu-ms`` with the GIL released, as the engine thread waits on
 - ``app without HTTP``: the same SSE bodies over the stubbed ``AsyncEngine``;
 - ``server``: ``build_app`` under ``uvicorn.Server.run`` on a real local socket (uvicorn picks its
   HTTP implementation and loop as for ``openk3 serve`` and ``part_server``: httptools and uvloop
-  if installed, else h11 and asyncio), the clients in a spawned process: ``--client threads`` is
-  ``part_server``'s client (``openai.OpenAI``, one thread per stream), ``--client async`` one
-  ``openai.AsyncOpenAI`` task per stream, ``--client raw`` plain HTTP over asyncio sockets that
-  only counts the chunks (a client that takes few of the machine's cores from the server).
+  if installed, else h11 and asyncio), the clients in ``--client-procs`` spawned processes
+  (``benchmarks/openai_clients.py``): ``--client threads`` is ``part_server``'s client
+  (``openai.OpenAI``, one thread per stream), ``--client async`` one ``openai.AsyncOpenAI`` task
+  per stream, ``--client raw`` plain HTTP over asyncio sockets that only counts the chunks (a
+  client that takes few of the machine's cores from the server).
 
 Measured: wall seconds of each path (best of ``--repeats``), server over engine and over async,
 wall and CPU microseconds per SSE chunk; per server round the CPU seconds of the engine thread,
@@ -33,7 +34,7 @@ for cores and the wall times vary from run to run: compare CPU per chunk, and ru
 machine, interleaved.
 
 Run: ``python -m benchmarks.server_host_bench [--gpu-ms 6] [--client threads|async|raw]
-[--switch-interval S] [--http auto|h11|httptools] [--loop auto|asyncio|uvloop] [--profile]``.
+[--client-procs N] [--switch-interval S] [--http auto|h11|httptools] [--loop auto|asyncio|uvloop] [--profile]``.
 """
 
 from __future__ import annotations
@@ -42,8 +43,6 @@ import argparse
 import asyncio
 import cProfile
 import io
-import json
-import multiprocessing
 import os
 import pstats
 import socket
@@ -53,6 +52,7 @@ import time
 
 import torch
 
+from benchmarks.openai_clients import KINDS, Clients
 from openk3 import build_model, preset
 from openk3.serve.config import EngineConfig
 from openk3.serve.engine import AsyncEngine, LLMEngine
@@ -211,74 +211,6 @@ def time_app_replay(ps: list[list[int]], new: int, repeats: int) -> float:
     return 1e6 * best
 
 
-def _client(port: int, ps: list[list[int]], new: int, kind: str, repeats: int, conn) -> None:
-    """The clients, in their own process: a warm-up, then ``repeats`` timed rounds; each round
-    waits for the server's go (it samples its CPU clocks around the round) and answers
-    (seconds, chunks with text, this process's CPU seconds)."""
-    import concurrent.futures
-
-    import openai
-
-    url = f"http://127.0.0.1:{port}/v1"
-    if kind == "threads":
-        client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=600)
-        pool = concurrent.futures.ThreadPoolExecutor(len(ps))
-
-        def one(ids: list[int], max_tokens: int) -> int:
-            stream = client.completions.create(model="bench", prompt=ids, max_tokens=max_tokens,
-                                               temperature=0, stream=True)
-            return sum(1 for c in stream if c.choices and c.choices[0].text)
-
-        def round_(max_tokens: int) -> int:
-            return sum(pool.map(lambda ids: one(ids, max_tokens), ps))
-    elif kind == "raw":
-        loop = asyncio.new_event_loop()
-
-        async def rone(ids: list[int], max_tokens: int) -> int:
-            body = json.dumps({"prompt": ids, "max_tokens": max_tokens, "temperature": 0, "stream": True})
-            reader, writer = await asyncio.open_connection("127.0.0.1", port)
-            writer.write(f"POST /v1/completions HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json"
-                         f"\r\ncontent-length: {len(body)}\r\nconnection: close\r\n\r\n{body}".encode())
-            data = b""
-            while chunk := await reader.read(1 << 16):
-                data += chunk
-            writer.close()
-            assert data.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n"), data[-200:]
-            return data.count(b'"text": "') - data.count(b'"text": ""')
-
-        async def rround(max_tokens: int) -> int:
-            return sum(await asyncio.gather(*(rone(ids, max_tokens) for ids in ps)))
-
-        def round_(max_tokens: int) -> int:
-            return loop.run_until_complete(rround(max_tokens))
-    else:
-        aclient = openai.AsyncOpenAI(base_url=url, api_key="none", max_retries=0, timeout=600)
-        loop = asyncio.new_event_loop()
-
-        async def aone(ids: list[int], max_tokens: int) -> int:
-            stream = await aclient.completions.create(model="bench", prompt=ids, max_tokens=max_tokens,
-                                                      temperature=0, stream=True)
-            return sum([1 async for c in stream if c.choices and c.choices[0].text])
-
-        async def around(max_tokens: int) -> int:
-            return sum(await asyncio.gather(*(aone(ids, max_tokens) for ids in ps)))
-
-        def round_(max_tokens: int) -> int:
-            return loop.run_until_complete(around(max_tokens))
-
-    round_(8)  # warm-up: connections, imports
-    for _ in range(repeats):
-        conn.send("ready")
-        conn.recv()
-        cpu, t = time.process_time(), time.perf_counter()
-        chunks = round_(new)
-        conn.send((time.perf_counter() - t, chunks, time.process_time() - cpu))
-    if kind == "async":
-        loop.run_until_complete(aclient.close())
-        loop.close()
-    conn.send("done")
-
-
 def _thread_cpu(native_id: int) -> float:
     """CPU seconds of one thread of this process (utime + stime, /proc)."""
     with open(f"/proc/self/task/{native_id}/stat") as f:
@@ -287,9 +219,11 @@ def _thread_cpu(native_id: int) -> float:
 
 
 def time_server(model, ps: list[list[int]], new: int, client: str, repeats: int, profile: bool,
-                gpu_ms: float, http: str = "auto", loop: str = "auto") -> tuple[list[dict], str | None]:
+                gpu_ms: float, http: str = "auto", loop: str = "auto",
+                client_procs: int = 1) -> tuple[list[dict], str | None]:
     """``repeats`` timed rounds through the server (and with ``profile`` one more, profiled);
-    ``http`` and ``loop`` are uvicorn's (``auto``: httptools and uvloop when installed)."""
+    ``http`` and ``loop`` are uvicorn's (``auto``: httptools and uvloop when installed); the
+    streams are shared among ``client_procs`` client processes (``benchmarks/openai_clients.py``)."""
     import uvicorn
 
     from openk3.serve.server import build_app
@@ -305,29 +239,24 @@ def time_server(model, ps: list[list[int]], new: int, client: str, repeats: int,
         time.sleep(0.02)
     loop = server.servers[0].get_loop()
     loop_tid = thread.native_id
-    ctx = multiprocessing.get_context("spawn")
-    conn, child = ctx.Pipe()
     rounds = repeats + profile
-    proc = ctx.Process(target=_client, args=(sock.getsockname()[1], ps, new, client, rounds, child))
-    proc.start()
     rows = []
     try:
-        while conn.recv() == "ready":
-            if prof is not None and len(rows) == rounds - 1:  # profile the extra last round only
-                asyncio.run_coroutine_threadsafe(_enable(prof), loop).result()
-            ae.engine.step_times.clear()
-            cpu = time.process_time()
-            engine_cpu, loop_cpu = _thread_cpu(ae._thread.native_id), _thread_cpu(loop_tid)
-            conn.send("go")
-            seconds, chunks, client_cpu = conn.recv()
-            rows.append({"server_s": seconds, "chunks": chunks, "client_cpu_s": client_cpu,
-                         "server_process_cpu_s": time.process_time() - cpu,
-                         "engine_thread_cpu_s": _thread_cpu(ae._thread.native_id) - engine_cpu,
-                         "event_loop_cpu_s": _thread_cpu(loop_tid) - loop_cpu,
-                         **engine_span(ae.engine.step_times)})
-            if prof is not None and len(rows) == rounds:
-                asyncio.run_coroutine_threadsafe(_disable(prof), loop).result()
-        proc.join()
+        with Clients(sock.getsockname()[1], ps, new, client, client_procs) as clients:
+            for r in range(rounds):
+                if prof is not None and r == rounds - 1:  # profile the extra last round only
+                    asyncio.run_coroutine_threadsafe(_enable(prof), loop).result()
+                ae.engine.step_times.clear()
+                cpu = time.process_time()
+                engine_cpu, loop_cpu = _thread_cpu(ae._thread.native_id), _thread_cpu(loop_tid)
+                row = clients.round()
+                rows.append({"server_s": row.pop("seconds"), **row,
+                             "server_process_cpu_s": time.process_time() - cpu,
+                             "engine_thread_cpu_s": _thread_cpu(ae._thread.native_id) - engine_cpu,
+                             "event_loop_cpu_s": _thread_cpu(loop_tid) - loop_cpu,
+                             **engine_span(ae.engine.step_times)})
+                if prof is not None and r == rounds - 1:
+                    asyncio.run_coroutine_threadsafe(_disable(prof), loop).result()
     finally:
         server.should_exit = True
         ae.shutdown()
@@ -358,8 +287,10 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=64)
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--client", choices=("threads", "async", "raw"), default="threads",
+    ap.add_argument("--client", choices=KINDS, default="threads",
                     help="raw: plain HTTP over asyncio sockets, no SSE parsing (a client that costs little)")
+    ap.add_argument("--client-procs", type=int, default=1,
+                    help="client processes sharing the streams (one process's GIL bounds the openai client)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--gpu-ms", type=float, default=0.0,
                     help="sleep per engine step, the GIL released: the device's GPU time (0: none)")
@@ -381,13 +312,14 @@ def main() -> None:
     replay_us = time_app_replay(ps, args.new, 2 * args.repeats)
     app_s, app_events, app_cpu = min(time_app(model, ps, args.new, args.gpu_ms) for _ in range(args.repeats))
     rows, report = time_server(model, ps, args.new, args.client, args.repeats, args.profile, args.gpu_ms,
-                               args.http, args.loop)
+                               args.http, args.loop, args.client_procs)
     best = min(rows[:args.repeats], key=lambda r: r["server_s"])  # the profiled round is slower
     chunks = best["chunks"]
     print(f"{args.streams} streams x {args.new} tokens, client {args.client}, gpu_ms {args.gpu_ms}, "
           f"switch interval {sys.getswitchinterval()} s, {os.cpu_count()} CPUs, uvicorn http "
           f"{args.http if args.http != 'auto' else _installed('httptools') or 'h11'}, loop "
-          f"{args.loop if args.loop != 'auto' else _installed('uvloop') or 'asyncio'}")
+          f"{args.loop if args.loop != 'auto' else _installed('uvloop') or 'asyncio'}, "
+          f"{args.client_procs} client process(es)")
     print(f"engine (LLMEngine.generate): {engine_s:.3f} s")
     print(f"async (AsyncEngine.generate): {async_s:.3f} s, {async_chunks} text outputs")
     print(f"app alone (replayed outputs, no engine, no HTTP): {replay_us:.2f} us/event")
@@ -403,8 +335,9 @@ def main() -> None:
     print(f"CPU (best round): server process {best['server_process_cpu_s']:.2f} s "
           f"({1e6 * best['server_process_cpu_s'] / chunks:.1f} us/chunk): engine thread "
           f"{best['engine_thread_cpu_s']:.2f} s, event loop {best['event_loop_cpu_s']:.2f} s "
-          f"({1e6 * best['event_loop_cpu_s'] / chunks:.1f} us/chunk); client process "
-          f"{best['client_cpu_s']:.2f} s ({1e6 * best['client_cpu_s'] / chunks:.1f} us/chunk)")
+          f"({1e6 * best['event_loop_cpu_s'] / chunks:.1f} us/chunk); client processes "
+          f"{best['client_cpu_s']:.2f} s ({1e6 * best['client_cpu_s'] / chunks:.1f} us/chunk; the busiest "
+          f"{best['client_cpu_max_s']:.2f} s)")
     print("all rounds:", [{k: round(v, 3) for k, v in r.items()} for r in rows])
     if report is not None:
         print("cProfile of the event-loop thread (last round), by own time:")
