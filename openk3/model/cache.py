@@ -22,6 +22,16 @@ class KDAState:
     cu_seqlens: torch.Tensor | None = None  # always None here: one sequence per batch row
     cu_seqlens_cpu: torch.Tensor | None = None
 
+    @property
+    def conv_qkv(self) -> torch.Tensor | None:
+        """The three conv states side by side, [B, 3*H*K, W-1] (what one fused convolution over
+        q|k|v reads), or None before the first step."""
+        return None if self.conv_q is None else torch.cat([self.conv_q, self.conv_k, self.conv_v], dim=1)
+
+    @conv_qkv.setter
+    def conv_qkv(self, value: torch.Tensor) -> None:
+        self.conv_q, self.conv_k, self.conv_v = value.chunk(3, dim=1)
+
 
 @dataclass
 class MLAState:

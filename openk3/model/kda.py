@@ -11,8 +11,8 @@ from torch import nn
 from openk3.config import ModelConfig
 from openk3.model.cache import KDAState
 from openk3.model.fuse import fuse_weights, is_fused
-from openk3.ops.conv import causal_conv1d
-from openk3.ops.kda import kda, kda_verify
+from openk3.ops.conv import causal_conv1d, causal_conv1d_update_
+from openk3.ops.kda import kda, kda_decode_, kda_verify
 from openk3.ops.norm import gated_rms_norm
 
 
@@ -64,9 +64,14 @@ class KDAttention(nn.Module):
     def forward(self, x: torch.Tensor, state: KDAState | None = None) -> torch.Tensor:
         """x: [B, T, d]. With ``state``, continues from it and updates it in place.
 
-        ``state`` is anything with ``recurrent``, ``conv_q/k/v``, ``cu_seqlens`` and
-        ``cu_seqlens_cpu`` attributes:
-        the generate path's ``KDAState`` or the serving engine's view onto its state pool.
+        ``state`` is anything with ``recurrent``, ``conv_q/k/v``, ``conv_qkv`` (the three side
+        by side), ``cu_seqlens`` and ``cu_seqlens_cpu`` attributes: the generate path's
+        ``KDAState`` or the serving engine's view onto its state pool.
+
+        A state with a ``decode_pools`` method (the serving engine's decode step) may run a
+        fused layer's one-token step in place: ``decode_pools()`` gives the layer's recurrent
+        pool ``[n, H, K, V]``, its conv pool ``[n, 3*H*K, W-1]`` and the rows' slots ``[B]``
+        (or None), and the step reads and writes those rows directly (``_pooled_decode``).
 
         A state with a ``keep_segment`` method (the serving engine's speculative verify step,
         ``openk3/serve/verify.py``: T = K + 1 positions per row, of which only the first few
@@ -77,8 +82,14 @@ class KDAttention(nn.Module):
         ``[B, T, H]`` and the convolutions' inputs (q, k, v ``[B, T, H*K]`` each)."""
         B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
+        decode_pools = getattr(state, "decode_pools", None)
+        if (decode_pools is not None and T == 1 and is_fused(self.fused_proj, self.input_projections())
+                and is_fused(self.fused_conv, self.short_convs())):
+            pools = decode_pools()
+            if pools is not None:
+                return self._pooled_decode(x, *pools)
         st = state or KDAState()
-        (q, k, v), conv_states, (gate, f, b), conv_inputs = self._convolved_projections(x, st)
+        (q, k, v), conv_state, (gate, f, b), conv_inputs = self._convolved_projections(x, st)
         q, k, v = (t.view(B, T, H, K) for t in (q, k, v))
         f = self.f_b_proj(f).view(B, T, H, K)
         beta = torch.sigmoid(b.float())  # [B, T, H]
@@ -95,30 +106,58 @@ class KDAttention(nn.Module):
             )
             if state is not None:
                 state.recurrent = final
-                state.conv_q, state.conv_k, state.conv_v = conv_states
+                if isinstance(conv_state, torch.Tensor):
+                    state.conv_qkv = conv_state
+                else:
+                    state.conv_q, state.conv_k, state.conv_v = conv_state
+        return self._output(o, gate)
+
+    def _output(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """The gated output norm and ``o_proj``: o [B, T, H, V], gate the gate's first
+        projection [B, T, ...]; returns [B, T, d]."""
+        B, T, H, K = o.shape
         if not self.cfg.is_k3:
             gate = self.g_b_proj(gate)
         o = gated_rms_norm(o, self.o_norm.weight, gate.view(B, T, H, K), self.cfg.rms_norm_eps)
         return self.o_proj(o.reshape(B, T, H * K))
 
+    def _pooled_decode(self, x: torch.Tensor, recurrent: torch.Tensor, conv: torch.Tensor,
+                       slots: torch.Tensor) -> torch.Tensor:
+        """One token per row (x [B, 1, d]) of a fused layer, the states of rows ``slots`` of the
+        pools (recurrent ``[n, H, K, V]``, conv ``[n, 3*H*K, W-1]``) read and written in place:
+        one GEMM, one convolution kernel, ``f_b_proj``, one KDA kernel, the output. The same
+        math as ``forward``'s other path (on the CPU the same reference ops, in the same order)."""
+        B = x.shape[0]
+        H, K = self.num_heads, self.head_dim
+        projections = self.input_projections()
+        qkv_in, gate, f, b = F.linear(x, self.fused_proj).split(
+            [3 * H * K] + [m.out_features for m in projections[3:]], dim=-1)
+        q, k, v = (t.view(B, 1, H, K) for t in
+                   causal_conv1d_update_(qkv_in[:, 0], self.fused_conv, conv, slots, parts=3))
+        f = self.f_b_proj(f).view(B, 1, H, K)
+        o = kda_decode_(q, k, v, f, b, self.A_log, self.dt_bias, recurrent, slots,
+                        lower_bound=self.cfg.kda_gate_lower_bound)
+        return self._output(o, gate)
+
     def _convolved_projections(self, x: torch.Tensor, st: KDAState) -> tuple[tuple, tuple, tuple, tuple]:
         """The projections of x [B, T, d] and the short convolutions of q, k, v: returns
-        ``(q, k, v)`` [B, T, H*K] after the convolutions, their new conv states [B, H*K, W-1]
-        (``[N, H*K, W-1]`` packed), the first projections of the gate, f and beta, and the
+        ``(q, k, v)`` [B, T, H*K] after the convolutions, their new conv states (fused: one
+        tensor [B, 3*H*K, W-1], for ``conv_qkv``; else a tuple of three [B, H*K, W-1]; ``N``
+        rows for a packed batch), the first projections of the gate, f and beta, and the
         convolutions' inputs (q, k, v [B, T, H*K] before them).
 
         Fused: one GEMM, then one convolution over the q|k|v columns with the three conv states
         side by side (the convolution is depthwise: the same result as one call per part)."""
         cu, cu_cpu = st.cu_seqlens, st.cu_seqlens_cpu  # packed varlen batch (serving prefill)
-        states = (st.conv_q, st.conv_k, st.conv_v)  # read once: the serving view gathers per read
         projections, convs = self.input_projections(), self.short_convs()
         if is_fused(self.fused_proj, projections) and is_fused(self.fused_conv, convs):
             HK = self.num_heads * self.head_dim
             qkv_in, *rest = F.linear(x, self.fused_proj).split(
                 [3 * HK] + [m.out_features for m in projections[3:]], dim=-1)
-            state = None if states[0] is None else torch.cat(states, dim=1)  # [B, 3*H*K, W-1]
-            qkv, state = causal_conv1d(qkv_in, self.fused_conv, state, cu, cu_cpu)
-            return qkv.split(HK, dim=-1), state.split(HK, dim=1), tuple(rest), qkv_in.split(HK, dim=-1)
+            # [B, 3*H*K, W-1] read once: the serving view gathers per read
+            qkv, state = causal_conv1d(qkv_in, self.fused_conv, st.conv_qkv, cu, cu_cpu)
+            return qkv.split(HK, dim=-1), state, tuple(rest), qkv_in.split(HK, dim=-1)
+        states = (st.conv_q, st.conv_k, st.conv_v)  # read once: the serving view gathers per read
         q, k, v, *rest = (m(x) for m in projections)
         outs = [causal_conv1d(t, conv.weight, state, cu, cu_cpu)
                 for t, conv, state in zip((q, k, v), convs, states)]

@@ -13,6 +13,9 @@ result as one call per part.
   ``causal_conv1d`` (variable length, initial and final state, autograd) and, for one decode
   token without autograd, ``causal_conv1d_update``; ``torch.compile`` calls them as they are
   (a graph break around them) instead of tracing them.
+* ``causal_conv1d_update_``: one decode token per row whose states live in a pool (the serving
+  engine's state slots): reads and writes the pool rows in place. Reference: gather, the
+  reference above, scatter; on CUDA one Triton kernel (``conv_triton.py``).
 
 fla's state is ``[N, C, W]``, one column wider than ours: its column 0 holds the input W steps
 back, which no output reads (the forward kernel loads columns 1.. only and the update kernel
@@ -172,3 +175,75 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tenso
             raise ValueError("backend='fla' needs fla-core and triton: pip install 'openk3[gpu]'")
         return _conv_fla(x, weight, conv_state, cu_seqlens, cu_seqlens_cpu)
     return _conv_torch(x, weight, conv_state, cu_seqlens)
+
+
+def causal_conv1d_update_(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor,
+                          slots: torch.Tensor, *, parts: int = 1, backend: str = "auto") -> torch.Tensor:
+    """One token per row through the convolution, its state read from and written back to rows
+    ``slots`` of ``pool`` in place (the serving decode step: no gather or scatter around it).
+
+    Args:
+        x: ``[B, C]``, the token's inputs (C may be q|k|v side by side); a row stride is fine.
+        weight: ``[C, 1, W]``, W >= 2.
+        pool: ``[n, C, W-1]`` contiguous states (the W-1 inputs before each row's token, oldest
+            first); rows ``slots[b]`` are read, then replaced by the state after the token.
+        slots: ``[B]`` integer rows of ``pool``, distinct (a repeated slot is a race, as in an
+            ``index_copy_``: only a scratch row may repeat).
+        parts: the channels are this many tensors side by side (q|k|v: 3), each returned
+            contiguous.
+        backend: ``"triton"`` (CUDA), ``"torch"`` the reference, ``"auto"`` Triton on CUDA
+            (unless ``OPENK3_REFERENCE=1``).
+
+    Returns:
+        y ``[parts, B, C / parts]`` in x.dtype: ``silu`` of the convolution, as ``causal_conv1d``
+        gives for T = 1, part by part (``y[i]`` holds channels ``i*C/parts ..``).
+
+    Example::
+
+        >>> x, weight, pool = torch.randn(2, 6), torch.randn(6, 1, 4), torch.randn(5, 6, 3)
+        >>> want, new = causal_conv1d_ref(x[:, None], weight, pool[[4, 1]])
+        >>> q, k, v = causal_conv1d_update_(x, weight, pool, torch.tensor([4, 1]), parts=3)
+        >>> torch.equal(torch.cat([q, k, v], -1), want[:, 0]), torch.equal(pool[[4, 1]], new)
+        (True, True)
+    """
+    if backend not in ("auto", "torch", "triton"):
+        raise ValueError(f"`backend` must be 'auto', 'torch' or 'triton', got {backend!r}")
+    if x.dim() != 2:
+        raise ValueError(f"`x` must be [B, C], got {list(x.shape)}")
+    B, C = x.shape
+    if weight.dim() != 3 or weight.shape[:2] != (C, 1) or weight.shape[-1] < 2:
+        raise ValueError(f"`weight` must be [C, 1, W] with C = {C} and W >= 2, got {list(weight.shape)}")
+    W = weight.shape[-1]
+    if pool.dim() != 3 or pool.shape[1:] != (C, W - 1) or not pool.is_contiguous():
+        raise ValueError(f"`pool` must be a contiguous [n, C, W-1] = [n, {C}, {W - 1}], got "
+                         f"{list(pool.shape)}{'' if pool.is_contiguous() else ' (not contiguous)'}")
+    if slots.shape != (B,) or slots.dtype.is_floating_point:
+        raise ValueError(f"`slots` must be [B] = [{B}] integers, got {slots.dtype} {list(slots.shape)}")
+    if parts < 1 or C % parts:
+        raise ValueError(f"`parts` must divide the {C} channels, got {parts}")
+    for name, t in (("weight", weight), ("pool", pool), ("slots", slots)):
+        if t.device != x.device:
+            raise ValueError(f"`{name}` is on {t.device}, x on {x.device}")
+    if backend == "auto":
+        backend = "triton" if use_fast_path(x) else "torch"
+    if backend == "triton":
+        return _conv_update_triton(x, weight, pool, slots, parts)
+    y, state = causal_conv1d_ref(x[:, None], weight, pool.index_select(0, slots))
+    pool.index_copy_(0, slots, state.to(pool.dtype))
+    return y[:, 0].view(B, parts, C // parts).transpose(0, 1).contiguous()
+
+
+@torch.compiler.disable(reason="a Triton kernel that updates the pool in place")
+def _conv_update_triton(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor,
+                        slots: torch.Tensor, parts: int = 1) -> torch.Tensor:
+    from openk3.ops.conv_triton import conv_update_kernel
+
+    B, C = x.shape
+    W = weight.shape[-1]
+    if x.stride(-1) != 1:
+        raise ValueError("`x` needs a contiguous last dimension")
+    y = torch.empty(parts, B, C // parts, device=x.device, dtype=x.dtype)
+    block = 1024
+    conv_update_kernel[(B, -(-C // block))](x, weight.reshape(C, W).contiguous(), pool, slots, y, B, C,
+                                           C // parts, x.stride(0), pool.stride(0), W=W, BLOCK_C=block)
+    return y

@@ -28,19 +28,22 @@ from openk3.ops.varlen_attention import varlen_causal_attention
 
 
 class KDAPool:
-    """Per-field state tensors of ``num_layers`` KDA layers x ``n`` entries: recurrent
-    ``[num_layers, n, H, K, K]`` fp32 and the three conv states ``[num_layers, n, H*K, W-1]``.
+    """State tensors of ``num_layers`` KDA layers x ``n`` entries: recurrent
+    ``[num_layers, n, H, K, K]`` fp32 and the conv states of q, k and v side by side,
+    ``conv_qkv`` ``[num_layers, n, 3*H*K, W-1]`` (what one fused convolution reads and writes);
+    ``conv_q``, ``conv_k``, ``conv_v`` are views of its three parts.
 
     One tensor per field for all layers, so an instruction (restore, reset, save) is one
     indexed copy per field however many layers there are."""
 
-    FIELDS = ("recurrent", "conv_q", "conv_k", "conv_v")
+    FIELDS = ("recurrent", "conv_qkv")  # the storage
+    NAMES = (*FIELDS, "conv_q", "conv_k", "conv_v")  # what a layer's view reads and writes
 
     def __init__(self, cfg, num_layers: int, n: int, device, dtype):
         H, K, W = cfg.linear_num_heads, cfg.linear_head_dim, cfg.linear_conv_kernel_size
         self.recurrent = torch.zeros(num_layers, n, H, K, K, device=device, dtype=torch.float32)
-        self.conv_q, self.conv_k, self.conv_v = (
-            torch.zeros(num_layers, n, H * K, W - 1, device=device, dtype=dtype) for _ in range(3))
+        self.conv_qkv = torch.zeros(num_layers, n, 3 * H * K, W - 1, device=device, dtype=dtype)
+        self.conv_q, self.conv_k, self.conv_v = self.conv_qkv.split(H * K, dim=2)
 
     def tensors(self) -> list[torch.Tensor]:
         return [getattr(self, f) for f in self.FIELDS]
@@ -59,7 +62,9 @@ class KDAPool:
 
 
 class PagedKDAView:
-    """KDA layer ``layer`` (its index among the KDA layers) of ``pool``, rows ``slots`` [B]."""
+    """KDA layer ``layer`` (its index among the KDA layers) of ``pool``, rows ``slots`` [B]:
+    reading a state attribute (``KDAPool.NAMES``) gathers the rows, assigning scatters them back;
+    ``decode_pools`` hands a decode step the pools themselves, to update in place."""
 
     def __init__(self, pool: KDAPool, layer: int, slots: torch.Tensor, cu_seqlens: torch.Tensor | None,
                  cu_seqlens_cpu: torch.Tensor | None):
@@ -67,16 +72,24 @@ class PagedKDAView:
         self.cu_seqlens, self.cu_seqlens_cpu = cu_seqlens, cu_seqlens_cpu
 
     def __getattr__(self, name):
-        if name in KDAPool.FIELDS:
+        if name in KDAPool.NAMES:
             return getattr(self._pool, name)[self._layer].index_select(0, self._slots)
         raise AttributeError(name)
 
     def __setattr__(self, name, value):
-        if name in KDAPool.FIELDS:
+        if name in KDAPool.NAMES:
             t = getattr(self._pool, name)[self._layer]
             t.index_copy_(0, self._slots, value.to(t.dtype))
         else:
             super().__setattr__(name, value)
+
+    def decode_pools(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(this layer's recurrent pool [n, H, K, V], conv pool [n, 3*H*K, W-1], the rows'
+        slots [B]) for a one-token-per-row step that updates them in place
+        (``KDAttention._pooled_decode``); None for a packed prefill batch."""
+        if self.cu_seqlens is not None:
+            return None
+        return self._pool.recurrent[self._layer], self._pool.conv_qkv[self._layer], self._slots
 
 
 @dataclass

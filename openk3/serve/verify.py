@@ -65,7 +65,7 @@ class VerifyKDAView:
         self._pool, self._layer, self._slots, self._segments = pool, layer, slots, segments
 
     def __getattr__(self, name):
-        if name in KDAPool.FIELDS:
+        if name in KDAPool.NAMES:
             return getattr(self._pool, name)[self._layer].index_select(0, self._slots)
         raise AttributeError(name)
 
@@ -163,12 +163,11 @@ class VerifyStep:
         rollback_recompute_(states, torch.arange(B, device=slots.device), num_kept, q, k, v, f, beta,
                             A_log, dt_bias, lower_bound=cfg.kda_gate_lower_bound)
         pool.recurrent.index_copy_(1, slots, states.view(B, L, H, K, -1).transpose(0, 1))
-        for i, name in enumerate(("conv_q", "conv_k", "conv_v")):
-            t = getattr(pool, name)                                                   # [L, n, C, W-1]
-            x = torch.stack([s.conv_inputs[i] for s in segments])                     # [L, B, T, C]
-            new = conv_state_rollback(t.index_select(1, slots).flatten(0, 1), x.flatten(0, 1),
-                                      num_kept.repeat(L))                              # [L * B, C, W-1]
-            t.index_copy_(1, slots, new.view(L, B, *new.shape[1:]))
+        # the conv states of q|k|v side by side, every layer at once
+        x = torch.stack([torch.cat(s.conv_inputs, dim=-1) for s in segments])         # [L, B, T, 3C]
+        new = conv_state_rollback(pool.conv_qkv.index_select(1, slots).flatten(0, 1), x.flatten(0, 1),
+                                  num_kept.repeat(L))                                  # [L * B, 3C, W-1]
+        pool.conv_qkv.index_copy_(1, slots, new.view(L, B, *new.shape[1:]))
 
 
 class _VerifyGraphs:

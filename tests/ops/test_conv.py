@@ -260,3 +260,88 @@ def test_fla_decode_steps_match_reference(dtype, with_state):
                                      backend="torch")
     assert_all_close({"y": torch.cat(ys, 1), "state": state},
                      {"y": y_ref, "state": state_ref}, tolerances(("y", "state"), FLA_TOLS[dtype]))
+
+
+# ---- causal_conv1d_update_: one token per row, the states in a pool, updated in place ----
+
+def pooled_inputs(B=3, C=10, n=6, W=W, device="cpu", dtype=torch.float32):
+    """x [B, C] as a column slice of a wider tensor (a row stride, as the fused projection's
+    q|k|v columns are), weight [C, 1, W], pool [n, C, W-1], distinct slots in no order."""
+    wide = torch.randn(B, C + 5, device=device, dtype=dtype)
+    return dict(x=wide[:, 2:C + 2], weight=torch.randn(C, 1, W, device=device, dtype=dtype),
+                pool=torch.randn(n, C, W - 1, device=device, dtype=dtype),
+                slots=torch.randperm(n, device=device)[:B])
+
+
+@pytest.mark.parametrize("width", [2, 4])
+def test_pooled_update_matches_the_loop_and_leaves_other_rows(width):
+    x = pooled_inputs(W=width)
+    pool = x["pool"].clone()
+    y = conv_ops.causal_conv1d_update_(**x)[0]
+    want_y, want_state = conv_loop(x["x"][:, None], x["weight"], pool[x["slots"]])
+    assert_all_close({"y": y, "state": x["pool"][x["slots"]]},
+                     {"y": want_y[:, 0], "state": want_state}, {"y": FP32_TOL, "state": 0.0})
+    others = torch.ones(len(pool), dtype=torch.bool)
+    others[x["slots"]] = False
+    assert torch.equal(x["pool"][others], pool[others])
+
+
+def test_pooled_update_steps_match_the_whole_sequence():
+    xs, weight = torch.randn(2, 7, 6), torch.randn(6, 1, W)
+    pool, slots = torch.zeros(4, 6, W - 1), torch.tensor([3, 0])
+    ys = [torch.cat(tuple(conv_ops.causal_conv1d_update_(xs[:, t], weight, pool, slots, parts=2)), -1)
+          for t in range(7)]
+    want_y, want_state = conv_loop(xs, weight, torch.zeros(2, 6, W - 1))
+    assert_all_close({"y": torch.stack(ys, 1), "state": pool[slots]}, {"y": want_y, "state": want_state},
+                     {"y": FP32_TOL, "state": 0.0})
+
+
+@pytest.mark.parametrize("name,bad,message", [
+    ("x", torch.randn(3, 1, 10), "`x` must be"),
+    ("weight", torch.randn(10, 1, 1), "W >= 2"),
+    ("pool", torch.randn(6, 3, 10).transpose(1, 2), "contiguous"),
+    ("slots", torch.tensor([0.0, 1.0, 2.0]), "`slots` must be"),
+    ("parts", 3, "`parts` must divide"),
+])
+def test_pooled_update_rejects_bad_arguments(name, bad, message):
+    with pytest.raises(ValueError, match=message):
+        conv_ops.causal_conv1d_update_(**{**pooled_inputs(), name: bad})
+
+
+_INTERPRETED_UPDATE = """
+import torch
+from openk3.ops.conv import _conv_update_triton, causal_conv1d_update_
+from tests.ops.test_conv import pooled_inputs
+torch.manual_seed(0)
+# 2502: three channel blocks, the last one short; parts 3: q|k|v each written contiguous
+for width, C, parts in ((4, 10, 1), (4, 2502, 3), (2, 7, 1)):
+    x = pooled_inputs(B=3, C=C, n=5, W=width)
+    pool = x["pool"].clone()
+    got = _conv_update_triton(x["x"], x["weight"], x["pool"], x["slots"], parts)
+    want = causal_conv1d_update_(x["x"], x["weight"], pool, x["slots"], parts=parts, backend="torch")
+    assert got.shape == want.shape == (parts, 3, C // parts), got.shape
+    assert (got - want).abs().max() < 1e-5, (got - want).abs().max()
+    assert torch.equal(x["pool"], pool), "the pool rows differ from the reference's"
+print("ok")
+"""
+
+
+def test_pooled_update_kernel_in_the_triton_interpreter():
+    """The Triton kernel on the CPU (TRITON_INTERPRET=1, fp32): output and every pool row (the
+    slots' updated, the others untouched) against the reference."""
+    from tests.ops.checks import run_triton_interpreted
+
+    run_triton_interpreted(_INTERPRETED_UPDATE)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_pooled_update_kernel_matches_reference_gpu(dtype):
+    x = pooled_inputs(B=5, C=3 * 1024, n=9, device="cuda", dtype=dtype)
+    pool = x["pool"].clone()
+    with nan_poisoned_empty():
+        got = conv_ops.causal_conv1d_update_(**x, parts=3)
+    want = conv_ops.causal_conv1d_update_(**{**x, "pool": pool}, parts=3, backend="torch")
+    assert_all_close({"y": got, "state": x["pool"]}, {"y": want, "state": pool},
+                     {"y": FLA_TOLS[dtype], "state": 0.0})

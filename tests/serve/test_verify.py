@@ -139,7 +139,7 @@ def test_commit_leaves_the_states_of_the_kept_positions(model, runner_and_seqs, 
             else:
                 k = runner.kda_index[i]
                 got = [t[k, s.state_slot] for t in runner.kda_state.tensors()]
-                for x, y in zip(got, (layer.recurrent[0], layer.conv_q[0], layer.conv_k[0], layer.conv_v[0])):
+                for x, y in zip(got, (layer.recurrent[0], layer.conv_qkv[0]), strict=True):
                     torch.testing.assert_close(x, y.to(x.dtype), atol=1e-5, rtol=1e-5)
 
 
