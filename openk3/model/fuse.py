@@ -7,7 +7,8 @@ the weights of such a group into one tensor and makes each module's weight a vie
 * KDA: ``q_proj | k_proj | v_proj | g_proj`` (Kimi Linear: ``g_a_proj``) ``| f_a_proj | b_proj``,
   and the short convolutions ``q_conv1d | k_conv1d | v_conv1d`` (one depthwise conv call);
 * MLA: ``q_a_proj`` (or ``q_proj``) ``| kv_a_proj_with_mqa`` (``| g_proj`` for K3);
-* dense MLP and shared experts: ``gate_proj | up_proj``.
+* dense MLP and shared experts: ``gate_proj | up_proj``; a latent MoE (K3) also puts the routed
+  experts' ``routed_expert_down_proj`` in front of its shared experts' two.
 
 The Parameters stay the same objects with the same names and shapes, so ``state_dict``,
 ``save_pretrained`` and ``load_state_dict`` (which copies into the views, hence into the fused
@@ -96,6 +97,6 @@ def fuse_projections(model: nn.Module) -> nn.Module:
                          f"{trainable[0]}); fusion is for inference: call "
                          "model.requires_grad_(False) first")
     for module in model.modules():
-        if hasattr(module, "fuse"):  # KDAttention, MLAttention, MLP
+        if hasattr(module, "fuse"):  # KDAttention, MLAttention, MoE (before its MLP), MLP
             module.fuse()
     return model

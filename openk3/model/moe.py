@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from openk3.config import ModelConfig
-from openk3.model.fuse import fuse_weights, project
+from openk3.model.fuse import fuse_weights, is_fused, project
 from openk3.model.mla import RMSNorm
 from openk3.ops.fast import use_fast_path
 from openk3.ops.moe import moe_gemv, needs_grad, use_moe_gemv
@@ -31,6 +31,8 @@ from openk3.ops.mx import (
     fake_quant_mxfp4,
     fake_quant_mxfp8_e4m3,
 )
+from openk3.ops.norm import rms_norm
+from openk3.ops.router import router_topk
 from openk3.ops.situ import situ_glu, swiglu_ref
 
 
@@ -60,7 +62,10 @@ class MLP(nn.Module):
         self.fused_proj = fuse_weights(self.input_projections(), self.fused_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = project(x, self.input_projections(), self.fused_proj)
+        return self.output(*project(x, self.input_projections(), self.fused_proj))
+
+    def output(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """``down(act(gate, up))`` of the input projections ``gate(x)``, ``up(x)``."""
         return self.down_proj(glu_act(self.cfg, gate, up))
 
 
@@ -82,22 +87,20 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: [N, d] -> (scores [N, E] fp32, topk_idx [N, k], topk_weight [N, k] fp32)."""
         cfg = self.cfg
-        scores = torch.sigmoid(F.linear(x.float(), self.weight.float()))
-        biased = scores + self.e_score_correction_bias
+        logits = F.linear(x.float(), self.weight.float())
+        bias = self.e_score_correction_bias
         if cfg.num_expert_group > 1:  # group-limited routing: keep the best topk_group groups
+            biased = torch.sigmoid(logits) + bias
             N, G = biased.shape[0], cfg.num_expert_group
             grouped = biased.view(N, G, -1)
             group_score = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)  # [N, G]
             keep = torch.zeros_like(group_score, dtype=torch.bool)
             keep.scatter_(1, group_score.topk(cfg.topk_group, dim=-1).indices, True)
-            biased = biased.masked_fill(~keep.unsqueeze(-1).expand_as(grouped).reshape(N, -1), float("-inf"))
-        topk_idx = biased.topk(cfg.num_experts_per_token, dim=-1).indices
-        weight = scores.gather(1, topk_idx)
-        if cfg.moe_renormalize:
-            weight = weight / (weight.sum(-1, keepdim=True) + 1e-20)
-        if cfg.routed_scaling_factor != 1.0:  # K3's is 1: one kernel less per layer and step
-            weight = weight * cfg.routed_scaling_factor
-        return scores, topk_idx, weight
+            dropped = ~keep.unsqueeze(-1).expand_as(grouped).reshape(N, -1)
+            bias = bias.masked_fill(dropped, float("-inf"))  # [N, E]: the dropped groups never win
+        # on CUDA without autograd one kernel after the GEMM (openk3.ops.router)
+        return router_topk(logits, bias, cfg.num_experts_per_token, cfg.moe_renormalize,
+                           cfg.routed_scaling_factor)
 
 
 def run_experts(cfg: ModelConfig, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
@@ -202,7 +205,9 @@ def set_qat(model: nn.Module, qat: str) -> None:
     not a multiple of the MX block of 32, naming the config field."""
     if qat not in QAT_MODES:
         raise ValueError(f"qat={qat!r}: choose one of {QAT_MODES}")
-    from openk3.model.packed_experts import PackedRoutedExperts  # it builds on this module
+    from openk3.model.packed_experts import (
+        PackedRoutedExperts,  # it builds on this module
+    )
 
     for module in model.modules():
         if isinstance(module, (RoutedExperts, PackedRoutedExperts)):
@@ -235,14 +240,39 @@ class MoE(nn.Module):
             self.routed_expert_up_proj = nn.Linear(latent, d, bias=False)
         self.experts = RoutedExperts(cfg, latent or d)
         self.shared_experts = MLP(cfg, d, cfg.moe_intermediate_size * cfg.num_shared_experts)
+        # set by ``fuse()`` (inference, latent MoE): routed down | shared gate | shared up
+        self.fused_proj: torch.Tensor | None = None
+
+    def input_projections(self) -> list[nn.Linear]:
+        """The projections of x besides the router's, in the row order of ``fused_proj``: the
+        latent MoE's ``routed_expert_down_proj``, then the shared experts' gate and up."""
+        latent = [self.routed_expert_down_proj] if self.cfg.moe_latent_size is not None else []
+        return [*latent, *self.shared_experts.input_projections()]
+
+    def fuse(self) -> None:
+        """One GEMM for ``input_projections()`` from now on (``openk3.model.fuse``); the shared
+        experts' own fused gate|up is then a view of the last rows (fusing them is a no-op).
+        Without a latent (Kimi Linear) the experts read x itself: only the shared experts fuse."""
+        if self.cfg.moe_latent_size is None:
+            return
+        fused = fuse_weights(self.input_projections(), self.fused_proj)
+        if fused is not self.fused_proj:  # fusing twice is a no-op
+            shared_rows = sum(m.out_features for m in self.shared_experts.input_projections())
+            self.fused_proj, self.shared_experts.fused_proj = fused, fused[fused.shape[0] - shared_rows:]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         xf = x.reshape(-1, shape[-1])  # [N, d]
         _, topk_idx, topk_weight = self.gate(xf)
-        if self.cfg.moe_latent_size is not None:
-            u = self.experts(self.routed_expert_down_proj(xf), topk_idx, topk_weight)
-            routed = self.routed_expert_up_proj(self.routed_expert_norm(u).to(x.dtype))  # norm in fp32
-        else:
+        if self.cfg.moe_latent_size is None:
             routed = self.experts(xf, topk_idx, topk_weight).to(x.dtype)
-        return routed.view(shape) + self.shared_experts(x)
+            return routed.view(shape) + self.shared_experts(x)
+        if is_fused(self.fused_proj, self.input_projections()):  # inference: one GEMM for three
+            down, gate, up = project(xf, self.input_projections(), self.fused_proj)
+            shared = self.shared_experts.output(gate, up)
+        else:  # training: the shared experts' own forward (a compiled region, openk3.parallel.compile)
+            down, shared = self.routed_expert_down_proj(xf), self.shared_experts(xf)
+        u = self.experts(down, topk_idx, topk_weight)
+        norm = self.routed_expert_norm  # in fp32 (u is), cast to x's dtype in the same kernel
+        routed = self.routed_expert_up_proj(rms_norm(u, norm.weight, norm.eps, out_dtype=x.dtype))
+        return (routed + shared).view(shape)

@@ -13,11 +13,14 @@ import torch
 from openk3.ops.fast import compiled, use_fast_path
 
 
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """x: [..., D]; weight: [D] or None (no affine weight). Returns x.dtype."""
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
+                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x: [..., D]; weight: [D] or None (no affine weight). Returns x.dtype (promoted with the
+    weight's), then cast to ``out_dtype`` if given (in the same kernel on the fast path)."""
     xf = x.float()
     y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-    return y if weight is None else weight * y
+    y = y if weight is None else weight * y
+    return y if out_dtype is None else y.to(out_dtype)
 
 
 def gated_rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor,
@@ -32,8 +35,9 @@ _rms_norm_fast = compiled(rms_norm_ref)
 _gated_rms_norm_fast = compiled(gated_rms_norm_ref)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    return (_rms_norm_fast if use_fast_path(x) else rms_norm_ref)(x, weight, eps)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
+             out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    return (_rms_norm_fast if use_fast_path(x) else rms_norm_ref)(x, weight, eps, out_dtype)
 
 
 def gated_rms_norm(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, eps: float) -> torch.Tensor:

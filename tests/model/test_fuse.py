@@ -15,7 +15,7 @@ from openk3.checkpoint.hf import save_pretrained
 from openk3.model.fuse import fuse_projections
 from openk3.model.kda import KDAttention
 from openk3.model.mla import MLAttention
-from openk3.model.moe import MLP
+from openk3.model.moe import MLP, MoE
 from openk3.serve.config import EngineConfig
 from openk3.serve.model_runner import ModelRunner
 from tests.ops.checks import run_doctests
@@ -58,7 +58,9 @@ def _ids(cfg, T=23):
 
 
 def _fused_layers(model):
-    return [m for m in model.modules() if isinstance(m, (KDAttention, MLAttention, MLP))]
+    """The modules with a fused projection (a latent MoE's holds its shared experts' too)."""
+    return [m for m in model.modules() if isinstance(m, (KDAttention, MLAttention, MLP))
+            or isinstance(m, MoE) and m.cfg.moe_latent_size is not None]
 
 
 class _KernelCounter(TorchDispatchMode):
@@ -190,10 +192,13 @@ def test_a_decode_step_runs_the_expected_number_of_fewer_kernels(arch, monkeypat
         fused = decode_step_kernels()
     n_mla = sum(cfg.is_mla_layer(i) for i in range(cfg.num_hidden_layers))
     n_kda = cfg.num_hidden_layers - n_mla
+    n_latent_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)) if cfg.is_k3 else 0
     mla_group = 3 if cfg.is_k3 else 2  # q_a_proj (q_proj), kv_a_proj_with_mqa, K3's g_proj
-    # KDA: 6 projections -> 1; MLA: mla_group -> 1; every layer's MLP or shared experts: 2 -> 1
-    saved_gemms = n_kda * 5 + n_mla * (mla_group - 1) + cfg.num_hidden_layers
-    assert (n_kda, n_mla) == (6, 2) and saved_gemms == (42 if cfg.is_k3 else 40)
+    # KDA: 6 projections -> 1; MLA: mla_group -> 1; every layer's MLP or shared experts: 2 -> 1;
+    # a latent MoE's routed down projection joins its shared experts' GEMM: one more
+    saved_gemms = n_kda * 5 + n_mla * (mla_group - 1) + cfg.num_hidden_layers + n_latent_moe
+    assert (n_kda, n_mla, n_latent_moe) == (6, 2, 7 if cfg.is_k3 else 0)
+    assert saved_gemms == (49 if cfg.is_k3 else 40)
     assert unfused["mm"] - fused["mm"] == saved_gemms
     assert {op: unfused[op] - fused[op] for op in ("addmm", "bmm", "convolution")} == dict.fromkeys(
         ("addmm", "bmm", "convolution"), 0)

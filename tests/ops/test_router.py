@@ -1,0 +1,93 @@
+"""The MoE router's choice (``openk3.ops.router``): the reference on hand-made numbers, the
+group-limited routing of ``Router``, and the Triton kernel against the reference (in Triton's
+interpreter on the CPU, and on the GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import openk3.ops.router as router_ops
+from openk3 import preset
+from openk3.model.moe import Router
+from openk3.ops.router import router_topk, router_topk_ref
+from tests.ops.checks import run_doctests, run_triton_interpreted
+
+
+def test_reference_on_hand_made_numbers():
+    logits = torch.tensor([[0.0, 2.0, -1.0, 1.0], [3.0, -3.0, 0.0, 0.5]])
+    bias = torch.tensor([0.0, 0.0, 5.0, 0.0])  # expert 2 always chosen, weighted by its own score
+    s = torch.sigmoid(logits)
+    scores, idx, w = router_topk_ref(logits, bias, k=2, scale=2.0)
+    assert torch.equal(scores, s)
+    assert idx.tolist() == [[2, 1], [2, 0]]
+    want = torch.stack([s[0, [2, 1]], s[1, [2, 0]]])
+    torch.testing.assert_close(w, 2.0 * want / want.sum(-1, keepdim=True), rtol=1e-6, atol=0)
+    _, _, raw = router_topk_ref(logits, bias, k=2, renormalize=False)
+    assert torch.equal(raw, want)
+
+
+def test_group_limited_routing_never_picks_a_dropped_group():
+    cfg = preset("debug").replace(num_experts=8, num_experts_per_token=2, num_expert_group=4, topk_group=2)
+    router = Router(cfg)
+    with torch.no_grad():
+        router.weight.normal_()
+    x = torch.randn(64, cfg.hidden_size)
+    scores, idx, w = router(x)
+    biased = scores + router.e_score_correction_bias
+    group_score = biased.view(64, 4, 2).sum(-1)  # top-2 of a group of 2 is the whole group
+    kept = group_score.topk(2, dim=-1).indices
+    for t in range(64):
+        assert set((idx[t] // 2).tolist()) <= set(kept[t].tolist())
+        best = biased[t].view(4, 2)[kept[t]].flatten().topk(2).values
+        torch.testing.assert_close(biased[t, idx[t]], best)
+
+
+@pytest.mark.parametrize("name,kwargs,match", [
+    ("logits", dict(logits=torch.randn(3, 4, 1)), "must be"),
+    ("bias", dict(bias=torch.zeros(5)), "must be"),
+    ("k", dict(k=5), "k = 5"),
+    ("backend", dict(backend="cuda"), "backend"),
+])
+def test_rejects_bad_arguments(name, kwargs, match):
+    args = {"logits": torch.randn(3, 4), "bias": torch.zeros(4), "k": 2, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        router_topk(**args)
+
+
+def test_docstring_examples_run():
+    run_doctests(router_ops)
+
+
+_INTERPRETED = """
+import torch
+from openk3.ops.router import _router_topk_triton, router_topk_ref
+torch.manual_seed(0)
+# small's router (64 experts, 4 per token) and K3's (896, 16), renormalised and not, scaled
+for N, E, k, renorm, scale in ((5, 64, 4, True, 1.0), (3, 896, 16, True, 2.5), (2, 10, 3, False, 1.0)):
+    logits, bias = torch.randn(N, E), 0.1 * torch.randn(E)
+    got = _router_topk_triton(logits, bias, k, renorm, scale)
+    want = router_topk_ref(logits, bias, k, renorm, scale)
+    assert torch.equal(got[1], want[1]), (got[1], want[1])
+    for g, w in zip(got[::2], want[::2]):
+        assert (g - w).abs().max() < 1e-6, (g - w).abs().max()
+print("ok")
+"""
+
+
+def test_kernel_in_the_triton_interpreter():
+    """The Triton kernel on the CPU (TRITON_INTERPRET=1): the same experts, in the same order,
+    and the same scores and weights as the reference."""
+    run_triton_interpreted(_INTERPRETED)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("N,E,k", [(1, 64, 4), (128, 64, 4), (32, 896, 16)])
+def test_kernel_matches_reference_gpu(N, E, k):
+    logits, bias = torch.randn(N, E, device="cuda"), 0.1 * torch.randn(E, device="cuda")
+    got = router_topk(logits, bias, k)
+    want = router_topk(logits, bias, k, backend="torch")
+    assert torch.equal(got[1], want[1])
+    torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(got[2], want[2], rtol=1e-6, atol=1e-7)
