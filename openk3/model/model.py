@@ -35,8 +35,13 @@ class AttnResQuery(nn.Module):
         self.proj = nn.Linear(d, 1, bias=False)
         nn.init.zeros_(self.proj.weight)
 
-    def forward(self, sources: list[torch.Tensor], eps: float) -> torch.Tensor:
-        return attn_res_agg(sources, self.proj.weight[0], self.norm.weight, eps)
+    def forward(self, sources: list[torch.Tensor], eps: float, out_norm: RMSNorm | None = None) -> torch.Tensor:
+        """The mixture of ``sources``; with ``out_norm`` (the RMSNorm the caller applies next,
+        of the same eps), normed by it (one kernel with the mixture on CUDA: ``attn_res_agg``)."""
+        if out_norm is not None and out_norm.eps != eps:
+            return out_norm(attn_res_agg(sources, self.proj.weight[0], self.norm.weight, eps))
+        return attn_res_agg(sources, self.proj.weight[0], self.norm.weight, eps,
+                            None if out_norm is None else out_norm.weight)
 
 
 class DecoderLayer(nn.Module):
@@ -71,14 +76,13 @@ class DecoderLayer(nn.Module):
         if self.cfg.attn_res_block_size is None:
             h = p + self.self_attn(self.input_layernorm(p), state)
             return h + self.mlp(self.post_attention_layernorm(h))
-        h = self.self_attention_res(bank + [p], eps) if bank else p
-        attn_out = self.self_attn(self.input_layernorm(h), state)
+        x = self.self_attention_res(bank + [p], eps, self.input_layernorm) if bank else self.input_layernorm(p)
+        attn_out = self.self_attn(x, state)
         if self.starts_block:
             bank, p = bank + [p], attn_out
         else:
             p = p + attn_out
-        h = self.mlp_res(bank + [p], eps)
-        return p + self.mlp(self.post_attention_layernorm(h))
+        return p + self.mlp(self.mlp_res(bank + [p], eps, self.post_attention_layernorm))
 
 
 @dataclass
@@ -121,7 +125,7 @@ class KimiModel(nn.Module):
                 bank = bank + [p]
             p = p_next
         if self.cfg.attn_res_block_size is not None:
-            p = self.output_attn_res(bank + [p], self.cfg.rms_norm_eps)
+            return self.output_attn_res(bank + [p], self.cfg.rms_norm_eps, self.norm), bank
         return self.norm(p), bank
 
 

@@ -16,6 +16,13 @@ Fast path (CUDA): fla-core's ``fused_attnres``, whose math is exactly this when 
 its fused output norm (checked in tests/ops/test_attnres.py against its naive reference and on
 the device against the fused kernel). ``torch.compile`` calls it as it is (a graph break
 around it) instead of tracing it.
+
+``out_norm_weight``: the RMSNorm that follows every AttnRes read in the decoder (the layer's
+``input_layernorm`` / ``post_attention_layernorm``, the model's final ``norm``), applied to the
+result: ``rms_norm(agg, out_norm_weight, eps)`` (``openk3.ops.norm``: normalised in fp32, cast,
+then weighted). Without autograd on CUDA fla's kernel applies it before its single cast (its
+``output_rms_weight``: normalised and weighted in fp32, one rounding instead of two, and one
+kernel instead of two per read); otherwise the two ops run one after the other.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from collections.abc import Sequence
 import torch
 
 from openk3.ops.fast import importable, use_fast_path
+from openk3.ops.norm import rms_norm
 
 
 def attn_res_agg_ref(sources: Sequence[torch.Tensor], query: torch.Tensor, norm_weight: torch.Tensor,
@@ -40,15 +48,16 @@ def attn_res_agg_ref(sources: Sequence[torch.Tensor], query: torch.Tensor, norm_
 
 @torch.compiler.disable(reason="fla-core's Triton AttnRes kernel runs as it is")
 def _attn_res_agg_fla(sources: Sequence[torch.Tensor], query: torch.Tensor, norm_weight: torch.Tensor,
-                      eps: float) -> torch.Tensor:
+                      eps: float, out_norm_weight: torch.Tensor | None = None) -> torch.Tensor:
     from fla.ops.attnres import fused_attnres
 
-    return fused_attnres(query, list(sources), norm_weight, rms_eps=eps)
+    return fused_attnres(query, list(sources), norm_weight, output_rms_weight=out_norm_weight, rms_eps=eps)
 
 
 def attn_res_agg(sources: Sequence[torch.Tensor], query: torch.Tensor, norm_weight: torch.Tensor,
-                 eps: float) -> torch.Tensor:
-    """Aggregate ``S >= 1`` sources of equal shape ``[..., D]``."""
+                 eps: float, out_norm_weight: torch.Tensor | None = None) -> torch.Tensor:
+    """Aggregate ``S >= 1`` sources of equal shape ``[..., D]``; with ``out_norm_weight`` [D],
+    RMSNorm the result with it (same ``eps``; see the module docstring)."""
     if not sources:
         raise ValueError("attn_res_agg: needs at least one source")
     D = sources[0].shape[-1]
@@ -56,11 +65,16 @@ def attn_res_agg(sources: Sequence[torch.Tensor], query: torch.Tensor, norm_weig
         raise ValueError(f"attn_res_agg: sources {[tuple(s.shape) for s in sources]} must share one "
                          f"shape [..., D]; query {tuple(query.shape)} and norm_weight "
                          f"{tuple(norm_weight.shape)} must be [D]")
+    if out_norm_weight is not None and out_norm_weight.shape != (D,):
+        raise ValueError(f"attn_res_agg: out_norm_weight {tuple(out_norm_weight.shape)} must be [D] = ({D},)")
     if len({s.dtype for s in sources}) > 1:
         dev = sources[0].device.type
         dtype = (torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev)
                  else functools.reduce(torch.promote_types, (s.dtype for s in sources)))
         sources = [s.to(dtype) for s in sources]
-    if use_fast_path(sources[0]) and importable("fla.ops.attnres"):
-        return _attn_res_agg_fla(sources, query, norm_weight, eps)
-    return attn_res_agg_ref(sources, query, norm_weight, eps)
+    fast = use_fast_path(sources[0]) and importable("fla.ops.attnres")
+    if fast and out_norm_weight is not None and not (
+            torch.is_grad_enabled() and any(t.requires_grad for t in (*sources, query, norm_weight, out_norm_weight))):
+        return _attn_res_agg_fla(sources, query, norm_weight, eps, out_norm_weight)
+    agg = (_attn_res_agg_fla if fast else attn_res_agg_ref)(sources, query, norm_weight, eps)
+    return agg if out_norm_weight is None else rms_norm(agg, out_norm_weight, eps)

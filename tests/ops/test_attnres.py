@@ -59,6 +59,22 @@ def test_attn_res_eps_matters_and_gradients_match_fla():
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
 
 
+def test_attn_res_with_the_following_norm_is_agg_then_rms_norm():
+    """``out_norm_weight``: the reference path is the two ops in turn, exactly (what the decoder
+    ran before the CUDA fusion), and the gradient reaches the norm's weight."""
+    from openk3.ops.norm import rms_norm_ref
+
+    torch.manual_seed(0)
+    srcs = [torch.randn(2, 5, 16) * s for s in (1.0, 4.0, 0.3)]
+    q, w, ow = torch.randn(16), torch.rand(16) + 0.5, (torch.rand(16) + 0.5).requires_grad_()
+    got = attn_res_agg(srcs, q, w, 1e-5, out_norm_weight=ow)
+    assert torch.equal(got, rms_norm_ref(attn_res_agg_ref(srcs, q, w, 1e-5), ow, 1e-5))
+    got.sum().backward()
+    assert ow.grad is not None and ow.grad.abs().sum() > 0
+    with pytest.raises(ValueError, match="out_norm_weight"):
+        attn_res_agg(srcs, q, w, 1e-5, out_norm_weight=torch.ones(15))
+
+
 def test_attn_res_bad_shapes():
     with pytest.raises(ValueError, match="query"):
         attn_res_agg([torch.randn(2, 3, 8)], torch.randn(7), torch.ones(8), 1e-5)
@@ -86,3 +102,24 @@ def test_fast_path_matches_reference_on_gpu():
                              q.detach(), w.detach(), 1e-5)
     assert mixed.dtype == torch.bfloat16
     torch.testing.assert_close(mixed, ref.detach(), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fused_output_norm_matches_reference_on_gpu():
+    """Without autograd fla applies the following RMSNorm in its kernel (normalised and weighted
+    in fp32, one rounding); the reference rounds the mixture, then the normalised value: bf16
+    rounding apart. With autograd the two ops run in turn, as the reference."""
+    from openk3.ops.norm import rms_norm_ref
+
+    torch.manual_seed(0)
+    srcs = [torch.randn(3, 7, 1024, device="cuda", dtype=torch.bfloat16) * s for s in (1, 3, 0.1, 10)]
+    q, w = torch.randn(1024, device="cuda"), torch.rand(1024, device="cuda") + 0.5
+    ow = (torch.rand(1024, device="cuda") + 0.5).bfloat16()
+    want = rms_norm_ref(attn_res_agg_ref([s.float() for s in srcs], q, w, 1e-5), ow.float(), 1e-5)
+    with torch.no_grad():
+        fused = attn_res_agg(srcs, q, w, 1e-5, out_norm_weight=ow)
+    assert fused.dtype == torch.bfloat16
+    torch.testing.assert_close(fused.float(), want, rtol=1e-2, atol=1e-2)
+    unfused = attn_res_agg(srcs, q, w, 1e-5, out_norm_weight=ow.clone().requires_grad_())
+    torch.testing.assert_close(unfused.float(), want, rtol=2e-2, atol=2e-2)
