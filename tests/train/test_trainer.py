@@ -279,13 +279,15 @@ def test_four_process_moonep_run_resumes_on_four_and_on_two(corpus, tmp_path):
         assert abs(a - b) < 1e-5 * abs(b), (resharded, straight)
 
 
-@pytest.mark.parametrize("ep", [1, 2], ids=["fsdp", "fsdp+moonep"])
-def test_two_process_resume_after_a_save_killed_midway_is_exact(corpus, tmp_path, ep):
+def test_two_process_resume_after_a_save_killed_midway_is_exact(corpus, tmp_path):
     """A job killed while writing checkpoint 4 (every rank dies after writing its own shards)
     leaves LATEST at checkpoint 2 and a partial temporary directory; resuming removes the partial
-    and redoes steps 3-4 bit for bit (the killed run had logged their losses)."""
+    and redoes steps 3-4 bit for bit (the killed run had logged their losses). Run with FSDP and
+    MoonEP, whose ranks write both kinds of shards; FSDP alone takes the same save path (each rank
+    writes its shards, then rank 0 moves LATEST) with one kind fewer, and its own case (16-19 s
+    of CI) was dropped in the tenth session to keep the suite under ten minutes."""
     run = tmp_path / "run"
-    cfg = _resumable_cfg(corpus, run, ep=ep)
+    cfg = _resumable_cfg(corpus, run, ep=2)
     _torchrun_train(cfg, nproc=2, kill_at_save=4)
     ckpts = run / "checkpoints"
     assert (ckpts / "LATEST").read_text() == "step_000002"
