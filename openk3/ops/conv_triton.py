@@ -3,7 +3,7 @@
 One program per (row b, block of BLOCK_C channels). It reads row b's state from the pool at
 ``slots[b]`` (the W-1 inputs before this token, oldest first), convolves them and the token's
 input with the channel's W taps in fp32, writes ``silu`` of the sum to row b of its part of
-``y`` (``[C / part, B, part]``: q, k and v each contiguous), and writes the
+``y`` (``[C / part, B, part]``, i.e. ``[parts, B, C / parts]``: q, k and v each contiguous), and writes the
 shifted state (the last W-1 inputs: the old state's newest W-2 and the token) back to the same
 pool row: no gather or scatter of states around it (fla's ``causal_conv1d_update`` takes a
 contiguous batch of states, not a pool and indices).
@@ -32,5 +32,5 @@ def conv_update_kernel(x_ptr, w_ptr, pool_ptr, slots_ptr, y_ptr, B, C, part, str
             tl.store(state + j - 1, s, mask=ok)
     tl.store(state + (W - 2), x.to(pool_ptr.dtype.element_ty), mask=ok)
     y = acc * tl.sigmoid(acc)
-    # y is [C // part, B, part]: each part of the channels (q, k, v) a contiguous [B, part]
+    # y is [C // part, B, part] (parts x rows x channels of a part): q, k, v each a contiguous [B, part]
     tl.store(y_ptr + (c // part) * B * part + b * part + c % part, y.to(y_ptr.dtype.element_ty), mask=ok)

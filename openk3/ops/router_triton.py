@@ -21,13 +21,17 @@ def router_topk_kernel(logits_ptr, bias_ptr, scores_ptr, idx_ptr, weight_ptr, E,
     ok = e < E
     s = tl.sigmoid(tl.load(logits_ptr + t * stride_l + e, mask=ok, other=0.0).to(tl.float32))
     tl.store(scores_ptr + t * E + e, s, mask=ok)
-    biased = tl.where(ok, s + tl.load(bias_ptr + e, mask=ok, other=0.0).to(tl.float32), float("-inf"))
+    biased = s + tl.load(bias_ptr + e, mask=ok, other=0.0).to(tl.float32)
+    # NaN ranks first, as in torch.topk (a NaN hidden state must still name experts in 0..E-1;
+    # the GPU's max ignores NaN), and the padding lanes last
+    biased = tl.where(ok, tl.where(biased != biased, float("inf"), biased), float("-inf"))
     slot = tl.arange(0, BLOCK_K)
     chosen = tl.zeros([BLOCK_K], dtype=tl.int32)
     weights = tl.zeros([BLOCK_K], dtype=tl.float32)
     for j in tl.static_range(K):
         best = tl.max(biased, axis=0)
-        i = tl.min(tl.where(biased == best, e, BLOCK_E), axis=0)  # the first index of the largest
+        i = tl.min(tl.where(ok & (biased == best), e, BLOCK_E), axis=0)  # the first index of the largest
+        i = tl.minimum(i, E - 1)  # never out of range, whatever the values
         chosen = tl.where(slot == j, i, chosen)
         weights = tl.where(slot == j, tl.sum(tl.where(e == i, s, 0.0), axis=0), weights)
         biased = tl.where(e == i, float("-inf"), biased)
