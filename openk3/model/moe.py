@@ -270,8 +270,9 @@ class MoE(nn.Module):
         if is_fused(self.fused_proj, self.input_projections()):  # inference: one GEMM for three
             down, gate, up = project(xf, self.input_projections(), self.fused_proj)
             shared = self.shared_experts.output(gate, up)
-        else:  # training: the shared experts' own forward (a compiled region, openk3.parallel.compile)
-            down, shared = self.routed_expert_down_proj(xf), self.shared_experts(xf)
+        else:  # training: the shared experts' own forward on x's shape, as the dense MLPs' (one
+            # compiled graph for both: openk3.parallel.compile)
+            down, shared = self.routed_expert_down_proj(xf), self.shared_experts(x).view(xf.shape)
         u = self.experts(down, topk_idx, topk_weight)
         norm = self.routed_expert_norm  # in fp32 (u is), cast to x's dtype in the same kernel
         routed = self.routed_expert_up_proj(rms_norm(u, norm.weight, norm.eps, out_dtype=x.dtype))
