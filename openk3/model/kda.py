@@ -129,15 +129,20 @@ class KDAttention(nn.Module):
         math as ``forward``'s other path (on the CPU the same reference ops, in the same order)."""
         B = x.shape[0]
         H, K = self.num_heads, self.head_dim
-        projections = self.input_projections()
-        qkv_in, gate, f, b = F.linear(x, self.fused_proj).split(
-            [3 * H * K] + [m.out_features for m in projections[3:]], dim=-1)
+        qkv_in, gate, f, b = self._fused_inputs(x)
         q, k, v = (t.view(B, 1, H, K) for t in
                    causal_conv1d_update_(qkv_in[:, 0], self.fused_conv, conv, slots, parts=3))
         f = self.f_b_proj(f).view(B, 1, H, K)
         o = kda_decode_(q, k, v, f, b, self.A_log, self.dt_bias, recurrent, slots,
                         lower_bound=self.cfg.kda_gate_lower_bound)
         return self._output(o, gate)
+
+    def _fused_inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The one GEMM of a fused layer: q|k|v before the convolution [B, T, 3*H*K], then the
+        gate's first projection, f_a and beta's logits (``input_projections()[3:]``)."""
+        HK = self.num_heads * self.head_dim
+        return F.linear(x, self.fused_proj).split(
+            [3 * HK] + [m.out_features for m in self.input_projections()[3:]], dim=-1)
 
     def _convolved_projections(self, x: torch.Tensor, st: KDAState) -> tuple[tuple, tuple, tuple, tuple]:
         """The projections of x [B, T, d] and the short convolutions of q, k, v: returns
@@ -152,8 +157,7 @@ class KDAttention(nn.Module):
         projections, convs = self.input_projections(), self.short_convs()
         if is_fused(self.fused_proj, projections) and is_fused(self.fused_conv, convs):
             HK = self.num_heads * self.head_dim
-            qkv_in, *rest = F.linear(x, self.fused_proj).split(
-                [3 * HK] + [m.out_features for m in projections[3:]], dim=-1)
+            qkv_in, *rest = self._fused_inputs(x)
             # [B, 3*H*K, W-1] read once: the serving view gathers per read
             qkv, state = causal_conv1d(qkv_in, self.fused_conv, st.conv_qkv, cu, cu_cpu)
             return qkv.split(HK, dim=-1), state, tuple(rest), qkv_in.split(HK, dim=-1)

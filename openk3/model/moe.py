@@ -205,9 +205,7 @@ def set_qat(model: nn.Module, qat: str) -> None:
     not a multiple of the MX block of 32, naming the config field."""
     if qat not in QAT_MODES:
         raise ValueError(f"qat={qat!r}: choose one of {QAT_MODES}")
-    from openk3.model.packed_experts import (
-        PackedRoutedExperts,  # it builds on this module
-    )
+    from openk3.model.packed_experts import PackedRoutedExperts  # it builds on this module
 
     for module in model.modules():
         if isinstance(module, (RoutedExperts, PackedRoutedExperts)):

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 
 import torch
 
-from openk3.ops.fast import importable, use_fast_path
+from openk3.ops.fast import importable, needs_grad, use_fast_path
 from openk3.ops.norm import rms_norm
 
 
@@ -73,8 +73,7 @@ def attn_res_agg(sources: Sequence[torch.Tensor], query: torch.Tensor, norm_weig
                  else functools.reduce(torch.promote_types, (s.dtype for s in sources)))
         sources = [s.to(dtype) for s in sources]
     fast = use_fast_path(sources[0]) and importable("fla.ops.attnres")
-    if fast and out_norm_weight is not None and not (
-            torch.is_grad_enabled() and any(t.requires_grad for t in (*sources, query, norm_weight, out_norm_weight))):
+    if fast and out_norm_weight is not None and not needs_grad(*sources, query, norm_weight, out_norm_weight):
         return _attn_res_agg_fla(sources, query, norm_weight, eps, out_norm_weight)
     agg = (_attn_res_agg_fla if fast else attn_res_agg_ref)(sources, query, norm_weight, eps)
     return agg if out_norm_weight is None else rms_norm(agg, out_norm_weight, eps)

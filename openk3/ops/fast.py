@@ -25,6 +25,11 @@ def use_fast_path(x: torch.Tensor) -> bool:
     return x.is_cuda and not _reference_forced()
 
 
+def needs_grad(*tensors: torch.Tensor | None) -> bool:
+    """Whether autograd would record an op on these tensors (None entries are skipped)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 @torch.compiler.assume_constant_result  # a compiled graph keeps the path chosen when it was traced
 def _reference_forced() -> bool:
     return os.environ.get("OPENK3_REFERENCE", "0") == "1"

@@ -48,7 +48,7 @@ from collections.abc import Callable
 
 import torch
 
-from openk3.ops.fast import use_fast_path
+from openk3.ops.fast import needs_grad, use_fast_path
 from openk3.ops.situ import situ_glu_ref, swiglu_ref
 
 # The most (token, expert) pairs that take the GEMV path in RoutedExperts: above it the grouped
@@ -72,11 +72,6 @@ def triton_available() -> bool:
 def use_moe_gemv(x: torch.Tensor, num_pairs: int) -> bool:
     """Whether ``num_pairs`` (token, expert) pairs of ``x`` run as GEMVs (Triton on CUDA)."""
     return num_pairs <= GEMV_MAX_PAIRS and use_fast_path(x) and triton_available()
-
-
-def needs_grad(*tensors: torch.Tensor) -> bool:
-    """Whether autograd would record an op on these tensors."""
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 def _glu_fp32(gate: torch.Tensor, up: torch.Tensor, hidden_act: str, situ_beta1: float,

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from openk3.ops.fast import use_fast_path
-from openk3.ops.moe import needs_grad, triton_available
+from openk3.ops.fast import needs_grad, use_fast_path
+from openk3.ops.moe import triton_available
 
 RENORM_EPS = 1e-20
 
@@ -79,6 +79,8 @@ def router_topk(logits: torch.Tensor, bias: torch.Tensor, k: int, renormalize: b
 
 @torch.compiler.disable(reason="a Triton kernel launched as it is")
 def _router_topk_triton(logits, bias, k, renormalize, scale):
+    import triton
+
     from openk3.ops.router_triton import router_topk_kernel
 
     N, E = logits.shape
@@ -89,10 +91,7 @@ def _router_topk_triton(logits, bias, k, renormalize, scale):
     weight = torch.empty(N, k, device=logits.device, dtype=torch.float32)
     if N:
         router_topk_kernel[(N,)](logits, bias.contiguous(), scores, idx, weight, E, logits.stride(0),
-                                 RENORM_EPS, float(scale), K=k, BLOCK_E=_pow2(E), BLOCK_K=_pow2(k),
+                                 RENORM_EPS, float(scale), K=k, BLOCK_E=triton.next_power_of_2(E),
+                                 BLOCK_K=triton.next_power_of_2(k),
                                  RENORMALIZE=renormalize)
     return scores, idx, weight
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
