@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from openk3.ops.fast import needs_grad
+
 
 def _views_of(fused: torch.Tensor, weights: list[torch.Tensor]) -> bool:
     """Whether ``weights`` are, in order, the row blocks of ``fused``."""
@@ -76,6 +78,24 @@ def project(x: torch.Tensor, modules: Sequence[nn.Linear],
     if not is_fused(fused, modules):
         return [m(x) for m in modules]
     return list(F.linear(x, fused).split([m.out_features for m in modules], dim=-1))
+
+
+def add_linear_(out: torch.Tensor, x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
+    """``out + linear(x)``, accumulated into ``out`` in place where it can be: one GEMM that adds
+    in its epilogue (``addmm_``; the sum is rounded once) instead of a GEMM and an add kernel.
+    Used for the residual stream and the MoE's two outputs at inference (a decode step pays an
+    add kernel per layer otherwise).
+
+    ``out`` must be the caller's own tensor of ``linear(x)``'s shape: its old value may be lost.
+    Out of place (``out + linear(x)``, ``out`` untouched) where autograd would record the ops,
+    under autocast, or when dtypes, shape or layout do not allow ``addmm_``. Use the result."""
+    w = linear.weight
+    if (needs_grad(out, x, w) or torch.is_autocast_enabled(x.device.type) or linear.bias is not None
+            or not out.dtype == x.dtype == w.dtype or not out.is_contiguous()
+            or out.shape != (*x.shape[:-1], w.shape[0])):
+        return out + linear(x)
+    out.view(-1, w.shape[0]).addmm_(x.reshape(-1, x.shape[-1]), w.t())
+    return out
 
 
 def fuse_projections(model: nn.Module) -> nn.Module:

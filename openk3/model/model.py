@@ -75,14 +75,16 @@ class DecoderLayer(nn.Module):
         eps = self.cfg.rms_norm_eps
         if self.cfg.attn_res_block_size is None:
             h = p + self.self_attn(self.input_layernorm(p), state)
-            return h + self.mlp(self.post_attention_layernorm(h))
+            return self.mlp(self.post_attention_layernorm(h), residual=h)  # h + MLP(...)
         x = self.self_attention_res(bank + [p], eps, self.input_layernorm) if bank else self.input_layernorm(p)
         attn_out = self.self_attn(x, state)
         if self.starts_block:
             bank, p = bank + [p], attn_out
         else:
             p = p + attn_out
-        return p + self.mlp(self.mlp_res(bank + [p], eps, self.post_attention_layernorm))
+        # p + MLP(...): p is this call's own tensor (attn_out, or the sum above), so the MLP
+        # may add into it in place (one GEMM instead of GEMM + add at inference)
+        return self.mlp(self.mlp_res(bank + [p], eps, self.post_attention_layernorm), residual=p)
 
 
 @dataclass

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from openk3.config import ModelConfig
-from openk3.model.fuse import fuse_weights, is_fused, project
+from openk3.model.fuse import add_linear_, fuse_weights, is_fused, project
 from openk3.model.mla import RMSNorm
 from openk3.ops.fast import use_fast_path
 from openk3.ops.moe import moe_gemv, needs_grad, use_moe_gemv
@@ -32,7 +32,7 @@ from openk3.ops.mx import (
     fake_quant_mxfp8_e4m3,
 )
 from openk3.ops.norm import rms_norm
-from openk3.ops.router import router_topk
+from openk3.ops.router import router_logits, router_topk
 from openk3.ops.situ import situ_glu, swiglu_ref
 
 
@@ -61,12 +61,17 @@ class MLP(nn.Module):
         """One GEMM for ``input_projections()`` from now on (``openk3.model.fuse``)."""
         self.fused_proj = fuse_weights(self.input_projections(), self.fused_proj)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.output(*project(x, self.input_projections(), self.fused_proj))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The MLP of x, plus ``residual`` when given: the caller's own tensor of x's shape,
+        which may be accumulated into in place (``openk3.model.fuse.add_linear_``)."""
+        return self.output(*project(x, self.input_projections(), self.fused_proj), residual)
 
-    def output(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        """``down(act(gate, up))`` of the input projections ``gate(x)``, ``up(x)``."""
-        return self.down_proj(glu_act(self.cfg, gate, up))
+    def output(self, gate: torch.Tensor, up: torch.Tensor,
+               residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``down(act(gate, up))`` of the input projections ``gate(x)``, ``up(x)`` (plus
+        ``residual``, as in ``forward``)."""
+        h = glu_act(self.cfg, gate, up)
+        return self.down_proj(h) if residual is None else add_linear_(residual, h, self.down_proj)
 
 
 class Router(nn.Module):
@@ -87,7 +92,7 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: [N, d] -> (scores [N, E] fp32, topk_idx [N, k], topk_weight [N, k] fp32)."""
         cfg = self.cfg
-        logits = F.linear(x.float(), self.weight.float())
+        logits = router_logits(x, self.weight)  # F.linear in fp32; one kernel when decoding on CUDA
         bias = self.e_score_correction_bias
         if cfg.num_expert_group > 1:  # group-limited routing: keep the best topk_group groups
             biased = torch.sigmoid(logits) + bias
@@ -258,20 +263,25 @@ class MoE(nn.Module):
             shared_rows = sum(m.out_features for m in self.shared_experts.input_projections())
             self.fused_proj, self.shared_experts.fused_proj = fused, fused[fused.shape[0] - shared_rows:]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The MoE of x [..., d], plus ``residual`` when given: the caller's own tensor of x's
+        shape, which may be accumulated into in place (``openk3.model.fuse.add_linear_``: at
+        inference the latent MoE's two output GEMMs add into it, no add kernel)."""
         shape = x.shape
         xf = x.reshape(-1, shape[-1])  # [N, d]
         _, topk_idx, topk_weight = self.gate(xf)
         if self.cfg.moe_latent_size is None:
-            routed = self.experts(xf, topk_idx, topk_weight).to(x.dtype)
-            return routed.view(shape) + self.shared_experts(x)
+            routed = self.experts(xf, topk_idx, topk_weight).to(x.dtype).view(shape)
+            return self.shared_experts(x, routed if residual is None else routed + residual)
+        out = None if residual is None else residual.view(xf.shape)
         if is_fused(self.fused_proj, self.input_projections()):  # inference: one GEMM for three
             down, gate, up = project(xf, self.input_projections(), self.fused_proj)
-            shared = self.shared_experts.output(gate, up)
+            out = self.shared_experts.output(gate, up, out)
         else:  # training: the shared experts' own forward on x's shape, as the dense MLPs' (one
             # compiled graph for both: openk3.parallel.compile)
-            down, shared = self.routed_expert_down_proj(xf), self.shared_experts(x).view(xf.shape)
+            down = self.routed_expert_down_proj(xf)
+            out = self.shared_experts(x, None if out is None else out.view(shape)).view(xf.shape)
         u = self.experts(down, topk_idx, topk_weight)
         norm = self.routed_expert_norm  # in fp32 (u is), cast to x's dtype in the same kernel
-        routed = self.routed_expert_up_proj(rms_norm(u, norm.weight, norm.eps, out_dtype=x.dtype))
-        return (routed + shared).view(shape)
+        u = rms_norm(u, norm.weight, norm.eps, out_dtype=x.dtype)
+        return add_linear_(out, u, self.routed_expert_up_proj).view(shape)

@@ -8,16 +8,70 @@ from the unbiased ones.
 * ``router_topk_ref``: plain PyTorch (differentiable: training's router).
 * ``router_topk``: the entry point; without autograd on CUDA one Triton kernel per call
   (``router_triton.py``) instead of six (a decode step pays them in every MoE layer).
+* ``router_logits``: the fp32 logits ``x W^T`` before it; without autograd on CUDA, for up to
+  ``LOGITS_GEMV_MAX_TOKENS`` tokens, one Triton kernel reading x in its own dtype instead of a
+  cast and cuBLAS's two fp32 GEMV kernels.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from openk3.ops.fast import needs_grad, use_fast_path
 from openk3.ops.moe import triton_available
 
 RENORM_EPS = 1e-20
+# The most tokens whose router logits take the Triton GEMV (each program re-reads its rows of
+# the weight per token, from L2 after the first): decode batches. Larger batches (prefill) run
+# cuBLAS, whose GEMM reads the weight once.
+LOGITS_GEMV_MAX_TOKENS = 128
+LOGITS_ROWS, LOGITS_COLS = 4, 256  # experts per program (>= 16 programs per `small` token), columns per step
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
+    """The router's fp32 logits: ``F.linear(x.float(), weight.float())``.
+
+    Args:
+        x: ``[N, d]`` activations, any float dtype.
+        weight: ``[E, d]`` router weight (fp32 in K3).
+        backend: ``"triton"`` (CUDA), ``"torch"`` the reference, ``"auto"``: Triton for CUDA
+            inputs that need no gradient and at most ``LOGITS_GEMV_MAX_TOKENS`` tokens
+            (unless ``OPENK3_REFERENCE=1``).
+
+    Returns:
+        ``[N, E]`` fp32 (products and sums in fp32; the kernel sums in its own order).
+    """
+    if backend not in ("auto", "torch", "triton"):
+        raise ValueError(f"`backend` must be 'auto', 'torch' or 'triton', got {backend!r}")
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"router_logits: `x` must be [N, d] and `weight` [E, d], got "
+                         f"{list(x.shape)} and {list(weight.shape)}")
+    if backend == "auto":
+        backend = ("triton" if use_fast_path(x) and triton_available()
+                   and x.shape[0] <= LOGITS_GEMV_MAX_TOKENS and not needs_grad(x, weight) else "torch")
+    if backend == "torch":
+        return F.linear(x.float(), weight.float())
+    if needs_grad(x, weight):
+        raise ValueError("router_logits: the Triton kernel has no backward (use backend='torch')")
+    return _router_logits_triton(x, weight)
+
+
+@torch.compiler.disable(reason="a Triton kernel launched as it is")
+def _router_logits_triton(x, weight):
+    import triton
+
+    from openk3.ops.router_triton import router_logits_kernel
+
+    N, D = x.shape
+    E = weight.shape[0]
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+    out = torch.empty(N, E, device=x.device, dtype=torch.float32)
+    if N:
+        router_logits_kernel[(N, triton.cdiv(E, LOGITS_ROWS))](
+            x, weight, out, E, D, x.stride(0), weight.stride(0), ROWS=LOGITS_ROWS, COLS=LOGITS_COLS)
+    return out
 
 
 def router_topk_ref(logits: torch.Tensor, bias: torch.Tensor, k: int, renormalize: bool = True,

@@ -10,9 +10,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import openk3.model.fuse as fuse_mod
 import openk3.model.kda as kda_mod
+import openk3.model.moe as moe_mod
 from openk3 import build_model, preset
 from openk3.checkpoint.hf import save_pretrained
-from openk3.model.fuse import fuse_projections
+from openk3.model.fuse import add_linear_, fuse_projections
 from openk3.model.kda import KDAttention
 from openk3.model.mla import MLAttention
 from openk3.model.moe import MLP, MoE
@@ -203,6 +204,54 @@ def test_a_decode_step_runs_the_expected_number_of_fewer_kernels(arch, monkeypat
     assert {op: unfused[op] - fused[op] for op in ("addmm", "bmm", "convolution")} == dict.fromkeys(
         ("addmm", "bmm", "convolution"), 0)
     assert (unfused["causal_conv1d"], fused["causal_conv1d"]) == (3 * n_kda, n_kda)
+
+
+def test_add_linear_accumulates_in_place_only_where_nothing_needs_the_old_value():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(24, 40, bias=False)
+    x, out = torch.randn(3, 5, 24), torch.randn(3, 5, 40)
+    want = out + linear(x).detach()
+    with torch.no_grad():
+        got = add_linear_(out, x, linear)
+    assert got is out  # in place: one GEMM that adds (addmm_), no add kernel
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    out = torch.randn(3, 5, 40)
+    before = out.clone()
+    got = add_linear_(out, x, linear)  # autograd records: out of place, out untouched
+    assert got is not out and got.requires_grad and torch.equal(out, before)
+    torch.testing.assert_close(got, out + linear(x), rtol=0, atol=0)
+    with torch.no_grad():
+        for other in (out.double(), out[:, :1], out.transpose(0, 1).contiguous().transpose(0, 1)):
+            kept = other.clone()  # another dtype, a broadcast shape, a strided layout
+            got = add_linear_(other, x, linear)
+            assert got is not other and torch.equal(other, kept)
+            torch.testing.assert_close(got, other + linear(x).to(other.dtype), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_mlps_add_into_the_residual_in_their_gemms(arch, monkeypatch):
+    """Per decode step one add kernel less per layer (the residual after the MLP) and per latent
+    MoE (routed + shared): their output GEMMs accumulate in place. The same logits as with
+    every sum out of place."""
+    model = fuse_projections(_model(arch))
+    cfg, ids = model.cfg, _ids(model.cfg, T=6)
+
+    def decode_step() -> tuple[torch.Tensor, Counter]:
+        cache = model.new_cache()
+        model(ids[:, :5], cache)
+        with torch.no_grad(), _KernelCounter() as counter:
+            logits = model(ids[:, 5:], cache).logits
+        return logits, counter.counts
+
+    with torch.no_grad():
+        logits, fused = decode_step()
+        monkeypatch.setattr(moe_mod, "add_linear_", lambda out, x, linear: out + linear(x))
+        expected, plain = decode_step()
+    n_latent_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)) if cfg.is_k3 else 0
+    saved = cfg.num_hidden_layers + n_latent_moe
+    assert (fused["addmm_"], plain["addmm_"]) == (saved, 0)
+    assert plain["add"] - fused["add"] == saved
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_the_model_runner_serves_a_fused_model():

@@ -9,7 +9,7 @@ import openk3.ops.moe
 from openk3 import preset
 from openk3.model.moe import RoutedExperts
 from openk3.ops.moe import GEMV_MAX_PAIRS, moe_gemv, moe_gemv_ref
-from tests.ops.checks import nan_poisoned_empty, rel_err, run_doctests
+from tests.ops.checks import nan_poisoned_empty, rel_err, run_doctests, run_triton_interpreted
 
 # (E, k, F, D): `small`'s MoE layer, and sizes that divide no block of the kernels
 SHAPES = {"small": (64, 4, 256, 512), "odd": (5, 2, 48, 40), "odd-wide": (7, 3, 200, 136)}
@@ -113,6 +113,31 @@ def test_bad_arguments_are_refused_by_name(case):
     name, value, message = cases[case]
     with pytest.raises(ValueError, match=message):
         moe_gemv(**(good | {name: value}))
+
+
+_INTERPRETED = """
+import torch
+from openk3.ops.moe import moe_gemv_ref
+from openk3.ops.moe_kernels import moe_gemv_triton
+from tests.ops.test_moe import SHAPES, act_of, experts, routing
+for shape, N in (("odd", 3), ("odd-wide", 2), ("small", 1)):
+    E, k, F, D = SHAPES[shape]
+    ex = experts(E, k, F, D, "silu")
+    with torch.no_grad():
+        x = torch.randn(N, D)
+        args = (x, ex.w1, ex.w3, ex.w2, *routing(N, E, k, seed=N))
+        fast, ref = moe_gemv_triton(*args, **act_of(ex.cfg)), moe_gemv_ref(*args, **act_of(ex.cfg))
+    err = ((fast - ref).norm() / ref.norm()).item()
+    assert fast.shape == (N, D) and err < 1e-5, (shape, err)
+print("ok")
+"""
+
+
+def test_kernels_in_the_triton_interpreter():
+    """The two Triton kernels on the CPU (TRITON_INTERPRET=1, fp32) against the reference: odd
+    sizes that fill no tile and `small`'s layer, the k slots summed in the down kernel. SwiGLU
+    only: the interpreter has no libdevice ``tanh`` (SiTU runs in the GPU tests)."""
+    run_triton_interpreted(_INTERPRETED)
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -10,7 +10,7 @@ import torch
 import openk3.ops.router as router_ops
 from openk3 import preset
 from openk3.model.moe import Router
-from openk3.ops.router import router_topk, router_topk_ref
+from openk3.ops.router import router_logits, router_topk, router_topk_ref
 from tests.ops.checks import run_doctests, run_triton_interpreted
 
 
@@ -55,6 +55,26 @@ def test_rejects_bad_arguments(name, kwargs, match):
         router_topk(**args)
 
 
+@pytest.mark.parametrize("x,w,kwargs,match", [
+    (torch.randn(3, 8, 1), torch.randn(4, 8), {}, "must be"),
+    (torch.randn(3, 8), torch.randn(4, 7), {}, "must be"),
+    (torch.randn(3, 8), torch.randn(4, 8), dict(backend="cuda"), "backend"),
+    (torch.randn(3, 8, requires_grad=True), torch.randn(4, 8), dict(backend="triton"), "no backward"),
+])
+def test_logits_reject_bad_arguments(x, w, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        router_logits(x, w, **kwargs)
+
+
+def test_logits_reference_is_an_fp32_linear_and_takes_gradients():
+    x, w = torch.randn(3, 8, dtype=torch.bfloat16, requires_grad=True), torch.randn(4, 8, requires_grad=True)
+    out = router_logits(x, w)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, x.float() @ w.T, rtol=0, atol=0)
+    out.sum().backward()
+    assert x.grad is not None and w.grad is not None
+
+
 def test_docstring_examples_run():
     run_doctests(router_ops)
 
@@ -78,13 +98,21 @@ logits[1, [2, 7]] = float("nan")
 _, idx, _ = _router_topk_triton(logits, torch.zeros(10), 4, True, 1.0)
 assert ((idx >= 0) & (idx < 10)).all(), idx
 assert idx[0].unique().numel() == 4 and set(idx[1, :2].tolist()) == {2, 7}, idx
+# the logits GEMV: small's router (d 1024, 64 experts) on bf16 tokens, and sizes that fill no
+# tile (d 300 over columns of 256, 10 experts over rows of 4), fp32 tokens
+from openk3.ops.router import _router_logits_triton
+for N, D, E, dtype in ((3, 1024, 64, torch.bfloat16), (2, 300, 10, torch.float32)):
+    x, w = torch.randn(N, D).to(dtype), torch.randn(E, D)
+    got, want = _router_logits_triton(x, w), x.float() @ w.T
+    assert got.dtype == torch.float32 and got.shape == (N, E)
+    assert (got - want).abs().max() < 1e-4, (got - want).abs().max()
 print("ok")
 """
 
 
 def test_kernel_in_the_triton_interpreter():
-    """The Triton kernel on the CPU (TRITON_INTERPRET=1): the same experts, in the same order,
-    and the same scores and weights as the reference."""
+    """The Triton kernels on the CPU (TRITON_INTERPRET=1): the same experts, in the same order,
+    and the same scores and weights as the reference; the logits as an fp32 linear."""
     run_triton_interpreted(_INTERPRETED)
 
 
@@ -104,3 +132,13 @@ def test_kernel_matches_reference_gpu(N, E, k):
     logits[0] = float("nan")  # a NaN hidden state still names experts in range
     idx = router_topk(logits, bias, k)[1]
     assert ((idx >= 0) & (idx < E)).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("N,D,E", [(1, 1024, 64), (128, 1024, 64), (3, 7168, 896), (5, 300, 10)])
+def test_logits_kernel_matches_reference_gpu(N, D, E):
+    x, w = torch.randn(N, D, device="cuda", dtype=torch.bfloat16), torch.randn(E, D, device="cuda")
+    got = router_logits(x, w, backend="triton")
+    want = x.double() @ w.double().T  # fp32 sums of d products: error ~ sqrt(d) * 6e-8 * |terms|
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=2e-5 * D ** 0.5)
