@@ -7,7 +7,7 @@ For every (token, slot) pair p with expert e_p = topk_idx[t, j] and weight w_p:
 
 Each pair reads its expert's weights by id: no sort of the pairs by expert, no per-expert
 counts, no grouped matmul. At a handful of tokens that machinery is all launch overhead (the
-sorted path runs some 18 kernels per layer); here it is two kernels (gate/up; down with the sum
+sorted path runs some 18 kernels per layer); here it is three kernels (gate/up, down, the sum
 over the k slots), with static shapes and no host synchronisation, so a CUDA graph captures them.
 
 * ``moe_gemv_ref``: plain PyTorch (each pair's expert gathered, ``torch.bmm``), the reference.

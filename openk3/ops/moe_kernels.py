@@ -1,22 +1,23 @@
 """Triton kernels of ``openk3.ops.moe.moe_gemv`` (imported only on the CUDA fast path: CPU
 installs have no triton).
 
-Memory-bound GEMVs that stream their expert's weight rows: products accumulate elementwise in
-an fp32 ``[ROWS, COLS]`` tile, reduced across columns once at the end.
+Each program owns one (token, slot) pair p and ``ROWS`` output rows of it, and streams the
+matching rows of its expert's weights (a memory-bound GEMV: products accumulate elementwise
+in an fp32 ``[ROWS, COLS]`` tile, reduced across columns once at the end):
 
-1. ``_gate_up_kernel``, grid (P, F / ROWS), one program per (token, slot) pair p and ``ROWS``
-   rows: ``h[p] = act(W1[e_p] x[t_p], W3[e_p] x[t_p])``, ``[P, F]`` fp32.
-2. ``_down_kernel``, grid (N, D / DOWN_ROWS), one program per token and ``DOWN_ROWS`` rows:
-   ``y[t] = sum_j w_tj W2[e_tj] h[t, j]``, ``[N, D]`` fp32, the k slots walked in order.
+1. ``_gate_up_kernel``, grid (P, F / ROWS): ``h[p] = act(W1[e_p] x[t_p], W3[e_p] x[t_p])``,
+   ``[P, F]`` fp32.
+2. ``_down_kernel``, grid (P, D / ROWS): ``y_pairs[p] = w_p W2[e_p] h[p]``, ``[P, D]`` fp32.
+3. ``y = y_pairs.view(N, k, D).sum(1)``.
 
-The sum over a token's slots is inside the down kernel, in slot order: the same inputs give the
-same bits (fp32 atomics into y would add in whatever order the programs finish, and need y
-zeroed first), and no third kernel. Its rows per program are fewer than the gate/up kernel's so
-that one token still spreads over >= 128 programs (``small``: D = 512).
+The sum over a token's k slots is a separate reduction rather than fp32 atomics into y:
+atomics need y zeroed first (one more graph node as well) and add in whatever order the
+programs finish, so the same inputs could give different bits; the buffer is P x D x 4 bytes
+(256 KB for 16 K3 pairs) and the sum is always in slot order.
 
-In the gate/up kernel pairs are the fastest grid axis (CUDA starts blocks in that order): the
-programs of one row block of all pairs run together, so pairs that chose the same expert read
-the same weight rows at about the same time, and all but the first read come from L2.
+Pairs are the fastest grid axis (CUDA starts blocks in that order): the programs of one row
+block of all pairs run together, so pairs that chose the same expert read the same weight rows
+at about the same time, and all but the first read come from L2.
 
 Expert offsets are computed in int64: K3's stacked W1 holds 896 x 3072 x 3584 = 9.9e9 elements.
 """
@@ -28,9 +29,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-ROWS = 16        # gate/up rows per program: >= 1,500 programs for one K3 token, 64 for `small`
+ROWS = 16        # output rows per program: >= 1,500 programs for one K3 token, 64 for `small`
 COLS = 128       # input columns per step: one 16-byte load of 8 bf16 per thread per row
-DOWN_ROWS, DOWN_COLS = 4, 256  # down rows per program (128 programs per `small` token), columns per step
 NUM_WARPS = 4
 
 
@@ -69,25 +69,23 @@ def _gate_up_kernel(x_ptr, w1_ptr, w3_ptr, idx_ptr, h_ptr, F, D, K,
 
 
 @triton.jit
-def _down_kernel(h_ptr, w2_ptr, idx_ptr, weight_ptr, y_ptr, F, D, K,
+def _down_kernel(h_ptr, w2_ptr, idx_ptr, weight_ptr, y_ptr, F, D,
                  stride_we, stride_wd, stride_wf,
                  ROWS: tl.constexpr, COLS: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
+    pair = tl.program_id(0)
+    expert = tl.load(idx_ptr + pair).to(tl.int64)
+    h_row = h_ptr + pair.to(tl.int64) * F
     d = tl.program_id(1) * ROWS + tl.arange(0, ROWS)                 # [ROWS]
-    y = tl.zeros([ROWS], dtype=tl.float32)
-    for j in range(0, K):                                            # the token's slots, in order
-        pair = t * K + j
-        expert = tl.load(idx_ptr + pair).to(tl.int64)
-        w_rows = expert * stride_we + d[:, None].to(tl.int64) * stride_wd  # [ROWS, 1]
-        acc = tl.zeros([ROWS, COLS], dtype=tl.float32)
-        for f0 in range(0, F, COLS):
-            f = f0 + tl.arange(0, COLS)                              # [COLS]
-            h = tl.load(h_ptr + pair * F + f, mask=f < F, other=0.0)
-            mask = (d[:, None] < D) & (f[None, :] < F)
-            w2 = tl.load(w2_ptr + w_rows + f[None, :] * stride_wf, mask=mask, other=0.0)
-            acc += w2.to(tl.float32) * h[None, :]
-        y += tl.sum(acc, axis=1) * tl.load(weight_ptr + pair).to(tl.float32)
-    tl.store(y_ptr + t * D + d, y, mask=d < D)
+    w_rows = expert * stride_we + d[:, None].to(tl.int64) * stride_wd  # [ROWS, 1]
+    acc = tl.zeros([ROWS, COLS], dtype=tl.float32)
+    for f0 in range(0, F, COLS):
+        f = f0 + tl.arange(0, COLS)                                  # [COLS]
+        h = tl.load(h_row + f, mask=f < F, other=0.0)
+        mask = (d[:, None] < D) & (f[None, :] < F)
+        w2 = tl.load(w2_ptr + w_rows + f[None, :] * stride_wf, mask=mask, other=0.0)
+        acc += w2.to(tl.float32) * h[None, :]
+    y = tl.sum(acc, axis=1) * tl.load(weight_ptr + pair).to(tl.float32)
+    tl.store(y_ptr + pair.to(tl.int64) * D + d, y, mask=d < D)
 
 
 def moe_gemv_triton(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
@@ -101,12 +99,12 @@ def moe_gemv_triton(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: tor
     experts = topk_idx.contiguous().view(P)                          # no copy: the router's
     weights = topk_weight.contiguous().view(P)                       # outputs are contiguous
     h = torch.empty(P, F, device=x.device, dtype=torch.float32)
-    y = torch.empty(N, D, device=x.device, dtype=torch.float32)
+    y_pairs = torch.empty(P, D, device=x.device, dtype=torch.float32)
     _gate_up_kernel[(P, triton.cdiv(F, ROWS))](
         x, w1, w3, experts, h, F, D, k, *x.stride(), *w1.stride(),
         SITU=hidden_act == "situ", BETA1=situ_beta1, BETA2=situ_beta2,
         ROWS=ROWS, COLS=COLS, num_warps=NUM_WARPS)
-    _down_kernel[(N, triton.cdiv(D, DOWN_ROWS))](
-        h, w2, experts, weights, y, F, D, k, *w2.stride(),
-        ROWS=DOWN_ROWS, COLS=DOWN_COLS, num_warps=NUM_WARPS)
-    return y
+    _down_kernel[(P, triton.cdiv(D, ROWS))](
+        h, w2, experts, weights, y_pairs, F, D, *w2.stride(),
+        ROWS=ROWS, COLS=COLS, num_warps=NUM_WARPS)
+    return y_pairs.view(N, k, D).sum(1)

@@ -23,9 +23,12 @@ from openk3.ops.moe import triton_available
 
 RENORM_EPS = 1e-20
 # The most tokens whose router logits take the Triton GEMV (each program re-reads its rows of
-# the weight per token, from L2 after the first): decode batches. Larger batches (prefill) run
-# cuBLAS, whose GEMM reads the weight once.
-LOGITS_GEMV_MAX_TOKENS = 128
+# the weight per token, from L2 after the first); larger batches run cuBLAS, whose GEMM reads the
+# weight once. Measured in `small`'s decode step on one H200 (eleventh session, docs/benchmarks.md):
+# at 32 tokens the router's two kernels took 183 us per step against 290 us for the cast, cuBLAS's
+# two kernels and top-k; 128 tokens is not measured alone (the step at 128 was slower with other
+# changes in it), so it stays on cuBLAS.
+LOGITS_GEMV_MAX_TOKENS = 32
 LOGITS_ROWS, LOGITS_COLS = 4, 256  # experts per program (>= 16 programs per `small` token), columns per step
 
 

@@ -135,7 +135,7 @@ print("ok")
 
 def test_kernels_in_the_triton_interpreter():
     """The two Triton kernels on the CPU (TRITON_INTERPRET=1, fp32) against the reference: odd
-    sizes that fill no tile and `small`'s layer, the k slots summed in the down kernel. SwiGLU
+    sizes that fill no tile and `small`'s layer. SwiGLU
     only: the interpreter has no libdevice ``tanh`` (SiTU runs in the GPU tests)."""
     run_triton_interpreted(_INTERPRETED)
 
