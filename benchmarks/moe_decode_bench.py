@@ -8,8 +8,18 @@ The GEMVs read an expert once per pair that chose it (``per_pair_floor_us``); be
 served the repeats. The last lines give, per layer, the largest measured batch at which the
 GEMVs still win: where ``openk3.ops.moe.GEMV_MAX_PAIRS`` belongs.
 
+``--router`` times the router of the same layers instead (``Router``'s logits and top-k on
+bf16 tokens): its logits by the Triton GEMV (``openk3.ops.router.router_logits``) against the
+cast and cuBLAS's fp32 GEMM, and prints the largest batch at which the GEMV still won: where
+``openk3.ops.router.LOGITS_GEMV_MAX_TOKENS`` belongs.
+
+``--rows R ...`` also times the GEMVs with ``R`` output rows per program
+(``openk3.ops.moe_kernels.ROWS``, 16 by default; fewer rows give more, shorter programs), one
+``gemv_us_rows_R`` column each: the data for choosing it.
+
 Run on the device (K3's layer holds 59 GB of bf16 experts):
-``python benchmarks/moe_decode_bench.py [--presets small k3] [--tokens 1 8 32 128]``.
+``python benchmarks/moe_decode_bench.py [--presets small k3] [--tokens 1 8 32 128] [--rows 4 8 32]
+[--router]``.
 """
 
 from __future__ import annotations
@@ -22,6 +32,7 @@ from benchmarks.common import cuda_time, environment, write_results
 from openk3 import preset
 from openk3.model.moe import RoutedExperts
 from openk3.ops.moe import GEMV_MAX_PAIRS, moe_gemv
+from openk3.ops.router import LOGITS_GEMV_MAX_TOKENS, router_logits, router_topk
 
 BANDWIDTH = 4.3e12  # bytes/s: the H200's device-to-device copy (shared/NOTES.md)
 
@@ -52,7 +63,7 @@ def graph_time(fn) -> float:
     return cuda_time(graph.replay, warmup=3, iters=20)
 
 
-def run(name: str, ex: RoutedExperts, N: int) -> dict:
+def run(name: str, ex: RoutedExperts, N: int, rows_options: list[int]) -> dict:
     cfg = ex.cfg
     E, F, D = ex.w1.shape
     k = cfg.num_experts_per_token
@@ -61,28 +72,72 @@ def run(name: str, ex: RoutedExperts, N: int) -> dict:
     topk_weight = torch.rand(N, k, device="cuda")
     act = dict(hidden_act=cfg.hidden_act, situ_beta1=cfg.situ_beta1, situ_beta2=cfg.situ_beta2)
     used = topk_idx.unique().numel()
+    from openk3.ops import moe_kernels  # needs triton: the device
+
+    def gemv_fn():
+        return moe_gemv(x, ex.w1, ex.w3, ex.w2, topk_idx, topk_weight, **act)
+
     with torch.inference_mode():
-        gemv = graph_time(lambda: moe_gemv(x, ex.w1, ex.w3, ex.w2, topk_idx, topk_weight, **act))
+        gemv = graph_time(gemv_fn)
         grouped = graph_time(lambda: ex.forward_sorted(x, topk_idx, topk_weight))
+        by_rows, default_rows = {}, moe_kernels.ROWS
+        try:
+            for rows in rows_options:  # the kernels read ROWS when launched
+                moe_kernels.ROWS = rows
+                by_rows[f"gemv_us_rows_{rows}"] = 1e6 * graph_time(gemv_fn)
+        finally:
+            moe_kernels.ROWS = default_rows
     expert_s = 3 * F * D * 2 / BANDWIDTH  # one expert's W1, W3, W2 in bf16
     floor = used * expert_s
     return {"layer": name, "tokens": N, "pairs": N * k, "experts_used": used,
             "gemv_us": 1e6 * gemv, "grouped_us": 1e6 * grouped, "floor_us": 1e6 * floor,
             "per_pair_floor_us": 1e6 * N * k * expert_s, "gemv_over_floor": gemv / floor,
-            "grouped_over_gemv": grouped / gemv}
+            "grouped_over_gemv": grouped / gemv, **by_rows}
+
+
+def run_router(name: str, N: int) -> dict:
+    """One MoE layer's router on N bf16 tokens: logits by the GEMV and by cuBLAS, then top-k."""
+    cfg = preset(name)
+    E, d, k = cfg.num_experts, cfg.hidden_size, cfg.num_experts_per_token
+    weight = torch.randn(E, d, device="cuda") * d ** -0.5  # fp32, as K3's router
+    bias = torch.zeros(E, device="cuda")
+    x = torch.randn(N, d, device="cuda", dtype=torch.bfloat16)
+    times = {}
+    with torch.inference_mode():
+        for backend in ("triton", "torch"):
+            times[backend] = graph_time(lambda: router_topk(
+                router_logits(x, weight, backend=backend), bias, k, cfg.moe_renormalize,
+                cfg.routed_scaling_factor))
+    floor = E * d * 4 / BANDWIDTH  # the fp32 weight read once
+    return {"layer": name, "tokens": N, "gemv_us": 1e6 * times["triton"],
+            "cublas_us": 1e6 * times["torch"], "floor_us": 1e6 * floor,
+            "cublas_over_gemv": times["torch"] / times["triton"]}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--presets", nargs="+", default=["small", "k3"])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 32, 128])
+    ap.add_argument("--rows", type=int, nargs="*", default=[],
+                    help="also time the GEMVs with these rows per program (powers of two)")
+    ap.add_argument("--router", action="store_true", help="time the router instead of the experts")
     args = ap.parse_args()
     print(environment())
     rows = []
+    if args.router:
+        for name in args.presets:
+            for N in args.tokens:
+                rows.append(run_router(name, N))
+                write_results("moe_router_bench", rows)
+        print(f"LOGITS_GEMV_MAX_TOKENS is {LOGITS_GEMV_MAX_TOKENS}; the largest batch where the GEMV won:")
+        for name in args.presets:
+            won = [r["tokens"] for r in rows if r["layer"] == name and r["cublas_over_gemv"] > 1]
+            print(f"  {name}: {max(won) if won else 'none'}")
+        return
     for name in args.presets:
         ex = experts_layer(name)
         for N in args.tokens:  # results are written after every row: a timeout keeps them
-            rows.append(run(name, ex, N))
+            rows.append(run(name, ex, N, args.rows))
             write_results("moe_decode_bench", rows)
         del ex
         torch.cuda.empty_cache()
