@@ -21,6 +21,7 @@ from openk3.config import ModelConfig
 from openk3.model.cache import MLAState
 from openk3.model.fuse import fuse_weights, project
 from openk3.ops.norm import rms_norm
+from openk3.ops.situ import sigmoid_gate
 
 
 class RMSNorm(nn.Module):
@@ -97,7 +98,7 @@ class MLAttention(nn.Module):
             o = state.attend(self, q, c, k_r)
         o = o.reshape(B, T, self.num_heads * self.v_dim)
         if gate:
-            o = o * torch.sigmoid(gate[0])
+            o = sigmoid_gate(o, gate[0])  # one kernel on CUDA
         return self.o_proj(o)
 
     def attend_expanded(self, q: torch.Tensor, c: torch.Tensor, k_r: torch.Tensor,

@@ -19,8 +19,9 @@ rows may share one cache row's blocks: a speculative verify step gives each of a
 * ``paged_mla_decode``: the entry point. On CUDA (bf16, fp16 or fp32) a Triton kernel reads only
   the blocks each row uses: one program per (row, tile of 16 heads, split of the context), an
   online softmax over tiles of tokens, and the splits merged by their log-sum-exp (flash
-  decoding). The number of splits depends only on the batch size and the GPU, never on the
-  context, so a CUDA graph captured for one batch size serves every context length.
+  decoding) in a second kernel (``merge_splits_ref`` is its reference). The number of splits
+  depends only on the batch size and the GPU, never on the context, so a CUDA graph captured
+  for one batch size serves every context length.
 """
 
 from __future__ import annotations
@@ -157,10 +158,29 @@ def _paged_mla_decode_triton(q_lat, q_rope, cache, block_table, context_lens, bl
     )
     if splits == 1:
         return o_part[:, :, 0].to(q_lat.dtype)
-    # merge the splits: each holds its own softmax over its tokens and their log-sum-exp; a
-    # split without tokens has lse = -inf and weight 0 (every row has at least one token)
-    weights = torch.softmax(lse_part, dim=-1)  # [B, H, splits]
-    return torch.einsum("bhs,bhsr->bhr", weights, o_part).to(q_lat.dtype)
+    return _merge_splits_triton(o_part, lse_part, q_lat.dtype)
+
+
+def merge_splits_ref(o_part: torch.Tensor, lse_part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Flash decoding's merge: o_part ``[B, H, S, R]`` fp32, each split's softmax-normalised
+    output over its own tokens; lse_part ``[B, H, S]`` their log-sum-exps (-inf for a split
+    without tokens, which then weighs 0; every row has a token). Returns ``[B, H, R]`` in
+    ``dtype``: the splits weighted by ``softmax_s(lse)``."""
+    weights = torch.softmax(lse_part, dim=-1)  # [B, H, S]
+    return torch.einsum("bhs,bhsr->bhr", weights, o_part).to(dtype)
+
+
+def _merge_splits_triton(o_part: torch.Tensor, lse_part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    from openk3.ops.paged_mla_triton import merge_splits_kernel
+
+    B, H, S, R = o_part.shape
+    out = torch.empty(B, H, R, device=o_part.device, dtype=dtype)
+    block_s = _next_power_of_2(S)
+    block_r = max(16, min(_next_power_of_2(R), 8192 // block_s))  # a tile of <= 8K fp32 values
+    if out.numel():
+        merge_splits_kernel[(B * H,)](o_part, lse_part, out, R, S, BLOCK_S=block_s, BLOCK_R=block_r,
+                                      num_warps=4)
+    return out
 
 
 def _next_power_of_2(n: int) -> int:

@@ -1,11 +1,15 @@
-"""The Triton kernel behind ``openk3.ops.paged_mla.paged_mla_decode`` (imported only on CUDA).
+"""The Triton kernels behind ``openk3.ops.paged_mla.paged_mla_decode`` (imported only on CUDA).
 
-One program per (row b, tile of BLOCK_H heads, context split). It walks its split of row b's
+``paged_mla_decode_kernel``: one program per (row b, tile of BLOCK_H heads, context split). It walks its split of row b's
 tokens (positions ``first_pos[b] .. context_lens[b] - 1``, from 0 without ``HAS_FIRST``)
 BLOCK_N at a time, fetching each token's cache row through the block table (so any block size
 works, 64 or 6144), and keeps an online softmax: running max ``m``, running sum
 ``row_sum`` and the unnormalised output ``acc`` [BLOCK_H, R]. The split's normalised output and its
-log-sum-exp go to ``o_part`` / ``lse_part``; the caller merges the splits.
+log-sum-exp go to ``o_part`` / ``lse_part``.
+
+``merge_splits_kernel``: one program per (row, head) merges that row's splits by their
+log-sum-exp (``openk3.ops.paged_mla.merge_splits_ref``) and writes the output in its dtype: one
+kernel where the PyTorch merge took a softmax, a batched matmul and a cast.
 """
 
 from __future__ import annotations
@@ -75,3 +79,20 @@ def paged_mla_decode_kernel(
     o_offsets = ((b * num_heads + heads[:, None]) * NUM_SPLITS + split) * R + r[None, :]
     tl.store(o_part_ptr + o_offsets, out, mask=head_ok[:, None] & (r[None, :] < R))
     tl.store(lse_part_ptr + (b * num_heads + heads) * NUM_SPLITS + split, lse, mask=head_ok)
+
+
+@triton.jit
+def merge_splits_kernel(o_part_ptr, lse_part_ptr, out_ptr, R, NUM_SPLITS,
+                        BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr):
+    bh = tl.program_id(0).to(tl.int64)  # row * num_heads + head
+    s = tl.arange(0, BLOCK_S)
+    lse = tl.load(lse_part_ptr + bh * NUM_SPLITS + s, mask=s < NUM_SPLITS, other=float("-inf"))
+    top = tl.max(lse, axis=0)  # finite: every row has a token, so some split has one
+    weights = tl.exp(lse - top)
+    weights = weights / tl.sum(weights, axis=0)  # an empty split (lse -inf) weighs 0
+    for r0 in range(0, R, BLOCK_R):
+        r = r0 + tl.arange(0, BLOCK_R)
+        o = tl.load(o_part_ptr + (bh * NUM_SPLITS + s[:, None]) * R + r[None, :],
+                    mask=(s[:, None] < NUM_SPLITS) & (r[None, :] < R), other=0.0)  # [BLOCK_S, BLOCK_R]
+        merged = tl.sum(o * weights[:, None], axis=0)
+        tl.store(out_ptr + bh * R + r, merged.to(out_ptr.dtype.element_ty), mask=r < R)

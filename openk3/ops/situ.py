@@ -3,6 +3,9 @@
 SiTU-GLU: ``h = [b1 tanh(gate/b1) * sigmoid(gate)] * [b2 tanh(up/b2)]`` in fp32, so
 ``|h| <= b1 * b2`` (100 for K3). The sigmoid takes the *uncapped* gate.
 SwiGLU (Kimi Linear): ``h = silu(gate) * up``.
+The K3 MLA output gate: ``o * sigmoid(gate)`` (``sigmoid_gate``).
+
+On CUDA each runs as one compiled kernel (``openk3.ops.fast.compiled``).
 """
 
 from __future__ import annotations
@@ -32,3 +35,19 @@ def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta1: float = 4.0, beta2: fl
     if gate.shape != up.shape:
         raise ValueError(f"situ_glu: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ")
     return (_situ_glu_fast if use_fast_path(gate) else situ_glu_ref)(gate, up, beta1, beta2)
+
+
+def sigmoid_gate_ref(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """``x * sigmoid(gate)`` in the inputs' dtype: K3's MLA output gate (``g_proj``)."""
+    return x * torch.sigmoid(gate)
+
+
+_sigmoid_gate_fast = compiled(sigmoid_gate_ref)
+
+
+def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """``sigmoid_gate_ref``; one kernel on CUDA instead of a sigmoid and a product (the compiled
+    kernel keeps the sigmoid in fp32 and rounds once)."""
+    if x.shape != gate.shape:
+        raise ValueError(f"sigmoid_gate: x {tuple(x.shape)} and gate {tuple(gate.shape)} differ")
+    return (_sigmoid_gate_fast if use_fast_path(x) else sigmoid_gate_ref)(x, gate)

@@ -158,13 +158,31 @@ assert x["context_lens"].stride(0) == 0 and first_pos.stride(0) == 0
 dense = {**x, "context_lens": x["context_lens"].contiguous(), "block_table": x["block_table"].contiguous()}
 got = _paged_mla_decode_triton(**x, first_pos=first_pos)
 assert rel_err(got, loop(**dense, first_pos=first_pos.contiguous())) < 1e-5
+# the merge kernel against its reference: split counts that fill no tile (3, 200), empty splits
+# (lse -inf, zero outputs) and a row whose only tokens sit in its last split; outputs in bf16
+from openk3.ops.paged_mla import _merge_splits_triton, merge_splits_ref
+torch.manual_seed(0)
+for B, H, S, R, dtype in ((3, 3, 3, 40, torch.float32), (2, 2, 200, 512, torch.bfloat16)):
+    o_part, lse_part = torch.randn(B, H, S, R), 3 * torch.randn(B, H, S)
+    lse_part[0, :, : S - 1] = float("-inf")
+    o_part[0, :, : S - 1] = 0.0
+    lse_part[1, 0, 1::2] = float("-inf")
+    o_part[1, 0, 1::2] = 0.0
+    got, want = _merge_splits_triton(o_part, lse_part, dtype), merge_splits_ref(o_part, lse_part, torch.float32)
+    assert got.dtype == dtype and got.shape == (B, H, R)
+    # fp32 sums in another order, then one rounding to the output dtype: one bf16 ulp (2^-7
+    # relative), as Triton's interpreter truncates to bf16 where the GPU rounds to nearest
+    bound = 1e-5 + (2.0 ** -7 if dtype == torch.bfloat16 else 0.0) * want.abs()
+    assert ((got.float() - want).abs() <= bound).all(), (got.float() - want).abs().max()
+    assert ((got[0].float() - o_part[0, :, S - 1]).abs() <= bound[0]).all()  # its one split's output
 print("ok")
 """
 
 
 def test_kernel_in_the_triton_interpreter():
-    """The Triton kernel on the CPU (TRITON_INTERPRET=1, fp32), with and without first positions;
-    in a subprocess because the interpreter is chosen when the kernel is defined."""
+    """The Triton kernels on the CPU (TRITON_INTERPRET=1, fp32), with and without first positions,
+    and the split merge against its reference (bf16 output too); in a subprocess because the
+    interpreter is chosen when the kernel is defined."""
     run_triton_interpreted(_INTERPRETED)
 
 

@@ -1,9 +1,10 @@
-"""SiTU-GLU against the spec's formula and bound; on GPU, the compiled fast path."""
+"""SiTU-GLU against the spec's formula and bound, the MLA output gate; on GPU, the compiled
+fast paths."""
 
 import pytest
 import torch
 
-from openk3.ops.situ import situ_glu, situ_glu_ref
+from openk3.ops.situ import sigmoid_gate, sigmoid_gate_ref, situ_glu, situ_glu_ref
 
 
 def test_situ_values_and_bound():
@@ -24,6 +25,12 @@ def test_situ_values_and_bound():
         * 25 * torch.tanh(torch.tensor(1.0)).item(), rel=1e-6)
 
 
+def test_sigmoid_gate_is_the_product_and_refuses_other_shapes():
+    x, g = torch.randn(3, 7), torch.randn(3, 7) * 10
+    torch.testing.assert_close(sigmoid_gate(x, g), x / (1 + torch.exp(-g)), rtol=1e-6, atol=1e-7)
+    assert torch.equal(sigmoid_gate(x, torch.zeros(3, 7)), x * 0.5)
+    with pytest.raises(ValueError, match=r"x \(3, 7\) and gate \(3, 1\)"):
+        sigmoid_gate(x, g[:, :1])
 
 
 @pytest.mark.gpu
@@ -32,3 +39,6 @@ def test_fast_path_matches_reference_on_gpu():
     torch.manual_seed(0)
     x = torch.randn(4, 333, 2048, device="cuda", dtype=torch.bfloat16)
     torch.testing.assert_close(situ_glu(x * 5, x), situ_glu_ref(x * 5, x), rtol=1e-2, atol=1e-2)
+    o, g = torch.randn(2, 5, 2048, device="cuda", dtype=torch.bfloat16).unbind(0)
+    # fp32 sigmoid rounded once against the bf16 sigmoid rounded before the product
+    torch.testing.assert_close(sigmoid_gate(o, g * 4), sigmoid_gate_ref(o, g * 4), rtol=1e-2, atol=1e-2)
