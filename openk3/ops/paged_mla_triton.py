@@ -1,11 +1,11 @@
 """The Triton kernels behind ``openk3.ops.paged_mla.paged_mla_decode`` (imported only on CUDA).
 
-``paged_mla_decode_kernel``: one program per (row b, tile of BLOCK_H heads, context split). It walks its split of row b's
-tokens (positions ``first_pos[b] .. context_lens[b] - 1``, from 0 without ``HAS_FIRST``)
-BLOCK_N at a time, fetching each token's cache row through the block table (so any block size
-works, 64 or 6144), and keeps an online softmax: running max ``m``, running sum
-``row_sum`` and the unnormalised output ``acc`` [BLOCK_H, R]. The split's normalised output and its
-log-sum-exp go to ``o_part`` / ``lse_part``.
+``paged_mla_decode_kernel``: one program per (row b, tile of BLOCK_H heads, context split). It
+walks its split of row b's tokens (positions ``first_pos[b] .. context_lens[b] - 1``, from 0
+without ``HAS_FIRST``) BLOCK_N at a time, fetching each token's cache row through the block
+table (so any block size works, 64 or 6144), and keeps an online softmax: running max ``m``,
+running sum ``row_sum`` and the unnormalised output ``acc`` [BLOCK_H, R]. The split's normalised
+output and its log-sum-exp go to ``o_part`` / ``lse_part``.
 
 ``merge_splits_kernel``: one program per (row, head) merges that row's splits by their
 log-sum-exp (``openk3.ops.paged_mla.merge_splits_ref``) and writes the output in its dtype: one

@@ -7,10 +7,10 @@ at the end (as ``openk3.ops.moe_kernels``). It replaces the activation's cast to
 cuBLAS's fp32 GEMM, which runs as two kernels at these sizes (a dot and a reduction, or a GEMM
 and a split-K reduction).
 
-``router_topk_kernel``: one program per token: its E logits in one tile, the sigmoid scores (written out), the biased
-scores, then k rounds of "take the largest, mask it" (the first index among equal values), the
-chosen scores renormalised and scaled in registers. It replaces the sigmoid, bias add, top-k,
-gather, sum and divide kernels of the PyTorch router by one launch.
+``router_topk_kernel``: one program per token: its E logits in one tile, the sigmoid scores
+(written out), the biased scores, then k rounds of "take the largest, mask it" (the first index
+among equal values), the chosen scores renormalised and scaled in registers. It replaces the
+sigmoid, bias add, top-k, gather, sum and divide kernels of the PyTorch router by one launch.
 """
 
 from __future__ import annotations

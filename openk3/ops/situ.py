@@ -5,7 +5,8 @@ SiTU-GLU: ``h = [b1 tanh(gate/b1) * sigmoid(gate)] * [b2 tanh(up/b2)]`` in fp32,
 SwiGLU (Kimi Linear): ``h = silu(gate) * up``.
 The K3 MLA output gate: ``o * sigmoid(gate)`` (``sigmoid_gate``).
 
-On CUDA each runs as one compiled kernel (``openk3.ops.fast.compiled``).
+On CUDA ``situ_glu`` and ``sigmoid_gate`` run as one compiled kernel each
+(``openk3.ops.fast.compiled``).
 """
 
 from __future__ import annotations
