@@ -10,11 +10,17 @@ outside every module is the runner's own: ``(runner)``). Printed per range: kern
 time, and the most frequent kernel names; and the totals. The graph replays the same kernels,
 so the counts are the graph's (its GPU time is lower: no launch gaps).
 
+``--speculative K`` profiles a speculative step instead (issue P9): the model gets one MTP
+layer (random weights) as its draft (``draft="mtp"``), and the step drafts K tokens per row,
+verifies them in one pass of the target and commits the kept positions; the draft layer's
+modules are labelled too, by their classes (the EAGLE-3 draft built from the MTP layer runs
+the target's embedding and LM head, which keep the target's labels).
+
 On the CPU (``--device cpu``, a check of the script) the "kernels" are the leaf ATen ops that
 are not views, attributed the same way on the host's timeline.
 
-Run on the device: ``python benchmarks/decode_census.py [--preset small] [--batch 1]``
-(JSON under $OUT: ``decode_census.json``).
+Run on the device: ``python benchmarks/decode_census.py [--preset small] [--batch 1]
+[--speculative 3]`` (JSON under $OUT: ``decode_census.json``).
 """
 
 from __future__ import annotations
@@ -109,13 +115,19 @@ def main() -> None:
     ap.add_argument("--preset", default="small")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--speculative", type=int, default=0, metavar="K",
+                    help="profile a speculative step with K drafts from an MTP layer (0: a decode step)")
     args = ap.parse_args()
     on_cuda = args.device == "cuda"
     print(environment())
     cfg = preset(args.preset)
+    spec = dict(num_speculative_tokens=args.speculative, draft="mtp") if args.speculative else {}
+    if args.speculative:
+        cfg = cfg.replace(num_nextn_predict_layers=1)
     model = build_model(cfg, device=args.device, dtype=torch.bfloat16 if on_cuda else torch.float32)
     eng = LLMEngine(model, ByteTokenizer(), EngineConfig(max_num_seqs=max(args.batch, 1), max_model_len=1024,
-                                                         cuda_graphs=False, enable_prefix_caching=False),
+                                                         cuda_graphs=False, enable_prefix_caching=False,
+                                                         **spec),
                     eos_token_ids=())
     for i in range(args.batch):
         eng.add_request([(7 * i + j) % cfg.vocab_size for j in range(3, 131)],
@@ -124,21 +136,26 @@ def main() -> None:
         eng.step()
     sync = torch.cuda.synchronize if on_cuda else (lambda: None)
     sync()
-    remove = label_modules(model)
+    drafter = eng.drafter
+    draft = getattr(drafter, "draft", None) or getattr(getattr(drafter, "runner", None), "model", None)
+    removers = [label_modules(m) for m in (model, draft) if isinstance(m, nn.Module)]
     activities = [torch.profiler.ProfilerActivity.CPU] + [torch.profiler.ProfilerActivity.CUDA] * on_cuda
     with torch.profiler.profile(activities=activities) as prof:
         eng.step()
         sync()
-    remove()
+    for remove in removers:
+        remove()
     rows = attribute(prof.events(), on_cuda)
     table = summarise(rows)
     total_us = sum(r["us"] for r in table)
-    print(f"{args.preset}, batch {args.batch}, one eager decode step: {len(rows)} kernels, "
+    step = f"speculative step (K = {args.speculative})" if args.speculative else "decode step"
+    print(f"{args.preset}, batch {args.batch}, one eager {step}: {len(rows)} kernels, "
           f"{total_us / 1e3:.2f} ms of kernel time ({cfg.num_hidden_layers} layers)")
     print(f"{'module':40s} {'kernels':>8s} {'us':>9s}  most frequent")
     for r in table:
         print(f"{r['module'][:40]:40s} {r['kernels']:8d} {r['us']:9.1f}  {r['top']}")
-    write_results("decode_census", [{"preset": args.preset, "batch": args.batch, "module": r["module"],
+    write_results("decode_census", [{"preset": args.preset, "batch": args.batch,
+                                     "speculative": args.speculative, "module": r["module"],
                                      "kernels": r["kernels"], "us": r["us"], "top": r["top"]} for r in table])
 
 

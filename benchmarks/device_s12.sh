@@ -6,7 +6,8 @@
 # 1: the decode steps of `small` at batch 1, 32, 128 and the transformers peer
 #    (serve_bench.py --parts decode peer: the eleventh session's last change, the experts'
 #    three-kernel GEMVs back and the router GEMV limited to 32 tokens, and the MLA decode's split
-#    merge and output gate as one kernel each, are not measured), then the census of one batch-1 step.
+#    merge and output gate as one kernel each, are not measured), then the census of one batch-1
+#    decode step and of one batch-1 speculative step with K = 3 (where P9's verify cost goes).
 # 2: the GPU tests that did not run after the eleventh session's changes (the engine's, the MTP
 #    loss, the verify pass, the paged MLA kernels, the compiled gate), then the experts' GEMVs by rows per program and the router's GEMV
 #    against cuBLAS by batch (moe_decode_bench.py --rows, --router): where ROWS and
@@ -18,6 +19,10 @@ case "${1:?phase}" in
   echo "== rc $?" >> "$OUT/serve.log"
   timeout -k 10 90 python3 benchmarks/decode_census.py --preset small --batch 1 > "$OUT/census_b1.log" 2>&1
   echo "== rc $?" >> "$OUT/census_b1.log"
+  [ -f "$OUT/decode_census.json" ] && mv "$OUT/decode_census.json" "$OUT/decode_census_b1.json"
+  timeout -k 10 120 python3 benchmarks/decode_census.py --preset small --batch 1 --speculative 3 \
+    > "$OUT/census_spec.log" 2>&1
+  echo "== rc $?" >> "$OUT/census_spec.log"
   ;;
 2)
   gpu_tests 300 tests/ops/test_paged_mla.py tests/ops/test_situ.py tests/serve/test_engine_gpu.py \
