@@ -32,7 +32,7 @@ from collections.abc import Sequence
 
 import torch
 
-from openk3.ops.fast import importable, needs_grad, use_fast_path
+from openk3.ops.fast import compile_disabled, importable, needs_grad, use_fast_path
 from openk3.ops.norm import rms_norm
 
 
@@ -46,7 +46,7 @@ def attn_res_agg_ref(sources: Sequence[torch.Tensor], query: torch.Tensor, norm_
     return (weights.unsqueeze(-1) * v).sum(0).to(sources[0].dtype)
 
 
-@torch.compiler.disable(reason="fla-core's Triton AttnRes kernel runs as it is")
+@compile_disabled("fla-core's Triton AttnRes kernel runs as it is")
 def _attn_res_agg_fla(sources: Sequence[torch.Tensor], query: torch.Tensor, norm_weight: torch.Tensor,
                       eps: float, out_norm_weight: torch.Tensor | None = None) -> torch.Tensor:
     from fla.ops.attnres import fused_attnres

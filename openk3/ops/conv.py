@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from openk3.ops.fast import importable, use_fast_path
+from openk3.ops.fast import compile_disabled, importable, use_fast_path
 
 
 def _validate(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor | None,
@@ -110,7 +110,7 @@ def causal_conv1d_ref(x: torch.Tensor, weight: torch.Tensor,
 _FLA_CONV = "fla.modules.causal_conv1d"
 
 
-@torch.compiler.disable(reason="fla-core's Triton conv kernels run as they are")
+@compile_disabled("fla-core's Triton conv kernels run as they are")
 def _conv_fla(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor | None,
               cu_seqlens: torch.Tensor | None,
               cu_seqlens_cpu: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -233,7 +233,7 @@ def causal_conv1d_update_(x: torch.Tensor, weight: torch.Tensor, pool: torch.Ten
     return y[:, 0].view(B, parts, C // parts).transpose(0, 1).contiguous()
 
 
-@torch.compiler.disable(reason="a Triton kernel that updates the pool in place")
+@compile_disabled("a Triton kernel that updates the pool in place")
 def _conv_update_triton(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor,
                         slots: torch.Tensor, parts: int = 1) -> torch.Tensor:
     from openk3.ops.conv_triton import conv_update_kernel

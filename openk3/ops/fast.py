@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import importlib
 import os
+import sys
 import threading
 import warnings
 from typing import Callable
@@ -30,7 +31,57 @@ def needs_grad(*tensors: torch.Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-@torch.compiler.assume_constant_result  # a compiled graph keeps the path chosen when it was traced
+def constant_result(fn: Callable) -> Callable:
+    """``torch.compiler.assume_constant_result`` without importing dynamo: that decorator only
+    sets this attribute on ``fn`` (``torch/_dynamo/decorators.py``; ``tests/ops/test_fast.py``
+    checks that it still does), but importing ``torch._dynamo`` for it costs ~2.3 s of every
+    process's start (each torchrun rank, each ``openk3`` command), where only compiling code
+    needs dynamo."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+# compile_disabled wrappers not yet given their disabled function: (fn, reason, its one-slot cache)
+_PENDING_DISABLED: list[tuple[Callable, str, list]] = []
+
+
+def compile_disabled(reason: str) -> Callable[[Callable], Callable]:
+    """``torch.compiler.disable(reason=reason)`` as a decorator that does not import dynamo (see
+    ``constant_result``). While ``torch._dynamo`` is not imported nothing can trace ``fn``, and the
+    wrapper calls it directly; from then on it calls ``torch.compiler.disable(fn)``, made by
+    ``prepare_compile`` (which openk3's own ``torch.compile`` calls run first, so their traces see
+    the disabled function as before) or at the first call (a trace that meets it first breaks at
+    that call, as it would at the disabled function)."""
+    def decorate(fn: Callable) -> Callable:
+        if "torch._dynamo" in sys.modules:
+            return torch.compiler.disable(fn, reason=reason)
+        disabled: list = []
+        _PENDING_DISABLED.append((fn, reason, disabled))
+
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            if "torch._dynamo" not in sys.modules:  # no tracer exists to keep out
+                return fn(*args, **kwargs)
+            if not disabled:
+                disabled.append(torch.compiler.disable(fn, reason=reason))
+            return disabled[0](*args, **kwargs)
+
+        return call
+
+    return decorate
+
+
+def prepare_compile() -> None:
+    """Import dynamo and give every ``compile_disabled`` function its disabled form: run before
+    ``torch.compile``."""
+    import torch._dynamo  # noqa: F401
+
+    for fn, reason, disabled in _PENDING_DISABLED:
+        if not disabled:
+            disabled.append(torch.compiler.disable(fn, reason=reason))
+
+
+@constant_result  # a compiled graph keeps the path chosen when it was traced
 def _reference_forced() -> bool:
     return os.environ.get("OPENK3_REFERENCE", "0") == "1"
 
@@ -44,7 +95,7 @@ def _imports(module: str) -> bool:
     return True
 
 
-@torch.compiler.assume_constant_result  # dynamo calls it and keeps the result: no import traced
+@constant_result  # dynamo calls it and keeps the result: no import traced
 def importable(module: str) -> bool:
     """Whether ``module`` imports (fla-core's kernels need triton); tried once per module."""
     return _imports(module)
@@ -85,6 +136,7 @@ def compiled(fn: Callable) -> Callable:
 
     @functools.cache
     def get() -> Callable:
+        prepare_compile()
         return torch.compile(fn, dynamic=True, fullgraph=True)
 
     @functools.wraps(fn)
@@ -94,12 +146,13 @@ def compiled(fn: Callable) -> Callable:
         sig = _signature(args)
         if sig in eager:
             return fn(*args, **kwargs)
+        graph = get()  # the first call imports dynamo (prepare_compile)
         config = torch._dynamo.config  # set and restored by hand: 2x cheaper than config.patch
         with _CONFIG_LOCK:
             static, config.force_parameter_static_shapes = config.force_parameter_static_shapes, False
             limit, config.recompile_limit = config.recompile_limit, max(config.recompile_limit, OP_RECOMPILE_LIMIT)
             try:
-                return get()(*args, **kwargs)
+                return graph(*args, **kwargs)
             except torch._dynamo.exc.FailOnRecompileLimitHit:
                 warnings.warn(f"torch.compile of {fn.__name__} hit its recompile limit; running it "
                               f"eagerly for inputs like {sig}")

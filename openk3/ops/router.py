@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from openk3.ops.fast import needs_grad, use_fast_path
+from openk3.ops.fast import compile_disabled, needs_grad, use_fast_path
 from openk3.ops.moe import triton_available
 
 RENORM_EPS = 1e-20
@@ -60,7 +60,7 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, *, backend: str = "auto
     return _router_logits_triton(x, weight)
 
 
-@torch.compiler.disable(reason="a Triton kernel launched as it is")
+@compile_disabled("a Triton kernel launched as it is")
 def _router_logits_triton(x, weight):
     import triton
 
@@ -134,7 +134,7 @@ def router_topk(logits: torch.Tensor, bias: torch.Tensor, k: int, renormalize: b
     return _router_topk_triton(logits, bias, k, renormalize, scale)
 
 
-@torch.compiler.disable(reason="a Triton kernel launched as it is")
+@compile_disabled("a Triton kernel launched as it is")
 def _router_topk_triton(logits, bias, k, renormalize, scale):
     import triton
 

@@ -44,6 +44,7 @@ from torch.utils.checkpoint import checkpoint
 from openk3.model.kda import KDAttention
 from openk3.model.mla import MLAttention
 from openk3.model.moe import MLP, RoutedExperts
+from openk3.ops.fast import prepare_compile
 
 REGIONS = (KDAttention, MLAttention, RoutedExperts, MLP)
 
@@ -87,6 +88,7 @@ def _replace_forward(module: nn.Module, wrap: Callable[[Callable], Callable]) ->
 
 
 def _compiled(forward: Callable, backend: str | Callable) -> Callable:
+    prepare_compile()  # the Triton calls' disabled forms, before anything traces them
     graph = torch.compile(forward, backend=backend, dynamic=None, fullgraph=False)
 
     @functools.wraps(forward)

@@ -42,6 +42,7 @@ from torch.nn.attention.bias import causal_lower_right
 from openk3.model.kda import KDAttention
 from openk3.model.mla import MLAttention
 from openk3.ops.conv import causal_conv1d
+from openk3.ops.fast import compile_disabled
 from openk3.ops.norm import gated_rms_norm
 from openk3.parallel.kcp import kcp_kda
 
@@ -156,7 +157,7 @@ class ContextParallel:
                              f"the batch in flight holds {self.shard.end - self.shard.start}")
         return self.shard
 
-    @torch.compiler.disable(reason="a collective with a collective backward, run as it is")
+    @compile_disabled("a collective with a collective backward, run as it is")
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """[*s] -> [P, *s], differentiable (collective: every rank of the group calls it)."""
         return _AllGather.apply(x, self.group)
@@ -251,7 +252,7 @@ class _GlobalCausalAttention:
         return torch.cat(outs, dim=2).transpose(1, 2)
 
 
-@torch.compiler.disable  # torch 2.11: compiling the memory-efficient attention's backward
+@compile_disabled("torch 2.11 fails to compile the memory-efficient attention's backward")
 def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal attention of the last Tq of Tk positions: q [B, H, Tq, D], k [B, H, Tk, D],
     v [B, H, Tk, Dv] -> [B, H, Tq, Dv] (the mask aligned bottom right).

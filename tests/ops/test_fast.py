@@ -1,7 +1,11 @@
-"""``openk3.ops.fast``: when a fast path is taken, and the ``compiled`` wrapper of the
-elementwise ops (eager fallback at dynamo's recompile limit, one graph across widths)."""
+"""``openk3.ops.fast``: when a fast path is taken, the ``compiled`` wrapper of the
+elementwise ops (eager fallback at dynamo's recompile limit, one graph across widths), and the
+compile markers that do not import dynamo (``constant_result``, ``compile_disabled``)."""
 
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +24,77 @@ def test_fast_path_on_cuda_unless_reference_forced(monkeypatch, reference, expec
     monkeypatch.setenv("OPENK3_REFERENCE", reference)
     assert fast.use_fast_path(CudaLike()) is expected
     assert not fast.use_fast_path(torch.zeros(1))
+
+
+_WITHOUT_DYNAMO = """
+import sys
+import torch
+import openk3, openk3.cli, openk3.serve.engine
+from openk3.ops import fast
+assert "torch._dynamo" not in sys.modules
+calls = []
+@fast.compile_disabled("test")
+def prepared(x):
+    calls.append(torch.compiler.is_compiling())
+    return x + 1
+@fast.compile_disabled("test")
+def lazy(x):
+    calls.append(torch.compiler.is_compiling())
+    return x - 1
+x = torch.randn(4)
+assert torch.equal(prepared(x), x + 1) and "torch._dynamo" not in sys.modules  # called directly
+from torch._dynamo.testing import CompileCounter
+fast.prepare_compile()  # gives `prepared` its disabled form; `lazy` gets its own at its first call
+for fn, graphs in ((prepared, 2), (lazy, None)):
+    counter = CompileCounter()
+    graph = torch.compile(lambda x: fn(x * 2) * 3, backend=counter)
+    assert torch.equal(graph(x), fn(x * 2) * 3)
+    assert graphs is None or counter.frame_count == graphs, counter.frame_count
+assert calls == [False] * 5, calls  # never traced: both ran eagerly under the compiled caller
+print("ok")
+"""
+
+
+def test_importing_openk3_does_not_import_dynamo_and_disabled_functions_stay_out_of_traces():
+    """``import torch._dynamo`` costs ~2.3 s of every process's start (torchrun ranks, CLI calls,
+    test subprocesses), so openk3 imports it only to compile. ``compile_disabled`` functions
+    decorated before that still never get traced: made disabled by ``prepare_compile``, or at
+    their first call under a trace."""
+    run = subprocess.run([sys.executable, "-c", _WITHOUT_DYNAMO], capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parents[2], timeout=120, check=False)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]
+
+
+def test_constant_result_marks_a_function_as_torch_does():
+    def ours():
+        return 1
+
+    def torchs():
+        return 1
+
+    assert fast.constant_result(ours) is ours
+    assert torch.compiler.assume_constant_result(torchs) is torchs
+    assert vars(ours) == vars(torchs) == {"_dynamo_marked_constant": True}
+
+
+def test_compile_disabled_functions_break_the_graph_once_dynamo_is_loaded():
+    calls = []
+
+    @fast.compile_disabled("test: runs as it is")
+    def opaque(x):
+        calls.append(torch.compiler.is_compiling())
+        return x + 1
+
+    def f(x):
+        return opaque(x * 2) * 3
+
+    counter = CompileCounter()
+    fast.prepare_compile()
+    graph = torch.compile(f, backend=counter)
+    x = torch.randn(4)
+    torch.testing.assert_close(graph(x), f(x))
+    assert counter.frame_count == 2  # x * 2, then * 3: opaque runs outside both graphs
+    assert calls == [False, False]  # never traced, run eagerly both times
 
 
 def test_compiled_falls_back_to_eager_when_dynamo_gives_up(monkeypatch):

@@ -120,7 +120,7 @@ import torch
 from openk3.ops.moe import moe_gemv_ref
 from openk3.ops.moe_kernels import moe_gemv_triton
 from tests.ops.test_moe import SHAPES, act_of, experts, routing
-for shape, N in (("odd", 3), ("odd-wide", 2), ("small", 1)):
+for shape, N in (("odd", 3), ("odd-wide", 2)):
     E, k, F, D = SHAPES[shape]
     ex = experts(E, k, F, D, "silu")
     with torch.no_grad():
@@ -134,8 +134,8 @@ print("ok")
 
 
 def test_kernels_in_the_triton_interpreter():
-    """The two Triton kernels on the CPU (TRITON_INTERPRET=1, fp32) against the reference: odd
-    sizes that fill no tile and `small`'s layer. SwiGLU
+    """The Triton kernels on the CPU (TRITON_INTERPRET=1, fp32) against the reference, at sizes
+    that fill no tile (`small`'s layer runs in the GPU tests: ~8 s in the interpreter). SwiGLU
     only: the interpreter has no libdevice ``tanh`` (SiTU runs in the GPU tests)."""
     run_triton_interpreted(_INTERPRETED)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from openk3.ops.fast import importable
+from openk3.ops.fast import compile_disabled, importable
 from openk3.ops.kda.gate import SAFE_LOWER_BOUND, a_log_heads
 
 
@@ -17,7 +17,7 @@ def fla_available() -> bool:
     return importable("fla.ops.kda")
 
 
-@torch.compiler.disable(reason="fla-core's Triton KDA kernels run as they are")
+@compile_disabled("fla-core's Triton KDA kernels run as they are")
 def kda_fla(q, k, v, f, beta, A_log, dt_bias, lower_bound, scale, initial_state,
             output_final_state, use_qk_l2norm, cu_seqlens=None, cu_seqlens_cpu=None):
     """``kda`` on fla's kernels; arguments as ``kda``'s, already validated, ``f`` [B, T, H, K]."""

@@ -18,6 +18,7 @@ import contextlib
 
 import torch
 
+from openk3.ops.fast import compile_disabled
 from openk3.ops.kda.decode import kda_decode_step
 from openk3.ops.kda.dispatch import _validate_kda_inputs
 from openk3.ops.kda.gate import SAFE_LOWER_BOUND, a_log_heads, kda_gate
@@ -74,7 +75,7 @@ def kda_decode_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tens
     return o[:, None]
 
 
-@torch.compiler.disable(reason="fla-core's Triton KDA kernels run as they are")
+@compile_disabled("fla-core's Triton KDA kernels run as they are")
 def _decode_fla(q, k, v, f, beta_logits, A_log, dt_bias, pool, slots, lower_bound, scale, use_qk_l2norm):
     """``kda_decode_`` on fla's ``fused_recurrent_kda`` forward in continuous-batching mode;
     arguments validated, f ``[B, 1, H, K]``. (Runs on CPU tensors too, in Triton's interpreter.)"""

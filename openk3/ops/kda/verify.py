@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import torch
 
-from openk3.ops.fast import use_fast_path
+from openk3.ops.fast import compile_disabled, use_fast_path
 from openk3.ops.kda.dispatch import _validate_kda_inputs
 from openk3.ops.kda.fla import fla_available
 from openk3.ops.kda.gate import SAFE_LOWER_BOUND, a_log_heads, kda_gate
@@ -253,7 +253,7 @@ def rollback_recompute_(pool: torch.Tensor, slots: torch.Tensor, num_kept: torch
     pool.index_copy_(0, slots, S)
 
 
-@torch.compiler.disable(reason="fla-core's Triton KDA kernels run as they are")
+@compile_disabled("fla-core's Triton KDA kernels run as they are")
 def _verify_fla(q, k, v, f, beta, A_log, dt_bias, lower_bound, scale, initial_state,
                 use_qk_l2norm, output_states):
     """``kda_verify`` on ``fused_recurrent_kda``; arguments validated, f ``[B, T, H, K]``."""
@@ -284,7 +284,7 @@ def _verify_fla(q, k, v, f, beta, A_log, dt_bias, lower_bound, scale, initial_st
     return o, states
 
 
-@torch.compiler.disable(reason="fla-core's Triton KDA kernels run as they are")
+@compile_disabled("fla-core's Triton KDA kernels run as they are")
 def _recompute_fla(q, k, v, g, beta, initial_state, scale, use_qk_l2norm):
     """The final state of ``fused_recurrent_kda`` on an already-computed (masked) log decay g."""
     from fla.ops.kda import fused_recurrent_kda
