@@ -280,7 +280,7 @@ class MoE(nn.Module):
         else:  # training: the shared experts' own forward on x's shape, as the dense MLPs' (one
             # compiled graph for both: openk3.parallel.compile)
             down = self.routed_expert_down_proj(xf)
-            out = self.shared_experts(x, None if out is None else out.view(shape)).view(xf.shape)
+            out = self.shared_experts(x, residual).view(xf.shape)
         u = self.experts(down, topk_idx, topk_weight)
         norm = self.routed_expert_norm  # in fp32 (u is), cast to x's dtype in the same kernel
         u = rms_norm(u, norm.weight, norm.eps, out_dtype=x.dtype)

@@ -41,8 +41,8 @@ def constant_result(fn: Callable) -> Callable:
     return fn
 
 
-# compile_disabled wrappers not yet given their disabled function: (fn, reason, its one-slot cache)
-_PENDING_DISABLED: list[tuple[Callable, str, list]] = []
+# per compile_disabled function, the call that makes (once) and returns its disabled form
+_PENDING_DISABLED: list[Callable[[], Callable]] = []
 
 
 def compile_disabled(reason: str) -> Callable[[Callable], Callable]:
@@ -55,16 +55,20 @@ def compile_disabled(reason: str) -> Callable[[Callable], Callable]:
     def decorate(fn: Callable) -> Callable:
         if "torch._dynamo" in sys.modules:
             return torch.compiler.disable(fn, reason=reason)
-        disabled: list = []
-        _PENDING_DISABLED.append((fn, reason, disabled))
+        made: list[Callable] = []
+
+        def disabled() -> Callable:
+            if not made:
+                made.append(torch.compiler.disable(fn, reason=reason))
+            return made[0]
+
+        _PENDING_DISABLED.append(disabled)
 
         @functools.wraps(fn)
         def call(*args, **kwargs):
             if "torch._dynamo" not in sys.modules:  # no tracer exists to keep out
                 return fn(*args, **kwargs)
-            if not disabled:
-                disabled.append(torch.compiler.disable(fn, reason=reason))
-            return disabled[0](*args, **kwargs)
+            return disabled()(*args, **kwargs)
 
         return call
 
@@ -76,9 +80,8 @@ def prepare_compile() -> None:
     ``torch.compile``."""
     import torch._dynamo  # noqa: F401
 
-    for fn, reason, disabled in _PENDING_DISABLED:
-        if not disabled:
-            disabled.append(torch.compiler.disable(fn, reason=reason))
+    for disabled in _PENDING_DISABLED:
+        disabled()
 
 
 @constant_result  # a compiled graph keeps the path chosen when it was traced
