@@ -24,7 +24,7 @@ from openk3 import preset
 from openk3.ops.loss import auto_backend
 from openk3.train.config import run_preset
 from openk3.train.metrics import flops_per_token, peak_flops
-from openk3.train.trainer import build_training, setup_env, train_step
+from openk3.train.trainer import build_training, setup_env, step_function
 
 
 def time_steps(step, steps: int) -> float:
@@ -42,15 +42,18 @@ def openk3_row(args) -> dict:
     balancer, clipping, per-head Muon, compiled layers unless ``--no-compile``) on random tokens,
     and the trainer's own tokens/s and MFU formula."""
     cfg = run_preset(args.preset, batch_size=args.batch, seq_len=args.seq, compile=args.compile,
-                     activation_checkpointing=args.activation_checkpointing, device="cuda")
+                     cuda_graph=args.cuda_graph, activation_checkpointing=args.activation_checkpointing,
+                     device="cuda")
     model_cfg = cfg.model_config()
     env = setup_env(cfg)
     training = build_training(cfg, env, model_cfg)
     g = torch.Generator(device="cuda").manual_seed(0)
     ids = torch.randint(0, model_cfg.vocab_size, (args.batch, args.seq + 1), device="cuda", generator=g)
 
+    train_step = step_function(training, cfg)  # as `openk3 train` runs it (CUDA graphs by default)
+
     def step():
-        train_step(training, [(ids[:, :-1], ids[:, 1:])], cfg)
+        train_step([(ids[:, :-1], ids[:, 1:])])
 
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
@@ -59,7 +62,9 @@ def openk3_row(args) -> dict:
     sec = time_steps(step, args.steps)
     tok_s = args.batch * args.seq / sec
     mfu = tok_s * flops_per_token(model_cfg, args.seq) / peak_flops(env.device, env.dtype)
-    row = {"system": f"openk3 {args.preset}", "compile": cfg.compile, "ckpt": cfg.activation_checkpointing,
+    graphed = getattr(train_step, "graphs", None) is not None
+    row = {"system": f"openk3 {args.preset}", "compile": cfg.compile, "cuda_graph": graphed,
+           "ckpt": cfg.activation_checkpointing,
            "loss_backend": auto_backend(ids), "tokens_per_s": tok_s, "mfu": mfu,
            "first_step_s": first_s, "peak_GiB": torch.cuda.max_memory_allocated() / 2**30}
     if args.profile:  # where the step's time goes
@@ -106,6 +111,8 @@ def main() -> None:
     ap.add_argument("--no-peer", action="store_true")
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                     help="RunConfig.compile (default None: on CUDA)")
+    ap.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
+                    help="RunConfig.cuda_graph (default None: on one GPU)")
     ap.add_argument("--activation-checkpointing", action="store_true")
     ap.add_argument("--profile", action="store_true", help="profile one step (host vs GPU time)")
     args = ap.parse_args()

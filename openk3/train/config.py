@@ -71,6 +71,9 @@ class RunConfig(_DictIO):
     dtype: str = "auto"  # "auto" (bf16 on CUDA, fp32 on CPU), "float32", "bfloat16"
     # torch.compile each decoder layer's attention and MLPs (docs/training.md); None: on CUDA only
     compile: bool | None = None
+    # replay each training step as two CUDA graphs (openk3.train.graphed: one GPU, no FSDP, EP
+    # or CP); None: wherever that applies, falling back to eager steps if capture fails
+    cuda_graph: bool | None = None
     activation_checkpointing: bool = False  # recompute each decoder layer in backward: less memory
     # samples printed at the end
     num_samples: int = 3
@@ -207,8 +210,8 @@ RUN_CONFIG_FILE = "run_config.json"  # in the run directory: {"run": RunConfig, 
 # data, optimiser, schedule shape, seed) and must match.
 RESUMABLE_FIELDS = ("resume", "out", "max_steps", "log_interval", "eval_interval", "eval_batches",
                     "ckpt_interval", "keep_last", "num_samples", "sample_tokens",
-                    "sample_temperature", "device", "batch_size", "compile", "activation_checkpointing",
-                    "cp", "qat", "ep_replicate")
+                    "sample_temperature", "device", "batch_size", "compile", "cuda_graph",
+                    "activation_checkpointing", "cp", "qat", "ep_replicate")
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -60,9 +60,13 @@ def zeropower_via_newtonschulz(G: torch.Tensor, steps: int = 5, eps: float = 1e-
         X = X.mT
     # Frobenius >= spectral norm, so every singular value starts in (0, 1]
     X = X / (X.norm(dim=(-2, -1), keepdim=True) + eps)
+    lead = X.shape[:-2]
+    X = X.reshape(-1, *X.shape[-2:])  # [N, m, n]: every product below is one batched GEMM
     for _ in range(steps):
-        A = X @ X.mT  # [..., m, m]
-        X = a * X + (b * A + c * A @ A) @ X
+        A = X @ X.mT  # [N, m, m]
+        B = torch.baddbmm(A, A, A, beta=b, alpha=c)  # b A + c A^2, scaled in the GEMM's epilogue
+        X = torch.baddbmm(X, B, X, beta=a)  # a X + B X
+    X = X.reshape(*lead, *X.shape[-2:])
     if transposed:
         X = X.mT
     return X.to(G.dtype)
@@ -259,7 +263,12 @@ class Muon(torch.optim.Optimizer):
         for same in kinds.values():
             if wd:
                 torch._foreach_mul_(same, 1 - lr * wd)
-            torch._foreach_add_(same, [updates[p] for p in same], alpha=-lr)
+            steps = [updates[p] for p in same]
+            if isinstance(lr, torch.Tensor):  # a 0-dim device tensor: a CUDA graph reads it there
+                torch._foreach_mul_(steps, lr)
+                torch._foreach_sub_(same, steps)
+            else:
+                torch._foreach_add_(same, steps, alpha=-lr)
 
 
 def _classify(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter], list[nn.Parameter]]:

@@ -100,23 +100,27 @@ class StopFlag:
 
 
 class _ActivationProbe:
-    """max |p| after each decoder layer, recorded only on logging steps."""
+    """max |p| after each decoder layer in training forwards, recorded only on logging steps
+    (``persistent``: on every step, and kept after reading: graphed steps run the hooks at
+    capture only, and each replay refreshes the tensors they recorded)."""
 
     def __init__(self, model) -> None:
         self.values: dict[int, torch.Tensor] = {}
         self.active = False
+        self.persistent = False
         for i, layer in enumerate(model.model.layers):
             layer.register_forward_hook(self._hook(i))
 
     def _hook(self, i: int):
-        def hook(_module, _inputs, output):
-            if self.active:
+        def hook(module, _inputs, output):
+            if self.active and module.training:  # never evaluation's forwards
                 self.values[i] = output.detach().abs().max().float()
         return hook
 
     def read(self) -> list[float]:
         out = [float(self.values[i]) for i in sorted(self.values)]
-        self.values.clear()
+        if not self.persistent:
+            self.values.clear()
         return out
 
 
@@ -176,11 +180,29 @@ def build_training(cfg: RunConfig, env: Env, model_cfg: ModelConfig) -> Training
     return Training(env, model, parallel, optimizers, balancer, autocast)
 
 
+def step_function(t: Training, cfg: RunConfig, probe: _ActivationProbe | None = None) -> Callable:
+    """``batches -> train_step(t, batches, cfg)``, as CUDA graphs where ``cfg.cuda_graph`` asks
+    for them and they apply (``openk3.train.graphed``; the activation probe then records on
+    every step, inside the graph). AdamW's capturable mode follows the choice, whatever a
+    resumed checkpoint's param groups say. Call it after loading a checkpoint."""
+    from openk3.train import graphed
+
+    reason = graphed.unsupported_reason(t, cfg)
+    if cfg.cuda_graph and reason is not None:
+        raise ValueError(f"RunConfig.cuda_graph=True: {reason}")
+    if cfg.cuda_graph is False or reason is not None:
+        graphed.set_capturable(t.optimizers, False)
+        return lambda batches: train_step(t, batches, cfg)
+    if probe is not None:
+        probe.persistent = True
+    return graphed.GraphedTrainStep(t, cfg, strict=bool(cfg.cuda_graph), log=lambda m: _log(t.env, m))
+
+
 def _finite(loss: float, mtp_loss: float | None) -> bool:
     return math.isfinite(loss) and (mtp_loss is None or math.isfinite(mtp_loss))
 
 
-def train_step(t: Training, batches: Iterable[tuple], cfg: RunConfig,
+def train_step(t: Training, batches: Iterable[tuple], cfg: RunConfig, *, set_to_none: bool = True,
                ) -> tuple[float, torch.Tensor, float | None]:
     """One optimisation step over ``cfg.grad_accum`` micro-batches ``(inputs, targets)`` [B, T]
     (or ``(inputs, targets, images)``, ``openk3.vision.preprocess.PackedImages``):
@@ -190,33 +212,49 @@ def train_step(t: Training, batches: Iterable[tuple], cfg: RunConfig,
     The loss differentiated is ``loss + aux_loss_coef * aux + mtp_loss_weight * mtp_loss``
     (aux: the balancer's auxiliary loss, 0 unless ``balance="aux"``; mtp_loss with an MTP
     layer only). Returns (the loss without its MTP term, the gradient norm, the MTP loss or
-    None without an MTP layer); the losses are averaged over micro-batches and ranks."""
+    None without an MTP layer); the losses are averaged over micro-batches and ranks.
+    ``set_to_none=False`` zeroes the gradients in place after the update instead of freeing
+    them (the graphed step, ``openk3.train.graphed``, needs them to stay where they are)."""
     sums = torch.zeros(2, device=t.env.device)  # [loss (+ aux term), MTP loss]
     has_mtp = False
     for inputs, targets, *images in batches:
         inputs, targets = t.parallel.shard_sequence(inputs.to(t.env.device),
                                                     targets.to(t.env.device))
         extra = {"images": images[0].to(t.env.device)} if images else {}
-        with t.autocast():
-            out = t.model(inputs, labels=targets, **extra)
-        loss = out.loss + cfg.aux_loss_coef * t.balancer.aux_loss()
-        sums[0] += loss.detach()
-        if out.mtp_loss is not None:
-            has_mtp = True
-            loss = loss + cfg.mtp_loss_weight * out.mtp_loss
-            sums[1] += out.mtp_loss.detach()
-        (loss / cfg.grad_accum).backward()
-        t.balancer.update()  # biases for the *next* batch; never re-route this one
+        has_mtp = micro_step(t, inputs, targets, sums, cfg, **extra)
     loss_f, mtp_f = mean_over_ranks(sums / cfg.grad_accum).tolist()  # one host sync
     mtp_f = mtp_f if has_mtp else None
     if not _finite(loss_f, mtp_f):
         return loss_f, torch.full((), float("nan")), mtp_f  # the caller stops before the update
+    return loss_f, update_step(t, cfg, set_to_none=set_to_none), mtp_f
+
+
+def micro_step(t: Training, inputs: torch.Tensor, targets: torch.Tensor, sums: torch.Tensor,
+               cfg: RunConfig, **extra) -> bool:
+    """Forward and backward of one micro-batch (on the device, already sharded), then the
+    balancer's update; adds its loss and MTP loss into ``sums`` [2] without a host sync.
+    Returns whether the model has an MTP loss."""
+    with t.autocast():
+        out = t.model(inputs, labels=targets, **extra)
+    loss = out.loss + cfg.aux_loss_coef * t.balancer.aux_loss()
+    sums[0] += loss.detach()
+    if out.mtp_loss is not None:
+        loss = loss + cfg.mtp_loss_weight * out.mtp_loss
+        sums[1] += out.mtp_loss.detach()
+    (loss / cfg.grad_accum).backward()
+    t.balancer.update()  # biases for the *next* batch; never re-route this one
+    return out.mtp_loss is not None
+
+
+def update_step(t: Training, cfg: RunConfig, *, set_to_none: bool = True) -> torch.Tensor:
+    """Gradient reduction and clipping, every optimiser's step, gradients zeroed; returns the
+    gradient norm before clipping (a 0-dim tensor, no host sync)."""
     t.parallel.reduce_gradients()
     grad_norm = t.parallel.clip_grad_norm_(cfg.clip_grad if cfg.clip_grad > 0 else 1e30)
     for opt in t.optimizers:
         opt.step()
-        opt.zero_grad(set_to_none=True)
-    return loss_f, grad_norm, mtp_f
+        opt.zero_grad(set_to_none=set_to_none)
+    return grad_norm
 
 
 def train(cfg: RunConfig) -> dict:
@@ -290,6 +328,7 @@ def train(cfg: RunConfig) -> dict:
     if start and env.is_main:  # rows logged after the checkpoint we resume from are redone
         metrics.truncate_after(start)
     probe = _ActivationProbe(model)
+    step_fn = step_function(training, cfg, probe)
     last_saved = start
     summary: dict = {"start_step": start}
 
@@ -308,10 +347,9 @@ def train(cfg: RunConfig) -> dict:
             mult = schedule(step - 1)
             set_lr(optimizers, mult)
             logging_step = step % cfg.log_interval == 0 or step == cfg.max_steps
-            probe.active = logging_step
+            probe.active = logging_step or probe.persistent
             try:
-                loss_f, grad_norm, mtp_f = train_step(
-                    training, (stream.next_batch() for _ in range(cfg.grad_accum)), cfg)
+                loss_f, grad_norm, mtp_f = step_fn(stream.next_batch() for _ in range(cfg.grad_accum))
             except torch.cuda.OutOfMemoryError as e:
                 raise RuntimeError(_oom_message(cfg)) from e
             if not _finite(loss_f, mtp_f):

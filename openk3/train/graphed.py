@@ -1,0 +1,172 @@
+"""A training step replayed as CUDA graphs: the host stops bounding the step.
+
+Profiled on one H200 (docs/benchmarks.md), an eager ``small`` step spends ~470 ms of wall time
+around ~240 ms of GPU kernels: ~8,500 kernels, each launched through Python (fla's wrappers,
+compiled regions' guards, autograd's ~300 custom ``Function`` nodes, the optimisers' loops).
+Captured once and replayed, the same kernels run back to back and the host only copies the
+next batch in. This is PyTorch's "whole-network capture" (the CUDA graphs notes of its docs),
+split in two graphs so that a non-finite loss still stops the run before any update:
+
+1. ``micro``: forward, backward and the balancer's update of one micro-batch from static input
+   buffers; its loss (and MTP loss) is added into a static ``sums`` tensor. Gradients are
+   accumulated in place into ``.grad`` tensors that exist before capture, so replaying it
+   ``grad_accum`` times accumulates exactly as the eager loop does.
+2. ``update``: clipping, every optimiser's step and the gradients zeroed in place.
+
+Between them the host reads the losses (the one host sync an eager step has too) and writes the
+learning rates of this step into device tensors the ``update`` graph reads.
+
+What capture needs, and where it is provided:
+- no host synchronisation inside the step: routing counts with ``scatter_add`` (never
+  ``bincount``), Quantile Balancing with ``kthvalue``, fla without ``cu_seqlens``;
+- warm state: the first step at a new input shape runs eagerly (Triton autotuning, compilation,
+  optimiser state), then the next one is captured and replayed;
+- optimisers that take a device learning rate: torch's AdamW with ``capturable=True`` and
+  ``Muon`` (``openk3.train.optim``) both read ``group["lr"]`` as a 0-dim tensor. The tensor is
+  placed in the param groups only while the ``update`` graph is captured; the groups keep
+  their float ``lr`` otherwise (``set_lr``, checkpoints), and each replay copies it in.
+
+Python runs only at capture: anything a step does on the host is done once. Hooks that record
+tensors (the balancer's routing, the trainer's activation probe) record the graph's own output
+buffers, which every replay refreshes in place.
+
+One process only (no FSDP, expert or context parallelism: their hooks and collectives run
+Python per step). ``RunConfig.cuda_graph=None`` uses graphs wherever that holds and falls back
+to eager steps, with a message, if a capture fails; ``True`` makes a failed capture an error.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterable
+
+import torch
+
+from openk3.train.config import RunConfig
+from openk3.train.trainer import Training, _finite, micro_step, train_step, update_step
+
+
+def unsupported_reason(t: Training, cfg: RunConfig) -> str | None:
+    """Why ``t`` cannot run graphed steps, or None."""
+    if t.env.device.type != "cuda":
+        return "CUDA graphs need a CUDA device"
+    if t.env.world_size > 1:
+        return "one process only (FSDP, expert and context parallelism run Python per step)"
+    if t.model.cfg.vision_config is not None:
+        return "models with a vision tower train eagerly"
+    return None
+
+
+def set_capturable(optimizers: Iterable[torch.optim.Optimizer], capturable: bool) -> None:
+    """Put torch's AdamW in (or out of) its capturable mode: its step counts live on the
+    parameters' device and its step reads no host value. Safe after ``load_state_dict``, which
+    restores the saved groups' flag and may leave the counts on the host."""
+    for opt in optimizers:
+        if not isinstance(opt, torch.optim.AdamW):
+            continue
+        for group in opt.param_groups:
+            group["capturable"] = capturable
+            for p in group["params"]:
+                step = opt.state.get(p, {}).get("step")
+                if capturable and isinstance(step, torch.Tensor) and step.device != p.device:
+                    opt.state[p]["step"] = step.to(p.device, torch.float32)
+
+
+def _capture(fn: Callable[[], object], pool) -> torch.cuda.CUDAGraph:
+    """Capture ``fn`` into a new graph that allocates from ``pool``."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        fn()
+    return graph
+
+
+class GraphedTrainStep:
+    """``train_step`` with CUDA graphs: call it as ``step(batches)`` with the same arguments and
+    results (the gradient norm is the ``update`` graph's output buffer: read it before the next
+    step). ``strict``: a failed capture raises instead of falling back to eager steps.
+    ``log``: where the fallback's message goes."""
+
+    def __init__(self, t: Training, cfg: RunConfig, *, strict: bool = False,
+                 log: Callable[[str], None] = lambda m: print(m, file=sys.stderr, flush=True)):
+        reason = unsupported_reason(t, cfg)
+        if reason is not None:
+            raise ValueError(f"RunConfig.cuda_graph: {reason}")
+        self.t, self.cfg, self.strict, self.log = t, cfg, strict, log
+        self.eager = False  # set once a capture failed (strict=False)
+        self.shape: tuple | None = None  # the micro-batch shape the graphs were captured at
+        self.warm: tuple | None = None  # the shape of the last eager step
+        self.graphs: tuple[torch.cuda.CUDAGraph, torch.cuda.CUDAGraph] | None = None  # micro, update
+        self.static: dict | None = None  # their input and output buffers
+        set_capturable(t.optimizers, True)
+        self._groups = [g for opt in t.optimizers for g in opt.param_groups]
+
+    def __call__(self, batches: Iterable[tuple]) -> tuple[float, torch.Tensor, float | None]:
+        batches = list(batches)
+        if any(len(b) != 2 for b in batches):
+            raise ValueError("GraphedTrainStep: images are not supported (train eagerly)")
+        shape = tuple(batches[0][0].shape)
+        if self.eager or (shape != self.shape and shape != self.warm):
+            self._release()
+            self.warm = shape  # this shape's first step: autotuning, compilation, lazy state
+            return train_step(self.t, batches, self.cfg, set_to_none=False)
+        if shape != self.shape:
+            try:
+                self._capture_graphs(shape)
+            except Exception as e:  # noqa: BLE001 - any capture failure falls back, or raises
+                self._release()
+                torch.cuda.synchronize()
+                if self.strict:
+                    raise RuntimeError(f"RunConfig.cuda_graph=True: capturing the training step "
+                                       f"failed ({type(e).__name__}: {e})") from e
+                self.eager = True
+                self.log(f"cuda_graph: capturing the training step failed ({type(e).__name__}: {e}); "
+                         "training continues with eager steps")
+                return train_step(self.t, batches, self.cfg, set_to_none=False)
+        return self._replay(batches)
+
+    def _release(self) -> None:
+        self.shape = None
+        self.graphs = None
+        self.static = None
+
+    def _capture_graphs(self, shape: tuple) -> None:
+        t, cfg = self.t, self.cfg
+        device = t.env.device
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # the eager steps' cached blocks, for the graphs' pool
+        inputs = torch.zeros(shape, dtype=torch.long, device=device)
+        targets = torch.zeros(shape, dtype=torch.long, device=device)
+        sums = torch.zeros(2, device=device)
+        lrs = torch.zeros(len(self._groups), device=device)
+        pool = torch.cuda.graph_pool_handle()
+        has_mtp = []
+        micro = _capture(lambda: has_mtp.append(micro_step(t, inputs, targets, sums, cfg)), pool)
+        floats = [g["lr"] for g in self._groups]
+        for g, lr in zip(self._groups, lrs):
+            g["lr"] = lr  # a view: each replay reads the value copied in just before
+        norm = []
+        try:
+            update = _capture(lambda: norm.append(update_step(t, cfg, set_to_none=False)), pool)
+        finally:
+            for g, lr in zip(self._groups, floats):
+                g["lr"] = lr
+        self.graphs = (micro, update)
+        self.static = dict(inputs=inputs, targets=targets, sums=sums, lrs=lrs, grad_norm=norm[0],
+                           has_mtp=has_mtp[0])
+        self.shape = shape
+
+    def _replay(self, batches: list[tuple]) -> tuple[float, torch.Tensor, float | None]:
+        s = self.static
+        micro, update = self.graphs
+        s["sums"].zero_()
+        for inputs, targets in batches:
+            s["inputs"].copy_(inputs, non_blocking=True)
+            s["targets"].copy_(targets, non_blocking=True)
+            micro.replay()
+        loss_f, mtp_f = (s["sums"] / self.cfg.grad_accum).tolist()  # one host sync
+        mtp_f = mtp_f if s["has_mtp"] else None
+        if not _finite(loss_f, mtp_f):
+            return loss_f, torch.full((), float("nan")), mtp_f  # the caller stops before the update
+        s["lrs"].copy_(torch.tensor([g["lr"] for g in self._groups]))
+        update.replay()
+        return loss_f, s["grad_norm"], mtp_f

@@ -1,0 +1,159 @@
+"""Training steps as CUDA graphs (``openk3.train.graphed``): the pieces the graphs rely on, on
+the CPU (a device learning rate in Muon, gradients kept in place, the activation probe), and on
+a GPU the graphed steps against eager ones: same losses, gradient norms and weights, across a
+change of sequence length, and no update after a non-finite loss."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import pytest
+import torch
+
+from openk3 import preset
+from openk3.model import build_model
+from openk3.parallel.parallelize import parallelize
+from openk3.train.balance import Balancer
+from openk3.train.config import RunConfig
+from openk3.train.optim import Muon, build_optimizers, set_lr
+from openk3.train.trainer import Env, Training, _ActivationProbe, build_training, step_function, train_step
+from tests.train.test_trainer import TINY_MODEL
+
+
+def _cpu_training(**run) -> tuple[Training, RunConfig]:
+    cfg = RunConfig(model_overrides=TINY_MODEL, vocab_size=300, device="cpu", **run)
+    model_cfg = cfg.model_config()
+    env = Env(0, 1, torch.device("cpu"), torch.float32)
+    model = build_model(model_cfg, device="cpu", seed=0).train()
+    opts = build_optimizers(model, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    balancer = Balancer(cfg.balance, model_cfg.num_experts, model_cfg.num_experts_per_token).attach(model)
+    return Training(env, model, parallelize(model, env), opts, balancer, nullcontext), cfg
+
+
+def _batch(seed: int, b: int = 2, t: int = 16, vocab: int = 300) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(0, vocab, (b, t + 1), generator=torch.Generator().manual_seed(seed))
+    return ids[:, :-1], ids[:, 1:]
+
+
+@pytest.mark.parametrize("wd", [0.0, 0.1])
+def test_muon_reads_a_tensor_learning_rate(wd):
+    """A 0-dim tensor lr (what the graphed update reads) steps Muon as the float does, up to
+    the rounding of lr * update before the subtraction; a wrong lr would be off by far more."""
+    g = torch.Generator().manual_seed(0)
+    w0, grad = torch.randn(3, 24, 40, generator=g), torch.randn(3, 24, 40, generator=g)
+    steps = []
+    for lr in (0.02, torch.tensor(0.02)):
+        p = torch.nn.Parameter(w0.clone())
+        opt = Muon([p], lr=0.02, weight_decay=wd)
+        opt.param_groups[0]["lr"] = lr
+        for _ in range(2):
+            p.grad = grad.clone()
+            opt.step()
+        steps.append(p.detach() - w0)
+    torch.testing.assert_close(steps[1], steps[0], rtol=1e-5, atol=1e-7)
+    assert (steps[0] - steps[1]).abs().max() < 1e-3 * steps[0].abs().max()
+
+
+def test_step_function_is_eager_on_cpu_and_refuses_graphs_there():
+    t, cfg = _cpu_training()
+    step = step_function(t, cfg)
+    assert not hasattr(step, "graphs")
+    loss, norm, _ = step([_batch(0)])
+    assert loss > 0 and norm > 0
+    t, cfg = _cpu_training(cuda_graph=True)
+    with pytest.raises(ValueError, match="RunConfig.cuda_graph=True: CUDA graphs need a CUDA device"):
+        step_function(t, cfg)
+
+
+def test_gradients_stay_in_place_and_steps_are_unchanged():
+    """``set_to_none=False`` (the graphed step's warm-up) zeroes the same gradient tensors in
+    place and steps exactly as the default does."""
+    runs = []
+    for set_to_none in (True, False):
+        t, cfg = _cpu_training(grad_accum=2)
+        out = [train_step(t, [_batch(2 * s), _batch(2 * s + 1)], cfg, set_to_none=set_to_none)
+               for s in range(2)]
+        grads = [p.grad for p in t.model.parameters()]
+        ptrs = [g.data_ptr() for g in grads if g is not None]
+        set_lr(t.optimizers, 0.5)
+        train_step(t, [_batch(8), _batch(9)], cfg, set_to_none=set_to_none)
+        runs.append((out, [p.detach().clone() for p in t.model.parameters()]))
+        if set_to_none:
+            assert all(g is None for g in grads)
+        else:
+            assert ptrs and all(g is None or not g.any() for g in grads)
+            assert [p.grad.data_ptr() for p in t.model.parameters() if p.grad is not None] == ptrs
+    (out_a, w_a), (out_b, w_b) = runs
+    assert [o[0] for o in out_a] == [o[0] for o in out_b]
+    for a, b in zip(w_a, w_b):
+        assert torch.equal(a, b)
+
+
+def test_probe_keeps_training_values_and_ignores_evaluation():
+    model = build_model(preset("debug").replace(**TINY_MODEL, vocab_size=300), device="cpu").train()
+    probe = _ActivationProbe(model)
+    probe.active = probe.persistent = True
+    ids, _ = _batch(0)
+    model(ids)
+    first = probe.read()
+    assert len(first) == TINY_MODEL["num_hidden_layers"] and probe.read() == first  # kept
+    model.eval()
+    with torch.no_grad():
+        model(ids * 0 + 7)
+    assert probe.read() == first  # the evaluation forward recorded nothing
+
+
+# `small`'s widths with four layers: fla's kernels then find `small`'s autotuning results in the
+# carried Triton cache (tiny widths took minutes of autotuning on a fresh machine)
+GPU_MODEL = {"num_hidden_layers": 4, "full_attn_layers": [4], "attn_res_block_size": 2}
+
+
+def _gpu_training(**run) -> tuple[Training, RunConfig]:
+    cfg = RunConfig(preset="small", model_overrides=GPU_MODEL, device="cuda", compile=False, **run)
+    t = build_training(cfg, Env(0, 1, torch.device("cuda"), torch.bfloat16), cfg.model_config())
+    return t, cfg
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_graphed_steps_match_eager_steps():
+    """Six steps with two micro-batches each, the learning rate changing every step and the
+    sequence length changing after three: the graphed trainer (eager first step at each
+    length, then capture and replay) against eager steps of the same model, AdamW capturable
+    in both. fla's backward and the MoE's scatter-adds sum in a run-dependent order, so the
+    comparison has tolerances; a lost accumulation or a missed zeroing changes the gradient
+    norm by ~2x."""
+    from openk3.train.graphed import GraphedTrainStep, set_capturable
+
+    eager_t, cfg = _gpu_training(grad_accum=2)
+    graph_t, _ = _gpu_training(grad_accum=2)
+    set_capturable(eager_t.optimizers, True)
+    graphed = GraphedTrainStep(graph_t, cfg, strict=True)
+    results = {"eager": [], "graphed": []}
+    for step in range(6):
+        t = 64 if step < 3 else 128
+        batches = [tuple(x.cuda() for x in _batch(10 * step + i, t=t)) for i in range(2)]
+        for name, tr, fn in (("eager", eager_t, lambda b: train_step(eager_t, b, cfg, set_to_none=False)),
+                             ("graphed", graph_t, graphed)):
+            set_lr(tr.optimizers, 1.0 - 0.1 * step)
+            loss, norm, _ = fn(batches)
+            results[name].append((loss, float(norm)))
+        if step in (1, 4):  # the second step at each length is the first replay
+            assert graphed.graphs is not None and graphed.shape == (2, t)
+    for (le, ne), (lg, ng) in zip(results["eager"], results["graphed"]):
+        assert lg == pytest.approx(le, rel=2e-3)
+        assert ng == pytest.approx(ne, rel=2e-2)
+    for (n, a), b in zip(eager_t.model.named_parameters(), graph_t.model.parameters()):
+        torch.testing.assert_close(b, a, rtol=0, atol=5e-3, msg=n)
+
+    # a non-finite loss: the losses come back, the update graph is not replayed
+    embed = graph_t.model.model.embed_tokens.weight
+    before = {n: p.detach().clone() for n, p in graph_t.model.named_parameters() if p is not embed}
+    with torch.no_grad():
+        embed[5] = float("nan")
+    ids = torch.full((2, 128), 5, device="cuda")
+    loss, norm, _ = graphed([(ids, ids), (ids, ids)])
+    assert loss != loss and norm != norm
+    for n, p in graph_t.model.named_parameters():
+        if p is not embed:
+            assert torch.equal(p, before[n]), n
