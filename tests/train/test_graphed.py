@@ -16,7 +16,14 @@ from openk3.parallel.parallelize import parallelize
 from openk3.train.balance import Balancer
 from openk3.train.config import RunConfig
 from openk3.train.optim import Muon, build_optimizers, set_lr
-from openk3.train.trainer import Env, Training, _ActivationProbe, build_training, step_function, train_step
+from openk3.train.trainer import (
+    Env,
+    Training,
+    _ActivationProbe,
+    build_training,
+    step_function,
+    train_step,
+)
 from tests.train.test_trainer import TINY_MODEL
 
 
