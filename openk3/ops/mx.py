@@ -30,6 +30,8 @@ Example::
     True
 """
 
+import functools
+
 import torch
 
 MX_BLOCK_SIZE = 32
@@ -48,6 +50,15 @@ _FP4_E2M1_MAGNITUDES = FP4_E2M1_VALUES[:8]
 # Exact midpoints between neighbouring magnitudes, used for round-to-nearest.
 _FP4_E2M1_MIDPOINTS = (_FP4_E2M1_MAGNITUDES[:-1] + _FP4_E2M1_MAGNITUDES[1:]) / 2
 _FP4_E2M1_EMAX = 2  # largest magnitude 6 = 1.5 * 2^2
+
+
+@functools.cache
+def _table_on(name: str, device: torch.device) -> torch.Tensor:
+    """A lookup table copied to ``device`` once: a copy per call would be a host-to-device
+    transfer inside every quantisation, which a CUDA graph cannot capture."""
+    return {"values": FP4_E2M1_VALUES, "midpoints": _FP4_E2M1_MIDPOINTS}[name].to(device)
+
+
 _FP8_E4M3_EMAX = 8  # largest magnitude 448 = 1.75 * 2^8
 _FP8_E4M3_MAX = 448.0
 
@@ -128,7 +139,7 @@ def mxfp4_dequantize(
             f"(one scale per {MX_BLOCK_SIZE} elements)"
         )
     codes = unpack_fp4(weight_packed)  # [..., cols]
-    values = FP4_E2M1_VALUES.to(weight_packed.device)[codes.long()]
+    values = _table_on("values", weight_packed.device)[codes.long()]
     values_blocked = values.unflatten(-1, (-1, MX_BLOCK_SIZE))  # [..., cols/32, 32]
     scale = e8m0_to_float(weight_scale).unsqueeze(-1)  # [..., cols/32, 1]
     return (values_blocked * scale).flatten(-2).to(dtype)
@@ -170,7 +181,7 @@ def _round_to_e2m1_codes(scaled: torch.Tensor) -> torch.Tensor:
     2.5->2, 3.5->4, 5->4. Magnitudes above 6 saturate to 6.
     """
     magnitude = scaled.abs()
-    midpoints = _FP4_E2M1_MIDPOINTS.to(scaled.device)
+    midpoints = _table_on("midpoints", scaled.device)
     # searchsorted(right=False) sends a value equal to midpoints[i] to index i, the lower
     # neighbour; move such ties up when i is odd so they land on the even index. Values
     # above the last midpoint (5) get index 7, which is the saturation to 6.
