@@ -252,13 +252,16 @@ def test_two_process_context_parallel_run_matches_one_process(corpus, tmp_path):
         assert abs(a - b) < 1e-4 * abs(b), (rows, single)
 
 
-def test_four_process_moonep_run_resumes_on_four_and_on_two(corpus, tmp_path):
+def test_four_process_moonep_run_resumes_on_two(corpus, tmp_path):
     """4 ranks, --ep 2: two expert-parallel groups, each holding every expert once, whose expert
     gradients are averaged across the groups: the losses of one process with the global batch.
-    Its checkpoint at step 2 resumes on 4 processes bit for bit, and on 2 processes of batch 2
-    (the same global batch; FSDP's shards and the expert replicas re-sliced) to within 1e-5:
-    fewer ranks sum the gradients in another fp32 order, so the losses may differ in the last
-    bits (on this CPU they come out identical, which the test does not require)."""
+    Its checkpoint at step 2 resumes on 2 processes of batch 2 (the same global batch; FSDP's
+    shards and the expert replicas re-sliced) to within 1e-5: fewer ranks sum the gradients in
+    another fp32 order, so the losses may differ in the last bits (on this CPU they come out
+    identical, which the test does not require). Resuming on the same 4 processes bit for bit
+    was a third launch (~20 s of CI), dropped in the twelfth session to keep the suite under ten
+    minutes: the same save and load path is exact on 2 processes with FSDP and MoonEP
+    (``test_two_process_resume_after_a_save_killed_midway_is_exact``)."""
     run = tmp_path / "run"
     cfg = _resumable_cfg(corpus, run, ep=2)
     _torchrun_train(cfg, nproc=4)
@@ -268,9 +271,6 @@ def test_four_process_moonep_run_resumes_on_four_and_on_two(corpus, tmp_path):
     assert len(straight) == 4
     for a, b in zip(straight, single):
         assert abs(a - b) < 1e-4 * abs(b), (straight, single)
-    crash_after(run, 2)
-    _torchrun_train(dataclasses.replace(cfg, resume=True), nproc=4)
-    assert _losses(run) == straight
     crash_after(run, 2)
     _torchrun_train(dataclasses.replace(cfg, resume=True, batch_size=2), nproc=2)
     resharded = _losses(run)
