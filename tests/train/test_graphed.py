@@ -110,6 +110,52 @@ def test_probe_keeps_training_values_and_ignores_evaluation():
     assert probe.read() == first  # the evaluation forward recorded nothing
 
 
+@pytest.mark.parametrize("fail_at", [1, 2], ids=["micro", "update"])
+def test_a_failed_capture_falls_back_to_eager_steps(monkeypatch, fail_at):
+    """The graphed trainer's own logic on the CPU, with the CUDA calls stubbed and the capture
+    failing (in the first or the second graph): the first step runs eagerly, the second tries
+    to capture, says why it failed and runs eagerly, and every later step is eager; the
+    losses and weights are those of plain eager steps, and the param groups keep their float
+    learning rates. ``strict`` turns the failure into an error naming the setting."""
+    from openk3.train import graphed
+
+    for name in ("synchronize", "empty_cache", "graph_pool_handle"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, **k: None)
+    monkeypatch.setattr(graphed, "unsupported_reason", lambda t, cfg: None)
+    monkeypatch.setattr(graphed, "set_capturable", lambda opts, flag: None)  # CUDA-only in torch
+    calls = []
+
+    def capture(fn, pool):
+        calls.append(fn)
+        if len(calls) == fail_at:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return object()
+
+    monkeypatch.setattr(graphed, "_capture", capture)
+    plain, cfg = _cpu_training()
+    t, _ = _cpu_training()
+    messages = []
+    step = graphed.GraphedTrainStep(t, cfg, log=messages.append)
+    for s in range(4):
+        set_lr(plain.optimizers, 1 - 0.2 * s)
+        set_lr(t.optimizers, 1 - 0.2 * s)
+        want = train_step(plain, [_batch(s)], cfg, set_to_none=False)
+        got = step([_batch(s)])
+        assert got[0] == want[0] and torch.equal(got[1], want[1])
+    assert len(calls) == fail_at and step.eager and step.graphs is None
+    assert len(messages) == 1 and "capturing the training step failed (RuntimeError: operation" in messages[0]
+    assert all(isinstance(g["lr"], float) for opt in t.optimizers for g in opt.param_groups)
+    for a, b in zip(plain.model.parameters(), t.model.parameters()):
+        assert torch.equal(a, b)
+
+    calls.clear()
+    t, _ = _cpu_training()
+    strict = graphed.GraphedTrainStep(t, cfg, strict=True)
+    strict([_batch(0)])
+    with pytest.raises(RuntimeError, match="RunConfig.cuda_graph=True: capturing the training step failed"):
+        strict([_batch(1)])
+
+
 # `small`'s widths with four layers: fla's kernels then find `small`'s autotuning results in the
 # carried Triton cache (tiny widths took minutes of autotuning on a fresh machine)
 GPU_MODEL = {"num_hidden_layers": 4, "full_attn_layers": [4], "attn_res_block_size": 2}
