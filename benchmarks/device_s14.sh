@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The next one-GPU session's calls (written in the twelfth), issue P7 first:
-#   run(command="bash benchmarks/device_s14.sh N", kind="nvidia-h200", carry=[".whl", ".triton-cache", ".before"], timeout_s=595)
+#   run(command="bash benchmarks/device_s14.sh N", kind="nvidia-h200", carry=[".whl", ".triton-cache", ".before", ".warm"], timeout_s=595)
+# (.warm: the last call's warm.tgz unpacked, benchmarks/device_common.sh; absent on the first call)
 # .before holds the eleventh session's package: `git archive c412b69 openk3 | tar -x -C .before`.
 # The machine is released 30 s after a call: make the next call at once, or pay its start again.
 # 1: the graphed step's GPU test (graphed against eager steps; `small`'s widths, four layers),
