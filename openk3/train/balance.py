@@ -196,8 +196,11 @@ def qb_update_histogram(scores: torch.Tensor, bias: torch.Tensor, k: int, num_bi
 
 
 def expert_loads(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """Number of (token, slot) pairs routed to each expert: [N, k] -> [E] int64."""
-    return torch.bincount(topk_idx.reshape(-1), minlength=num_experts)
+    """Number of (token, slot) pairs routed to each expert: [N, k] -> [E] int64. A scatter-add,
+    not ``bincount``, which reads the largest id on the host (a CUDA graph cannot capture it)."""
+    idx = topk_idx.reshape(-1).long()
+    loads = torch.zeros(num_experts, dtype=torch.long, device=idx.device)
+    return loads.scatter_add_(0, idx, torch.ones_like(idx))
 
 
 def sign_update(topk_idx: torch.Tensor, bias: torch.Tensor, num_experts: int, gamma: float = 1e-3,

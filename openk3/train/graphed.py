@@ -17,8 +17,11 @@ Between them the host reads the losses (the one host sync an eager step has too)
 learning rates of this step into device tensors the ``update`` graph reads.
 
 What capture needs, and where it is provided:
-- no host synchronisation inside the step: routing counts with ``scatter_add`` (never
-  ``bincount``), Quantile Balancing with ``kthvalue``, fla without ``cu_seqlens``;
+- no host synchronisation inside the step: routing counts and the balancers' expert loads
+  with ``scatter_add`` (never ``bincount``), Quantile Balancing with ``kthvalue``, fla
+  without ``cu_seqlens``, lookup tables already on the device;
+- gradients that exist before capture and stay the same tensors (checked after capture: one
+  made during it would be overwritten by each replay, not accumulated into);
 - warm state: the first step at a new input shape runs eagerly (Triton autotuning, compilation,
   optimiser state), then the next one is captured and replayed;
 - optimisers that take a device learning rate: torch's AdamW with ``capturable=True`` and
@@ -68,16 +71,35 @@ def set_capturable(optimizers: Iterable[torch.optim.Optimizer], capturable: bool
             group["capturable"] = capturable
             for p in group["params"]:
                 step = opt.state.get(p, {}).get("step")
-                if capturable and isinstance(step, torch.Tensor) and step.device != p.device:
-                    opt.state[p]["step"] = step.to(p.device, torch.float32)
+                if not isinstance(step, torch.Tensor):
+                    continue
+                # capturable: counts on the parameter's device; else on the host, where the
+                # eager step reads them without a device sync per parameter
+                device = p.device if capturable else torch.device("cpu")
+                if step.device != device:
+                    opt.state[p]["step"] = step.to(device, torch.float32)
 
 
 def _capture(fn: Callable[[], object], pool) -> torch.cuda.CUDAGraph:
-    """Capture ``fn`` into a new graph that allocates from ``pool``."""
+    """Capture ``fn`` into a new graph that allocates from ``pool``. The caller's stream is
+    current again afterwards, also when the capture fails (``torch.cuda.graph`` then leaves
+    its capture stream current)."""
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        fn()
+    stream = torch.cuda.current_stream()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            fn()
+    finally:
+        torch.cuda.set_stream(stream)
     return graph
+
+
+def _root_cause(e: BaseException) -> BaseException:
+    """The first exception of a chain: a capture that fails inside ``fn`` raises again when
+    the capture ends, and that second error hides the first."""
+    while e.__context__ is not None and not e.__suppress_context__:
+        e = e.__context__
+    return e
 
 
 class GraphedTrainStep:
@@ -98,7 +120,7 @@ class GraphedTrainStep:
         self.graphs: tuple[torch.cuda.CUDAGraph, torch.cuda.CUDAGraph] | None = None  # micro, update
         self.static: dict | None = None  # their input and output buffers
         set_capturable(t.optimizers, True)
-        self._groups = [g for opt in t.optimizers for g in opt.param_groups]
+        self._groups: list[dict] = []  # the param groups the update graph was captured with
 
     def __call__(self, batches: Iterable[tuple]) -> tuple[float, torch.Tensor, float | None]:
         batches = list(batches)
@@ -109,50 +131,72 @@ class GraphedTrainStep:
             self._release()
             self.warm = shape  # this shape's first step: autotuning, compilation, lazy state
             return train_step(self.t, batches, self.cfg, set_to_none=False)
+        groups = self._current_groups()
+        if shape == self.shape and (len(groups) != len(self._groups)
+                                    or any(a is not b for a, b in zip(groups, self._groups))):
+            self._release()  # an optimiser's state was loaded: its param groups are new dicts
         if shape != self.shape:
+            grads = {p: p.grad for p in self.t.model.parameters()}
             try:
-                self._capture_graphs(shape)
+                self._capture_graphs(shape, grads)
             except Exception as e:  # noqa: BLE001 - any capture failure falls back, or raises
                 self._release()
+                for p, g in grads.items():  # none made during the capture (pool memory)
+                    p.grad = g
                 torch.cuda.synchronize()
+                cause = _root_cause(e)
+                why = f"{type(cause).__name__}: {cause}"
                 if self.strict:
                     raise RuntimeError(f"RunConfig.cuda_graph=True: capturing the training step "
-                                       f"failed ({type(e).__name__}: {e})") from e
+                                       f"failed ({why})") from e
                 self.eager = True
-                self.log(f"cuda_graph: capturing the training step failed ({type(e).__name__}: {e}); "
-                         "training continues with eager steps")
+                self.log(f"cuda_graph: capturing the training step failed ({why}); training "
+                         "continues with eager steps")
                 return train_step(self.t, batches, self.cfg, set_to_none=False)
         return self._replay(batches)
+
+    def _current_groups(self) -> list[dict]:
+        return [g for opt in self.t.optimizers for g in opt.param_groups]
 
     def _release(self) -> None:
         self.shape = None
         self.graphs = None
         self.static = None
 
-    def _capture_graphs(self, shape: tuple) -> None:
+    def _capture_graphs(self, shape: tuple, grads: dict) -> None:
+        """Capture both graphs at micro-batch ``shape``. ``grads``: every parameter's gradient
+        before capture; each must be the same tensor after it (or still None), because a
+        gradient first made during capture would live in the graph's pool and be overwritten,
+        not accumulated, by every replay."""
         t, cfg = self.t, self.cfg
         device = t.env.device
         torch.cuda.synchronize()
         torch.cuda.empty_cache()  # the eager steps' cached blocks, for the graphs' pool
+        groups = self._current_groups()
         inputs = torch.zeros(shape, dtype=torch.long, device=device)
         targets = torch.zeros(shape, dtype=torch.long, device=device)
         sums = torch.zeros(2, device=device)
-        lrs = torch.zeros(len(self._groups), device=device)
+        lrs = torch.zeros(len(groups), device=device)
+        grad_norm = torch.zeros((), device=device)  # outside the pool: kept until the next update
         pool = torch.cuda.graph_pool_handle()
         has_mtp = []
         micro = _capture(lambda: has_mtp.append(micro_step(t, inputs, targets, sums, cfg)), pool)
-        floats = [g["lr"] for g in self._groups]
-        for g, lr in zip(self._groups, lrs):
+        changed = [n for n, p in t.model.named_parameters() if p.grad is not grads[p]]
+        if changed:
+            raise RuntimeError(f"the captured backward made new gradient tensors for {changed[:3]} "
+                               f"({len(changed)} in all): they would not accumulate across replays")
+        floats = [g["lr"] for g in groups]
+        for g, lr in zip(groups, lrs):
             g["lr"] = lr  # a view: each replay reads the value copied in just before
-        norm = []
         try:
-            update = _capture(lambda: norm.append(update_step(t, cfg, set_to_none=False)), pool)
+            update = _capture(lambda: grad_norm.copy_(update_step(t, cfg, set_to_none=False)), pool)
         finally:
-            for g, lr in zip(self._groups, floats):
+            for g, lr in zip(groups, floats):
                 g["lr"] = lr
         self.graphs = (micro, update)
-        self.static = dict(inputs=inputs, targets=targets, sums=sums, lrs=lrs, grad_norm=norm[0],
+        self.static = dict(inputs=inputs, targets=targets, sums=sums, lrs=lrs, grad_norm=grad_norm,
                            has_mtp=has_mtp[0])
+        self._groups = groups
         self.shape = shape
 
     def _replay(self, batches: list[tuple]) -> tuple[float, torch.Tensor, float | None]:
