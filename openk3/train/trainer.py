@@ -329,6 +329,13 @@ def train(cfg: RunConfig) -> dict:
         metrics.truncate_after(start)
     probe = _ActivationProbe(model)
     step_fn = step_function(training, cfg, probe)
+    if env.device.type == "cuda":
+        from openk3.train.graphed import GraphedTrainStep, unsupported_reason
+
+        graphs = isinstance(step_fn, GraphedTrainStep)
+        why = None if graphs else unsupported_reason(training, cfg) or "--no-cuda-graph"
+        _log(env, "steps: CUDA graphs from the second step at each sequence length (--no-cuda-graph: "
+                  "eager)" if graphs else f"steps: eager ({why})")
     last_saved = start
     summary: dict = {"start_step": start}
 
