@@ -7,8 +7,7 @@
 #    .before: `git archive c412b69 openk3 | tar -x -C .before`) and after, side by side on the
 #    GPU, while the graphed step's GPU test runs (with stack dumps if it hangs):
 #    run(..., carry=[".whl", ".triton-cache", ".before"])
-# 3: the graphed step profiled (its kernels by GPU time), and the eager step in the same call.
-# 4: the graphed step's GPU test alone.
+# 4: the graphed step's GPU test alone. (Phase 3, the profile, moved to device_s14.sh 1 unrun.)
 source "$(dirname "$0")/device_common.sh"
 case "${1:?phase}" in
 1)
@@ -30,19 +29,11 @@ case "${1:?phase}" in
   echo "== rc $?" >> "$OUT/gpu_tests.log"
   wait
   ;;
-3)
-  timeout -k 10 250 python3 benchmarks/train_throughput.py --batch 4 --seq 4096 --steps 10 --no-peer \
-    --profile > "$OUT/profile_graphed.log" 2>&1
-  echo "== rc $?" >> "$OUT/profile_graphed.log"
-  timeout -k 10 200 python3 benchmarks/train_throughput.py --batch 4 --seq 4096 --steps 10 --no-peer \
-    --no-cuda-graph > "$OUT/eager.log" 2>&1
-  echo "== rc $?" >> "$OUT/eager.log"
-  ;;
 4)  # the graphed step's GPU test alone (phase 2's ran out of time in fla's autotuning)
   timeout -k 5 260 python3 -m pytest -m gpu tests/train/test_graphed.py -x -q -s -p no:cacheprovider \
     -o faulthandler_timeout=250 > "$OUT/gpu_tests.log" 2>&1
   echo "== rc $?" >> "$OUT/gpu_tests.log"
   ;;
-*) echo "phase 1, 2, 3 or 4" >&2; exit 2 ;;
+*) echo "phase 1, 2 or 4" >&2; exit 2 ;;
 esac
 summary

@@ -184,15 +184,19 @@ def step_function(t: Training, cfg: RunConfig, probe: _ActivationProbe | None = 
     """``batches -> train_step(t, batches, cfg)``, as CUDA graphs where ``cfg.cuda_graph`` asks
     for them and they apply (``openk3.train.graphed``; the activation probe then records on
     every step, inside the graph). AdamW's capturable mode follows the choice, whatever a
-    resumed checkpoint's param groups say. Call it after loading a checkpoint."""
+    resumed checkpoint's param groups say. Call it after loading a checkpoint. On CUDA it says
+    which it chose, and why."""
     from openk3.train import graphed
 
     reason = graphed.unsupported_reason(t, cfg)
     if cfg.cuda_graph and reason is not None:
         raise ValueError(f"RunConfig.cuda_graph=True: {reason}")
     if cfg.cuda_graph is False or reason is not None:
+        if t.env.device.type == "cuda":
+            _log(t.env, f"steps: eager ({reason or '--no-cuda-graph'})")
         graphed.set_capturable(t.optimizers, False)
         return lambda batches: train_step(t, batches, cfg)
+    _log(t.env, "steps: CUDA graphs from the second step at each sequence length (--no-cuda-graph: eager)")
     if probe is not None:
         probe.persistent = True
     return graphed.GraphedTrainStep(t, cfg, strict=bool(cfg.cuda_graph), log=lambda m: _log(t.env, m))
@@ -329,13 +333,6 @@ def train(cfg: RunConfig) -> dict:
         metrics.truncate_after(start)
     probe = _ActivationProbe(model)
     step_fn = step_function(training, cfg, probe)
-    if env.device.type == "cuda":
-        from openk3.train.graphed import GraphedTrainStep, unsupported_reason
-
-        graphs = isinstance(step_fn, GraphedTrainStep)
-        why = None if graphs else unsupported_reason(training, cfg) or "--no-cuda-graph"
-        _log(env, "steps: CUDA graphs from the second step at each sequence length (--no-cuda-graph: "
-                  "eager)" if graphs else f"steps: eager ({why})")
     last_saved = start
     summary: dict = {"start_step": start}
 
