@@ -93,6 +93,7 @@ def profile(fn, label: str, rows: int = 20) -> dict:
     summary = {"profile": label, "wall_ms": 1e3 * wall, "gpu_busy_ms": 1e3 * busy,
                "kernels": len(kernels), "launch_calls": launches}
     print(summary)
+    _save_profile(label, kernels, prof)
     table = prof.key_averages()
     print(table.table(sort_by="self_cpu_time_total", row_limit=rows))
     print(table.table(sort_by="self_device_time_total", row_limit=rows))
@@ -106,3 +107,23 @@ def profile(fn, label: str, rows: int = 20) -> dict:
     pstats.Stats(pr, stream=text).sort_stats("cumulative").print_stats(rows)
     print(text.getvalue(), flush=True)
     return summary
+
+
+def _save_profile(label: str, kernels: list, prof) -> None:
+    """On the device, save under $OUT every kernel name's GPU time and count and every op's own
+    GPU time: enough to sort the whole step into categories offline, where the printed tables
+    show only the top rows (which module launches what: ``benchmarks/train_census.py``)."""
+    out = os.environ.get("OUT")
+    if not out:
+        return
+    by_kernel: dict[str, list[float]] = {}
+    for e in kernels:
+        row = by_kernel.setdefault(e.name, [0.0, 0])
+        row[0] += e.time_range.elapsed_us()
+        row[1] += 1
+    ops = [{"op": a.key, "self_gpu_us": a.self_device_time_total, "calls": a.count}
+           for a in prof.key_averages() if a.self_device_time_total > 0]
+    name = "".join(c if c.isalnum() else "_" for c in label)
+    with open(os.path.join(out, f"profile_{name}.json"), "w") as fh:
+        json.dump({"kernels": sorted(([k, t, n] for k, (t, n) in by_kernel.items()), key=lambda r: -r[1]),
+                   "ops": sorted(ops, key=lambda r: -r["self_gpu_us"])}, fh, indent=0)

@@ -46,10 +46,12 @@ VIEWS = frozenset({
 PREFIX = "mod::"
 
 
-def label_modules(model: nn.Module) -> Callable[[], None]:
+def label_modules(model: nn.Module, leaves: tuple[type, ...] = ()) -> Callable[[], None]:
     """Wrap every module's forward of ``model`` in a profiler range ``mod::Parent/Module``;
-    returns the function that removes the hooks."""
+    returns the function that removes the hooks. Modules of the ``leaves`` types are labelled
+    but nothing inside them is (a compiled region: hooks inside it would recompile it)."""
     parents = {id(child): type(m).__name__ for m in model.modules() for child in m.children()}
+    inside = {id(sub) for m in model.modules() if isinstance(m, leaves) for sub in m.modules() if sub is not m}
     handles, open_ranges = [], []
 
     def enter(module, args):
@@ -62,6 +64,8 @@ def label_modules(model: nn.Module) -> Callable[[], None]:
         open_ranges.pop().__exit__(None, None, None)
 
     for m in model.modules():
+        if id(m) in inside:
+            continue
         handles.append(m.register_forward_pre_hook(enter))
         handles.append(m.register_forward_hook(leave))
     return lambda: [h.remove() for h in handles]

@@ -29,6 +29,7 @@ save_autotune() { (find .triton-cache -name '*.autotune.json' | tar czf "$BACK/a
   && mv "$BACK/autotune.tgz.tmp" "$BACK/autotune.tgz"; tar czf "$BACK/results.tgz.tmp" -C "$OUT" . \
   && mv "$BACK/results.tgz.tmp" "$BACK/results.tgz") 2>/dev/null; }
 ( while sleep 20; do save_autotune; done ) & saver=$!
+disown $saver  # a script's bare `wait` must not wait for it (device_s13/s14/s15 phase 2 did, until the call's limit)
 trap 'kill $saver 2>/dev/null; save_autotune; save_warm' EXIT
 fi
 summary() { [ -n "$nested" ] && return; for f in "$OUT"/*.log; do echo "== $f"; tail -n 6 "$f"; done; }

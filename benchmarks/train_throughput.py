@@ -15,6 +15,7 @@ Floor: MFU = tokens/s x FLOPs/token / 989e12. Run on the device:
 from __future__ import annotations
 
 import argparse
+import gc
 import time
 
 import torch
@@ -75,8 +76,37 @@ def openk3_row(args) -> dict:
            "first_step_s": first_s, "second_step_s": second_s,
            "peak_GiB": torch.cuda.max_memory_allocated() / 2**30}
     if args.profile:  # where the step's time goes
-        row.update(profile(step, "openk3 training step"))
+        row.update(profile(step, f"openk3 training step ({'graphed' if graphed else 'eager'})"))
+    if args.census:  # which module's forward / backward, or which optimiser, launches what
+        census(training, [(ids[:, :-1], ids[:, 1:])], cfg)
     return row
+
+
+def census(training, batches, cfg) -> None:
+    """One eager step (the graphs' kernels, launched where the profiler sees their sources)
+    attributed by ``benchmarks.train_census``; printed and saved as ``train_census.json``."""
+    from benchmarks.decode_census import label_modules, summarise
+    from benchmarks.train_census import attribute_step
+    from openk3.train.trainer import train_step
+
+    train_step(training, batches, cfg)  # the eager path's own first call (lazy state)
+    torch.cuda.synchronize()
+    from openk3.parallel.compile import REGIONS
+
+    remove = label_modules(training.model, leaves=REGIONS if cfg.compile is not False else ())
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        train_step(training, batches, cfg)
+        torch.cuda.synchronize()
+    remove()
+    table = summarise(attribute_step(prof.events(), on_cuda=True))
+    table.sort(key=lambda r: -r["us"])
+    print(f"census of one eager step: {sum(r['kernels'] for r in table)} kernels, "
+          f"{sum(r['us'] for r in table) / 1e3:.1f} ms of kernel time")
+    print(f"{'source':44s} {'kernels':>8s} {'ms':>8s}  most frequent")
+    for r in table:
+        print(f"{r['module'][:44]:44s} {r['kernels']:8d} {r['us'] / 1e3:8.2f}  {r['top']}")
+    write_results("train_census", table)
 
 
 def transformers_row(args) -> dict:
@@ -101,6 +131,7 @@ def transformers_row(args) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
+    gc.collect()  # openk3's graphs and caches go first: the trainer's hooks make reference cycles
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     sec = time_steps(step, args.steps)
@@ -122,6 +153,8 @@ def main() -> None:
                     help="RunConfig.cuda_graph (default None: on one GPU)")
     ap.add_argument("--activation-checkpointing", action="store_true")
     ap.add_argument("--profile", action="store_true", help="profile one step (host vs GPU time)")
+    ap.add_argument("--census", action="store_true",
+                    help="attribute one eager step's kernels to modules' forward/backward and the optimisers")
     args = ap.parse_args()
     print(environment())
     rows = [openk3_row(args)]

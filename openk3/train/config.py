@@ -71,7 +71,7 @@ class RunConfig(_DictIO):
     dtype: str = "auto"  # "auto" (bf16 on CUDA, fp32 on CPU), "float32", "bfloat16"
     # torch.compile each decoder layer's attention and MLPs (docs/training.md); None: on CUDA only
     compile: bool | None = None
-    # replay each training step as two CUDA graphs (openk3.train.graphed: one GPU, no FSDP, EP
+    # replay each training step as CUDA graphs (openk3.train.graphed: one GPU, no FSDP, EP
     # or CP); None: wherever that applies, falling back to eager steps if capture fails
     cuda_graph: bool | None = None
     activation_checkpointing: bool = False  # recompute each decoder layer in backward: less memory

@@ -206,8 +206,7 @@ def _finite(loss: float, mtp_loss: float | None) -> bool:
     return math.isfinite(loss) and (mtp_loss is None or math.isfinite(mtp_loss))
 
 
-def train_step(t: Training, batches: Iterable[tuple], cfg: RunConfig, *, set_to_none: bool = True,
-               ) -> tuple[float, torch.Tensor, float | None]:
+def train_step(t: Training, batches: Iterable[tuple], cfg: RunConfig) -> tuple[float, torch.Tensor, float | None]:
     """One optimisation step over ``cfg.grad_accum`` micro-batches ``(inputs, targets)`` [B, T]
     (or ``(inputs, targets, images)``, ``openk3.vision.preprocess.PackedImages``):
     forward (the loss comes out of the model: no [B, T, vocab] logits), backward, balancer
@@ -216,9 +215,7 @@ def train_step(t: Training, batches: Iterable[tuple], cfg: RunConfig, *, set_to_
     The loss differentiated is ``loss + aux_loss_coef * aux + mtp_loss_weight * mtp_loss``
     (aux: the balancer's auxiliary loss, 0 unless ``balance="aux"``; mtp_loss with an MTP
     layer only). Returns (the loss without its MTP term, the gradient norm, the MTP loss or
-    None without an MTP layer); the losses are averaged over micro-batches and ranks.
-    ``set_to_none=False`` zeroes the gradients in place after the update instead of freeing
-    them (the graphed step, ``openk3.train.graphed``, needs them to stay where they are)."""
+    None without an MTP layer); the losses are averaged over micro-batches and ranks."""
     sums = torch.zeros(2, device=t.env.device)  # [loss (+ aux term), MTP loss]
     has_mtp = False
     for inputs, targets, *images in batches:
@@ -230,7 +227,7 @@ def train_step(t: Training, batches: Iterable[tuple], cfg: RunConfig, *, set_to_
     mtp_f = mtp_f if has_mtp else None
     if not _finite(loss_f, mtp_f):
         return loss_f, torch.full((), float("nan")), mtp_f  # the caller stops before the update
-    return loss_f, update_step(t, cfg, set_to_none=set_to_none), mtp_f
+    return loss_f, update_step(t, cfg), mtp_f
 
 
 def micro_step(t: Training, inputs: torch.Tensor, targets: torch.Tensor, sums: torch.Tensor,
@@ -250,14 +247,16 @@ def micro_step(t: Training, inputs: torch.Tensor, targets: torch.Tensor, sums: t
     return out.mtp_loss is not None
 
 
-def update_step(t: Training, cfg: RunConfig, *, set_to_none: bool = True) -> torch.Tensor:
-    """Gradient reduction and clipping, every optimiser's step, gradients zeroed; returns the
-    gradient norm before clipping (a 0-dim tensor, no host sync)."""
+def update_step(t: Training, cfg: RunConfig, *, keep_grads: bool = False) -> torch.Tensor:
+    """Gradient reduction and clipping, every optimiser's step, gradients freed; returns the
+    gradient norm before clipping (a 0-dim tensor, no host sync). ``keep_grads``: leave the
+    gradient tensors as they are (the graphed step's first micro-batch overwrites them)."""
     t.parallel.reduce_gradients()
     grad_norm = t.parallel.clip_grad_norm_(cfg.clip_grad if cfg.clip_grad > 0 else 1e30)
     for opt in t.optimizers:
         opt.step()
-        opt.zero_grad(set_to_none=set_to_none)
+        if not keep_grads:
+            opt.zero_grad(set_to_none=True)
     return grad_norm
 
 

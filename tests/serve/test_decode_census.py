@@ -40,3 +40,15 @@ def test_ops_go_to_the_innermost_module_range():
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         model(x)
     assert {label for label, _, _ in attribute(prof.events(), on_cuda=False)} == {"(runner)"}
+
+
+def test_leaves_are_labelled_but_not_what_is_inside_them():
+    model = nn.Sequential(Outer())
+    remove = label_modules(model, leaves=(Outer,))
+    x = torch.randn(4)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        model(x)
+    remove()
+    rows = attribute(prof.events(), on_cuda=False)
+    assert {label for label, _, _ in rows} == {"Sequential/Outer"} and len(rows) == 4  # Inner's too
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())

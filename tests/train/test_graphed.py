@@ -72,30 +72,6 @@ def test_step_function_is_eager_on_cpu_and_refuses_graphs_there():
         step_function(t, cfg)
 
 
-def test_gradients_stay_in_place_and_steps_are_unchanged():
-    """``set_to_none=False`` (the graphed step's warm-up) zeroes the same gradient tensors in
-    place and steps exactly as the default does."""
-    runs = []
-    for set_to_none in (True, False):
-        t, cfg = _cpu_training(grad_accum=2)
-        out = [train_step(t, [_batch(2 * s), _batch(2 * s + 1)], cfg, set_to_none=set_to_none)
-               for s in range(2)]
-        grads = [p.grad for p in t.model.parameters()]
-        ptrs = [g.data_ptr() for g in grads if g is not None]
-        set_lr(t.optimizers, 0.5)
-        train_step(t, [_batch(8), _batch(9)], cfg, set_to_none=set_to_none)
-        runs.append((out, [p.detach().clone() for p in t.model.parameters()]))
-        if set_to_none:
-            assert all(g is None for g in grads)
-        else:
-            assert ptrs and all(g is None or not g.any() for g in grads)
-            assert [p.grad.data_ptr() for p in t.model.parameters() if p.grad is not None] == ptrs
-    (out_a, w_a), (out_b, w_b) = runs
-    assert [o[0] for o in out_a] == [o[0] for o in out_b]
-    for a, b in zip(w_a, w_b):
-        assert torch.equal(a, b)
-
-
 def test_probe_keeps_training_values_and_ignores_evaluation():
     model = build_model(preset("debug").replace(**TINY_MODEL, vocab_size=300), device="cpu").train()
     probe = _ActivationProbe(model)
@@ -139,7 +115,7 @@ def test_a_failed_capture_falls_back_to_eager_steps(monkeypatch, fail_at):
     for s in range(4):
         set_lr(plain.optimizers, 1 - 0.2 * s)
         set_lr(t.optimizers, 1 - 0.2 * s)
-        want = train_step(plain, [_batch(s)], cfg, set_to_none=False)
+        want = train_step(plain, [_batch(s)], cfg)
         got = step([_batch(s)])
         assert got[0] == want[0] and torch.equal(got[1], want[1])
     assert len(calls) == fail_at and step.eager and step.graphs is None
@@ -176,16 +152,32 @@ class _FakeGraphs:
 
     def capture(self, fn, pool):
         self.captures += 1
+        params = list(self.t.model.parameters())
+        fresh = [p for p in params if p.grad is None]
         state = self._state()
         saved = [x.detach().clone() for x in state]
         fn()
         with torch.no_grad():
             for x, v in zip(state, saved):
                 x.copy_(v)
+        # a gradient the capture made is a fixed tensor that each replay writes, not adds to
+        made = {p: p.grad for p in fresh}
+
+        def replay():
+            for p in made:
+                p.grad = None
+            fn()
+            with torch.no_grad():
+                for p, g in made.items():
+                    if g is not None:
+                        g.copy_(p.grad)
+                        p.grad = g
 
         class Graph:
-            replay = staticmethod(fn)
-        return Graph()
+            pass
+        graph = Graph()
+        graph.replay = replay
+        return graph
 
 
 def test_fake_graphs_step_exactly_as_eager_steps(monkeypatch):
@@ -212,12 +204,13 @@ def test_fake_graphs_step_exactly_as_eager_steps(monkeypatch):
                 tr.optimizers[1].load_state_dict(tr.optimizers[1].state_dict())
         for tr in (plain, t):
             set_lr(tr.optimizers, 1 - 0.1 * s)
-        want = train_step(plain, batches, cfg, set_to_none=False)
+        want = train_step(plain, batches, cfg)
         got = step(batches)
         assert got[0] == want[0] and torch.equal(got[1], want[1]), s
         captures.append(fake.captures)
-    # 2 graphs per capture: at steps 2 (first replay), 5 (new length) and 7 (after the reload)
-    assert captures == [0, 2, 2, 2, 4, 4, 6, 6]
+    # 3 graphs per capture (first, rest, update): at steps 1 (the first replay), 4 (new length)
+    # and 6 (after the reload)
+    assert captures == [0, 3, 3, 3, 6, 6, 9, 9]
     for a, b in zip(plain.model.parameters(), t.model.parameters()):
         assert torch.equal(a, b)
 
@@ -238,59 +231,69 @@ def _gpu_training(**run) -> tuple[Training, RunConfig]:
 def test_graphed_steps_match_eager_steps():
     """Six steps with two micro-batches each, the learning rate changing every step and the
     sequence length changing after three: the graphed trainer (eager first step at each
-    length, then capture and replay) against eager steps of the same model, AdamW capturable
-    in both. fla's backward and the MoE's scatter-adds sum in a run-dependent order, so the
-    comparison has tolerances: the weights' changes over the run (not the weights, which six
-    steps barely move) within 2%, and the optimisers' state and the routers' biases. A lost
-    accumulation or a missed zeroing changes the gradient norm by ~2x; a learning rate baked
-    in at capture changes the later steps' updates by 10-50%."""
+    length, then capture and replay) against two eager trainers of the same model, AdamW
+    capturable in all three. fla's backward and the MoE's scatter-adds sum in a run-dependent
+    order and Muon's orthogonalisation amplifies what differs (a first GPU run of this test
+    saw the losses of step 5 0.4% apart), so the two eager runs measure the noise: the graphed
+    run must stay as close to the first eager run as the second eager run does (4x its
+    distance, with a floor) in losses, gradient norms, the weights' changes over the run,
+    optimiser state and router biases. A lost accumulation or a missed zeroing changes the
+    gradient norm by ~2x; a learning rate baked in at capture changes the later steps'
+    updates by 10-50%."""
     from openk3.train.graphed import GraphedTrainStep, set_capturable
 
-    eager_t, cfg = _gpu_training(grad_accum=2)
-    graph_t, _ = _gpu_training(grad_accum=2)
-    start = [p.detach().clone() for p in eager_t.model.parameters()]
-    set_capturable(eager_t.optimizers, True)
-    graphed = GraphedTrainStep(graph_t, cfg, strict=True)
-    results = {"eager": [], "graphed": []}
+    runs = {name: _gpu_training(grad_accum=2) for name in ("eager", "twin", "graphed")}
+    cfg = runs["eager"][1]
+    trainers = {name: t for name, (t, _) in runs.items()}
+    start = [p.detach().clone() for p in trainers["eager"].model.parameters()]
+    set_capturable(trainers["eager"].optimizers, True)
+    set_capturable(trainers["twin"].optimizers, True)
+    graphed = GraphedTrainStep(trainers["graphed"], cfg, strict=True)
+    steps = {"eager": lambda b: train_step(trainers["eager"], b, cfg),
+             "twin": lambda b: train_step(trainers["twin"], b, cfg),
+             "graphed": graphed}
+    results = {name: [] for name in trainers}
     for step in range(6):
         t = 64 if step < 3 else 128
         batches = [tuple(x.cuda() for x in _batch(10 * step + i, t=t)) for i in range(2)]
-        for name, tr, fn in (("eager", eager_t, lambda b: train_step(eager_t, b, cfg, set_to_none=False)),
-                             ("graphed", graph_t, graphed)):
+        for name, tr in trainers.items():
             set_lr(tr.optimizers, 1.0 - 0.1 * step)
-            loss, norm, _ = fn(batches)
+            loss, norm, _ = steps[name](batches)
             results[name].append((loss, float(norm)))
         if step in (1, 4):  # the second step at each length is the first replay
             assert graphed.graphs is not None and graphed.shape == (2, t)
-    for (le, ne), (lg, ng) in zip(results["eager"], results["graphed"]):
-        assert lg == pytest.approx(le, rel=2e-3)
-        assert ng == pytest.approx(ne, rel=2e-2)
+
     def rel(a, b):
         return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
 
-    moved = [(n, a - w0, b - w0) for (n, a), b, w0 in
-             zip(eager_t.model.named_parameters(), graph_t.model.parameters(), start)]
-    total = rel(torch.cat([g.flatten() for _, _, g in moved]), torch.cat([e.flatten() for _, e, _ in moved]))
-    assert total < 2e-2, total
-    for n, e, g in moved:
-        if e.norm() > 0:
-            assert rel(g, e) < 5e-2, (n, rel(g, e))
-    for opt_e, opt_g in zip(eager_t.optimizers, graph_t.optimizers):
-        pairs = [(p_e, p_g) for g_e, g_g in zip(opt_e.param_groups, opt_g.param_groups)
-                 for p_e, p_g in zip(g_e["params"], g_g["params"])]
-        for p_e, p_g in pairs:
-            st_e, st_g = opt_e.state.get(p_e, {}), opt_g.state.get(p_g, {})
+    def close(what, got: float, twin: float, floor: float):
+        assert got <= max(4 * twin, floor), (what, got, twin, results)
+
+    ref = torch.tensor(results["eager"])
+    dist = {n: (torch.tensor(results[n]) - ref).abs().div(ref.abs()).amax(0).tolist() for n in ("twin", "graphed")}
+    close("loss", dist["graphed"][0], dist["twin"][0], 2e-3)
+    close("grad norm", dist["graphed"][1], dist["twin"][1], 2e-2)
+    params = {n: list(t.model.parameters()) for n, t in trainers.items()}
+    moved = {n: torch.cat([(p - w0).flatten().float() for p, w0 in zip(ps, start)]) for n, ps in params.items()}
+    close("weight changes", rel(moved["graphed"], moved["eager"]), rel(moved["twin"], moved["eager"]), 2e-2)
+    for opt_e, opt_t, opt_g in zip(*(trainers[n].optimizers for n in ("eager", "twin", "graphed"))):
+        triples = [ps for gs in zip(opt_e.param_groups, opt_t.param_groups, opt_g.param_groups)
+                   for ps in zip(*(g["params"] for g in gs))]
+        for p_e, p_t, p_g in triples:
+            st_e, st_t, st_g = (opt.state.get(p, {}) for opt, p in ((opt_e, p_e), (opt_t, p_t), (opt_g, p_g)))
             assert st_e.keys() == st_g.keys()
             for k, v in st_e.items():
                 if k == "step":
                     assert float(st_g[k]) == float(v) == 6
                 elif v.norm() > 0:
-                    assert rel(st_g[k], v) < 5e-2, k
-    for (n, b_e), b_g in zip(eager_t.model.named_buffers(), graph_t.model.buffers()):
+                    close(k, rel(st_g[k], v), rel(st_t[k], v), 5e-2)
+    buffers = {n: dict(t.model.named_buffers()) for n, t in trainers.items()}
+    for n, b_e in buffers["eager"].items():
         if n.endswith("e_score_correction_bias") and b_e.norm() > 0:
-            assert rel(b_g, b_e) < 0.25, (n, rel(b_g, b_e))  # quantiles of nearly equal scores
+            close(n, rel(buffers["graphed"][n], b_e), rel(buffers["twin"][n], b_e), 0.25)
 
     # a non-finite loss: the losses come back, the update graph is not replayed
+    graph_t = trainers["graphed"]
     embed = graph_t.model.model.embed_tokens.weight
     before = {n: p.detach().clone() for n, p in graph_t.model.named_parameters() if p is not embed}
     with torch.no_grad():

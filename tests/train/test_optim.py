@@ -248,6 +248,65 @@ def test_batched_step_equals_one_matrix_at_a_time():
     assert checked == len(opt.param_groups[0]["params"]) > 10
 
 
+@pytest.mark.parametrize("nesterov,tensor_lr", [(True, False), (False, False), (True, True)])
+def test_in_place_update_equals_the_gathered_reference(monkeypatch, nesterov, tensor_lr):
+    """Muon's in-place path (Nesterov momentum written into the stacked Newton-Schulz input,
+    tall blocks transposed there, each block's result added into its slice of the parameter)
+    against the reference (``muon_updates`` on whole momenta, FSDP's path) over three steps of
+    a model with every kind of block: per-head rows and columns, MLA's two-size key/value
+    split, tall and wide matrices, stacked experts; with a float and a 0-dim tensor lr."""
+    cfg = _tiny()
+    runs = []
+    for path in ("_update_in_place", "_update_gathered"):
+        model = build_model(cfg, seed=0)
+        opt, adamw = build_optimizers(model, lr=1e-2, weight_decay=0.1)
+        opt.param_groups[0]["nesterov"] = nesterov
+        if path == "_update_gathered":
+            monkeypatch.setattr(opt, "_update_in_place", opt._update_gathered)
+        for group in adamw.param_groups:  # Muon alone moves the model: AdamW's first steps are
+            group["lr"] = 0.0             # sign-like, so they would amplify rounding differences
+        for step in range(3):
+            lr = 1e-2 * (1 - 0.2 * step)
+            opt.param_groups[0]["lr"] = torch.tensor(lr) if tensor_lr else lr
+            _train(model, [opt, adamw], _batch(cfg, step))
+        runs.append(model)
+    shapes = {tuple(p.shape) for p in runs[0].parameters() if p.dim() >= 2}
+    assert any(s[-2] > s[-1] for s in shapes) and any(s[-2] < s[-1] for s in shapes)
+    assert any(len(s) == 3 for s in shapes)  # stacked experts
+    for (name, a), b in zip(runs[0].named_parameters(), runs[1].parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_in_place_update_equals_the_gathered_reference_on_cuda():
+    """The same comparison on CUDA, where both paths run Newton-Schulz in bf16, on bare
+    parameters with every kind of split (no model: fla's kernels would autotune for minutes at
+    these widths); a 0-dim device lr, as the CUDA graphs use. The paths round the same bf16
+    input the same way; only the final scale-and-add rounds differently (fp32)."""
+    shapes_splits = [((256, 128), HeadSplit(0, (32,))), ((128, 256), HeadSplit(1, (32,))),
+                     ((6 * 40, 64), HeadSplit(0, (16, 24))), ((4, 96, 64), None), ((4, 64, 96), None),
+                     ((64, 200), None), ((200, 64), None)]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    init = [torch.randn(s, generator=gen, device="cuda") for s, _ in shapes_splits]
+    grads = [[torch.randn(s, generator=gen, device="cuda") for s, _ in shapes_splits] for _ in range(3)]
+    results = []
+    for path in ("_update_in_place", "_update_gathered"):
+        params = [torch.nn.Parameter(w.clone()) for w in init]
+        opt = Muon(params, lr=0.02, weight_decay=0.1,
+                   head_splits={p: sp for p, (_, sp) in zip(params, shapes_splits) if sp is not None})
+        if path == "_update_gathered":
+            opt._update_in_place = opt._update_gathered
+        for step, gs in enumerate(grads):
+            opt.param_groups[0]["lr"] = torch.tensor(0.02 * (1 - 0.2 * step), device="cuda")
+            for p, g in zip(params, gs):
+                p.grad = g.clone()
+            opt.step()
+        results.append([p.detach() - w for p, w in zip(params, init)])
+    for (shape, _), a, b in zip(shapes_splits, *results):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5, msg=str(shape))
+
+
 def test_muon_update_rms_is_matched():
     model = build_model(_tiny())
     w = model.model.layers[0].mlp.gate_proj.weight
