@@ -85,7 +85,7 @@ def attribute(events, on_cuda: bool) -> list[tuple[str, str, float]]:
         elif on_cuda and not getattr(e, "is_user_annotation", False):
             items.append(e)
         elif (not on_cuda and e.name.startswith("aten::") and e.name not in VIEWS
-              and not any(c.name.startswith("aten::") for c in e.cpu_children)):
+              and not any(c.name.startswith("aten::") and c.name not in VIEWS for c in e.cpu_children)):
             items.append(e)
     out = []
     for e in items:

@@ -52,18 +52,21 @@ def attribute_step(events, on_cuda: bool) -> list[tuple[str, str, float]]:
     """(label, kernel name, microseconds) of every kernel among the profiler's ``events`` of one
     training step; the labels are the module docstring's."""
     cpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
-    forward_op: dict[int, object] = {}  # sequence number -> the forward op that made the node
+    # sequence number -> the forward op that made the node: every grad-mode op records the
+    # counter's current value, also ops that make no node (index maths, tables from buffers),
+    # so the *last* op with a number is the one that made its node (or runs inside it)
+    forward_op: dict[int, object] = {}
     for e in sorted(cpu, key=lambda e: e.time_range.start):
         if e.sequence_nr >= 0 and _node(e) is None and not e.name.startswith(BACKWARD):
-            forward_op.setdefault(e.sequence_nr, e)
-    if on_cuda:
-        by_id = {e.id: e for e in cpu}
+            forward_op[e.sequence_nr] = e
+    if on_cuda:  # ops by their profiler id; runtime events (cudaLaunchKernel) carry CUPTI's ids
+        by_id = {e.id: e for e in cpu if e.linked_correlation_id == 0}
         items = [(e, by_id.get(e.linked_correlation_id)) for e in events
                  if e.device_type == torch.autograd.DeviceType.CUDA
                  and not getattr(e, "is_user_annotation", False)]
     else:
         items = [(e, e) for e in cpu if e.name.startswith("aten::") and e.name not in VIEWS
-                 and not any(c.name.startswith("aten::") for c in e.cpu_children)]
+                 and not any(c.name.startswith("aten::") and c.name not in VIEWS for c in e.cpu_children)]
     out = []
     for kernel, launcher in items:
         node = _node(launcher)

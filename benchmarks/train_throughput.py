@@ -89,6 +89,8 @@ def census(training, batches, cfg) -> None:
     from benchmarks.train_census import attribute_step
     from openk3.train.trainer import train_step
 
+    for p in training.model.parameters():  # the graphs' gradients hold the last step's values
+        p.grad = None
     train_step(training, batches, cfg)  # the eager path's own first call (lazy state)
     torch.cuda.synchronize()
     from openk3.parallel.compile import REGIONS

@@ -136,6 +136,9 @@ class GraphedTrainStep:
         batches = list(batches)
         if any(len(b) != 2 for b in batches):
             raise ValueError("GraphedTrainStep: images are not supported (train eagerly)")
+        if len(batches) != self.cfg.grad_accum:
+            raise ValueError(f"GraphedTrainStep: {len(batches)} micro-batches, but "
+                             f"RunConfig.grad_accum={self.cfg.grad_accum}")
         shape = tuple(batches[0][0].shape)
         if self.eager or (shape != self.shape and shape != self.warm):
             self._release()
@@ -145,6 +148,7 @@ class GraphedTrainStep:
         if shape == self.shape and (len(groups) != len(self._groups)
                                     or any(a is not b for a, b in zip(groups, self._groups))):
             self._release()  # an optimiser's state was loaded: its param groups are new dicts
+            set_capturable(self.t.optimizers, True)  # and the saved flags (an eager run's)
         if shape != self.shape:
             grads = {p: p.grad for p in self.t.model.parameters()}
             try:

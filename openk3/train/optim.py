@@ -279,21 +279,26 @@ class Muon(torch.optim.Optimizer):
         stacked Newton-Schulz input (bf16 on CUDA), already in the wide orientation, and each
         block of the result is added into its slice of the parameter with the scale and the
         learning rate as one factor: no fp32 momentum copy, stack, cast back, scaled copy or
-        reassembly."""
+        reassembly. A parameter whose head blocks are not views of it (a split of a stacked
+        3-D tensor's columns) takes ``_update_gathered``."""
         lr, mu, wd = group["lr"], group["momentum"], group["weight_decay"]
         groups: dict[tuple, list[tuple[torch.Tensor, ...]]] = {}
+        in_place, copied = [], []  # a parameter whose blocks are not views of it: the reference
         for p in params:
             split = self.head_splits.get(p)
             views = [_blocks(t, split) for t in (p.grad, self.state[p]["momentum_buffer"], p)]
+            if any(w.untyped_storage().data_ptr() != p.untyped_storage().data_ptr() for w in views[2]):
+                copied.append(p)
+                continue
+            in_place.append(p)
             for g, m, w in zip(*views):
-                if w.untyped_storage().data_ptr() != p.untyped_storage().data_ptr():
-                    raise RuntimeError(f"Muon: a head block of a {tuple(p.shape)} parameter is not a "
-                                       "view of it, so it cannot be updated in place")
                 if g.shape[-2] > g.shape[-1]:  # Newton-Schulz iterates on the wide form
                     g, m, w = g.mT, m.mT, w.mT
                 groups.setdefault((tuple(g.shape[-2:]), p.device), []).append((g, m, w))
-        if wd:
-            torch._foreach_mul_(params, 1 - lr * wd)
+        if copied:
+            self._update_gathered(copied, group)
+        if wd and in_place:
+            torch._foreach_mul_(in_place, 1 - lr * wd)
         for (shape, device), members in groups.items():
             dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # as Newton-Schulz
             stacked = torch.empty(sum(g.shape[0] for g, _, _ in members), *shape, dtype=dtype, device=device)

@@ -189,7 +189,8 @@ def test_fake_graphs_step_exactly_as_eager_steps(monkeypatch):
     for name in ("synchronize", "empty_cache", "graph_pool_handle"):
         monkeypatch.setattr(torch.cuda, name, lambda *a, **k: None)
     monkeypatch.setattr(graphed, "unsupported_reason", lambda t, cfg: None)
-    monkeypatch.setattr(graphed, "set_capturable", lambda opts, flag: None)  # CUDA-only in torch
+    capturable = []  # CUDA-only in torch: recorded here
+    monkeypatch.setattr(graphed, "set_capturable", lambda opts, flag: capturable.append(flag))
     plain, cfg = _cpu_training(grad_accum=2)
     t, _ = _cpu_training(grad_accum=2)
     fake = _FakeGraphs(t)
@@ -211,6 +212,9 @@ def test_fake_graphs_step_exactly_as_eager_steps(monkeypatch):
     # 3 graphs per capture (first, rest, update): at steps 1 (the first replay), 4 (new length)
     # and 6 (after the reload)
     assert captures == [0, 3, 3, 3, 6, 6, 9, 9]
+    assert capturable == [True, True]  # at the start, and again for the reloaded state's flags
+    with pytest.raises(ValueError, match="1 micro-batches, but RunConfig.grad_accum=2"):
+        step([_batch(0)])
     for a, b in zip(plain.model.parameters(), t.model.parameters()):
         assert torch.equal(a, b)
 
@@ -276,6 +280,10 @@ def test_graphed_steps_match_eager_steps():
     params = {n: list(t.model.parameters()) for n, t in trainers.items()}
     moved = {n: torch.cat([(p - w0).flatten().float() for p, w0 in zip(ps, start)]) for n, ps in params.items()}
     close("weight changes", rel(moved["graphed"], moved["eager"]), rel(moved["twin"], moved["eager"]), 2e-2)
+    names = [n for n, _ in trainers["eager"].model.named_parameters()]
+    for n, e, tw, g, w0 in zip(names, params["eager"], params["twin"], params["graphed"], start):
+        if (e - w0).norm() > 0:
+            close(n, rel(g - w0, e - w0), rel(tw - w0, e - w0), 5e-2)
     for opt_e, opt_t, opt_g in zip(*(trainers[n].optimizers for n in ("eager", "twin", "graphed"))):
         triples = [ps for gs in zip(opt_e.param_groups, opt_t.param_groups, opt_g.param_groups)
                    for ps in zip(*(g["params"] for g in gs))]

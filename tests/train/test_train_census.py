@@ -59,3 +59,44 @@ def test_kernel_kinds_sum_by_first_matching_kind():
                   ["mystery", 0.5, 1]])
     assert rows == [("GEMMs (cuBLAS, CUTLASS)", 40.0, 4), ("fla KDA", 20.0, 1),
                     ("inductor (compiled regions)", 5.0, 2), ("ATen elementwise", 1.0, 7), ("other", 0.5, 1)]
+
+
+class Table(nn.Module):
+    """Ops on a buffer in grad mode: they take the autograd sequence counter's value but make
+    no node (as a rotary table or a mask would)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("base", torch.arange(4.0))
+
+    def forward(self):
+        return torch.cos(self.base * 2)
+
+
+class Pick(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(3, 4))
+
+    def forward(self, table):
+        return self.w[0] * table
+
+
+class Layer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.table, self.pick = Table(), Pick()
+
+    def forward(self):
+        return self.pick(self.table())
+
+
+def test_a_node_goes_to_the_module_that_made_it_not_to_an_earlier_op_with_its_number():
+    model = Layer()
+    remove = label_modules(model)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        model().sum().backward()
+    remove()
+    rows = attribute_step(prof.events(), on_cuda=False)
+    backward = {label for label, _, _ in rows if label.endswith("bwd")}
+    assert backward == {"Layer/Pick bwd"}, rows  # the select's and the multiply's backward
