@@ -71,6 +71,14 @@ def label_modules(model: nn.Module, leaves: tuple[type, ...] = ()) -> Callable[[
     return lambda: [h.remove() for h in handles]
 
 
+def is_leaf_op(e) -> bool:
+    """An ATen op that launches work itself: not a view, and no such op below it (the CPU's
+    stand-in for a kernel)."""
+    def launches(op) -> bool:
+        return op.name.startswith("aten::") and op.name not in VIEWS
+    return launches(e) and not any(launches(c) for c in e.cpu_children)
+
+
 def attribute(events, on_cuda: bool) -> list[tuple[str, str, float]]:
     """(range label, kernel name, microseconds) of every kernel among the profiler's ``events``,
     the label that of the innermost ``mod::`` range containing the kernel ('(runner)' where none
@@ -84,8 +92,7 @@ def attribute(events, on_cuda: bool) -> list[tuple[str, str, float]]:
             ranges.append((e.time_range.start, e.time_range.end, e.name[len(PREFIX):]))
         elif on_cuda and not getattr(e, "is_user_annotation", False):
             items.append(e)
-        elif (not on_cuda and e.name.startswith("aten::") and e.name not in VIEWS
-              and not any(c.name.startswith("aten::") and c.name not in VIEWS for c in e.cpu_children)):
+        elif not on_cuda and is_leaf_op(e):
             items.append(e)
     out = []
     for e in items:

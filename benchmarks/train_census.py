@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks.decode_census import PREFIX, VIEWS
+from benchmarks.decode_census import PREFIX, is_leaf_op
 
 BACKWARD = "autograd::engine::evaluate_function: "
 OPTIMIZER = "Optimizer.step#"
@@ -65,8 +65,7 @@ def attribute_step(events, on_cuda: bool) -> list[tuple[str, str, float]]:
                  if e.device_type == torch.autograd.DeviceType.CUDA
                  and not getattr(e, "is_user_annotation", False)]
     else:
-        items = [(e, e) for e in cpu if e.name.startswith("aten::") and e.name not in VIEWS
-                 and not any(c.name.startswith("aten::") and c.name not in VIEWS for c in e.cpu_children)]
+        items = [(e, e) for e in cpu if is_leaf_op(e)]
     out = []
     for kernel, launcher in items:
         node = _node(launcher)

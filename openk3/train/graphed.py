@@ -152,7 +152,7 @@ class GraphedTrainStep:
         if shape != self.shape:
             grads = {p: p.grad for p in self.t.model.parameters()}
             try:
-                self._capture_graphs(shape, grads)
+                self._capture_graphs(shape)
             except Exception as e:  # noqa: BLE001 - any capture failure falls back, or raises
                 self._release()
                 for p, g in grads.items():  # none made during the capture (pool memory)
@@ -180,10 +180,11 @@ class GraphedTrainStep:
         self.graphs = None
         self.static = None
 
-    def _capture_graphs(self, shape: tuple, grads: dict) -> None:
-        """Capture the graphs at micro-batch ``shape``. ``grads``: every parameter's gradient
-        before capture (the caller puts them back if capture fails)."""
+    def _capture_graphs(self, shape: tuple) -> None:
+        """Capture the graphs at micro-batch ``shape`` (the caller puts the gradients back if
+        capture fails)."""
         t, cfg = self.t, self.cfg
+        params = list(t.model.parameters())
         device = t.env.device
         torch.cuda.synchronize()
         torch.cuda.empty_cache()  # the eager steps' cached blocks, for the graphs' pool
@@ -195,12 +196,12 @@ class GraphedTrainStep:
         grad_norm = torch.zeros((), device=device)  # outside the pool: kept until the next update
         pool = torch.cuda.graph_pool_handle()
         has_mtp = []
-        for p in grads:
+        for p in params:
             p.grad = None  # `first` makes them
         first = _capture(lambda: has_mtp.append(micro_step(t, inputs, targets, sums, cfg)), pool)
         rest = None
         if cfg.grad_accum > 1:
-            made = {p: p.grad for p in grads}
+            made = {p: p.grad for p in params}
             rest = _capture(lambda: micro_step(t, inputs, targets, sums, cfg), pool)
             changed = [n for n, p in t.model.named_parameters() if p.grad is not made[p]]
             if changed:

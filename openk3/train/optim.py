@@ -301,15 +301,16 @@ class Muon(torch.optim.Optimizer):
             torch._foreach_mul_(in_place, 1 - lr * wd)
         for (shape, device), members in groups.items():
             dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # as Newton-Schulz
-            stacked = torch.empty(sum(g.shape[0] for g, _, _ in members), *shape, dtype=dtype, device=device)
-            for (g, m, _), out in zip(members, stacked.split([g.shape[0] for g, _, _ in members])):
+            sizes = [g.shape[0] for g, _, _ in members]
+            stacked = torch.empty(sum(sizes), *shape, dtype=dtype, device=device)
+            for (g, m, _), out in zip(members, stacked.split(sizes)):
                 if group["nesterov"]:
                     torch.add(g, m, alpha=mu, out=out)
                 else:
                     out.copy_(m)
             X = zeropower_via_newtonschulz(stacked, group["ns_steps"])
             factor = -lr * (UPDATE_RMS * math.sqrt(max(shape)))
-            for (_, _, w), x in zip(members, X.split([g.shape[0] for g, _, _ in members])):
+            for (_, _, w), x in zip(members, X.split(sizes)):
                 if isinstance(factor, torch.Tensor):
                     w.addcmul_(x, factor)
                 else:
