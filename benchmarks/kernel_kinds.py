@@ -19,6 +19,7 @@ KINDS = (  # first match wins
     ("AttnRes", r"attnres"),
     ("inductor (compiled regions)", r"^triton_"),
     ("optimiser foreach", r"multi_tensor|foreach"),
+    ("Muon's elementwise kernels", r"momentum_kernel|apply_update_kernel"),
     ("copies", r"memcpy|copy|Memcpy"),
     ("memsets", r"memset|Memset"),
     ("sort / top-k / k-th value", r"sort|Sort|topk|Topk|KthVal|radix|Radix|scan|Scan"),

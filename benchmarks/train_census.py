@@ -59,15 +59,14 @@ def attribute_step(events, on_cuda: bool) -> list[tuple[str, str, float]]:
     for e in sorted(cpu, key=lambda e: e.time_range.start):
         if e.sequence_nr >= 0 and _node(e) is None and not e.name.startswith(BACKWARD):
             forward_op[e.sequence_nr] = e
-    if on_cuda:  # ops by their profiler id; runtime events (cudaLaunchKernel) carry CUPTI's ids
-        by_id = {e.id: e for e in cpu if e.linked_correlation_id == 0}
-        items = [(e, by_id.get(e.linked_correlation_id)) for e in events
-                 if e.device_type == torch.autograd.DeviceType.CUDA
-                 and not getattr(e, "is_user_annotation", False)]
+    if on_cuda:  # the profiler lists each kernel under the CPU event that launched it (a
+        # runtime call such as cudaLaunchKernel, inside the op); ranges' GPU shadows are not kernels
+        items = [(k.name, k.duration, e) for e in cpu for k in e.kernels
+                 if not getattr(e, "is_user_annotation", False) and k.name != e.name]
     else:
-        items = [(e, e) for e in cpu if is_leaf_op(e)]
+        items = [(e.name, e.time_range.elapsed_us(), e) for e in cpu if is_leaf_op(e)]
     out = []
-    for kernel, launcher in items:
+    for name, us, launcher in items:
         node = _node(launcher)
         if node is None:
             label = _label(launcher) or "(step)"
@@ -76,5 +75,5 @@ def attribute_step(events, on_cuda: bool) -> list[tuple[str, str, float]]:
         else:
             fwd = forward_op.get(node.sequence_nr)
             label = f"{_label(fwd) or '(step)'} bwd"
-        out.append((label, kernel.name, kernel.time_range.elapsed_us()))
+        out.append((label, name, us))
     return out

@@ -120,6 +120,10 @@ class KimiModel(nn.Module):
         [B, T, d]; the last, unsealed block is read only through the hidden states. The bank is
         empty without AttnRes. The EAGLE-3 draft reads it (``openk3/model/draft.py``)."""
         p = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        if self.cfg.attn_res_block_size is not None and torch.is_autocast_enabled(p.device.type):
+            # the bank's other entries are layer outputs in the autocast dtype, to which every
+            # AttnRes read would cast the (fp32) embedding: cast once, 2 x layers casts fewer
+            p = p.to(torch.get_autocast_dtype(p.device.type))
         bank: list[torch.Tensor] = []
         for i, layer in enumerate(self.layers):
             p_next = layer(p, bank, None if cache is None else cache.layers[i])

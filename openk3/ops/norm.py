@@ -4,6 +4,13 @@
 ``gated_rms_norm(x, w, g, eps)``: ``rms_norm`` in fp32 times ``sigmoid(g)``, cast to x.dtype —
 the KDA output norm (``o_norm``), whose gate is ``g_proj(x)`` for K3 and the low-rank
 ``g_b_proj(g_a_proj(x))`` for Kimi Linear.
+
+Under autocast ``rms_norm`` returns the autocast dtype (unless ``out_dtype`` says otherwise):
+training keeps fp32 weights, so ``w * y`` would promote every norm's output, the input of every
+attention and MLP, to fp32, which each reading matmul casts back to bf16 and whose gradients come
+back as bf16 to be cast up and summed in fp32. The one rounding of ``w * y`` moves into the
+norm's kernel: the matmuls read the same bf16 values, and half the bytes (issue P7,
+docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -37,6 +44,8 @@ _gated_rms_norm_fast = compiled(gated_rms_norm_ref)
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
              out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    if out_dtype is None and torch.is_autocast_enabled(x.device.type):
+        out_dtype = torch.get_autocast_dtype(x.device.type)
     return (_rms_norm_fast if use_fast_path(x) else rms_norm_ref)(x, weight, eps, out_dtype)
 
 

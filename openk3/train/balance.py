@@ -41,12 +41,14 @@ def _all_reduce_sum_(t: torch.Tensor, group=None) -> torch.Tensor:
     return t
 
 
-def _check_routing(scores: torch.Tensor, bias: torch.Tensor, k: int) -> None:
-    if scores.dim() != 2:
-        raise ValueError(f"scores must be [N, E], got shape {tuple(scores.shape)}")
-    N, E = scores.shape
-    if bias.shape != (E,):
-        raise ValueError(f"bias must be [E]=[{E}], got shape {tuple(bias.shape)}")
+def _check_routing(scores: torch.Tensor, bias: torch.Tensor, k: int, batched: bool = False) -> None:
+    """``batched``: scores [..., N, E] and bias [..., E], routers side by side."""
+    if scores.dim() != 2 and not (batched and scores.dim() > 2):
+        raise ValueError(f"scores must be [N, E]{' or [..., N, E]' if batched else ''}, "
+                         f"got shape {tuple(scores.shape)}")
+    N, E = scores.shape[-2:]
+    if bias.shape != (*scores.shape[:-2], E):
+        raise ValueError(f"bias must be {[*scores.shape[:-2], E]}, got shape {tuple(bias.shape)}")
     if not 1 <= k < E:
         raise ValueError(f"top_k must be in 1..E-1={E - 1} (QB routes k+1 experts), got {k}")
     if N == 0:
@@ -65,7 +67,8 @@ def target_load(num_tokens: int, k: int, num_experts: int) -> int:
 def qb_margins(scores: torch.Tensor, bias: torch.Tensor, k: int) -> torch.Tensor:
     """Margins of every (token, expert) pair against the token's (k+1)-th biased score.
 
-    scores: [N, E] sigmoid scores; bias: [E]. Returns r [N, E] fp32 with
+    scores: [N, E] sigmoid scores; bias: [E] (or [..., N, E] and [..., E]: routers side by
+    side). Returns r [N, E] fp32 with
     ``r_ij = s_ij + b_j - a_i``, ``a_i`` = the (k+1)-th largest of ``s_i + b``.
     Expert j is among token i's top-k exactly when ``r_ij > 0`` (barring ties), and the runner-up
     (the (k+1)-th) has ``r_ij = 0``: one threshold per token that separates chosen from not chosen.
@@ -73,9 +76,9 @@ def qb_margins(scores: torch.Tensor, bias: torch.Tensor, k: int) -> torch.Tensor
     >>> s = torch.tensor([[0.9, 0.5, 0.2]]); qb_margins(s, torch.zeros(3), k=1)
     tensor([[ 0.4000,  0.0000, -0.3000]])
     """
-    _check_routing(scores, bias, k)
-    biased = scores.float() + bias.float()  # [N, E]
-    a = biased.topk(k + 1, dim=-1).values[:, k]  # [N]
+    _check_routing(scores, bias, k, batched=True)
+    biased = scores.float() + bias.float().unsqueeze(-2)  # [..., N, E]
+    a = biased.topk(k + 1, dim=-1).values[..., k]  # [..., N]
     return biased - a.unsqueeze(-1)
 
 
@@ -83,6 +86,8 @@ def qb_update_exact(scores: torch.Tensor, bias: torch.Tensor, k: int) -> torch.T
     """One Quantile Balancing step on a single process. Returns the new bias [E] fp32 (mean 0).
 
     scores: [N, E] sigmoid scores of the batch just routed with ``bias`` [E]; k: experts per token.
+    Routers side by side (scores [L, N, E], bias [L, E]) are updated at once: one kernel per op
+    for all of them (``Balancer.update``).
 
     With the margins ``r`` of ``qb_margins``, expert j's load on this batch is ``#{i: r_ij > 0}``.
     Let ``t_j`` be the (q+1)-th largest of ``r_:j`` over tokens (q = ``target_load``). Shifting
@@ -99,12 +104,14 @@ def qb_update_exact(scores: torch.Tensor, bias: torch.Tensor, k: int) -> torch.T
 
     Unlike the sign step there is no step size: the correction is measured, not guessed.
     """
-    r = qb_margins(scores, bias, k)  # [N, E]
-    N, E = r.shape
+    r = qb_margins(scores, bias, k)  # [..., N, E]
+    N, E = r.shape[-2:]
     q = target_load(N, k, E)
-    t = r.kthvalue(N - q, dim=0).values  # (q+1)-th largest == (N-q)-th smallest, [E]
+    # (q+1)-th largest == (N-q)-th smallest, [..., E], along contiguous rows (one expert's
+    # tokens) rather than down the strided token dimension (benchmarks/qb_speed.py)
+    t = r.transpose(-1, -2).contiguous().kthvalue(N - q, dim=-1).values
     new = bias.float() - t
-    return new - new.mean()
+    return new - new.mean(-1, keepdim=True)
 
 
 def margin_bin_edges(bias: torch.Tensor, num_bins: int = DEFAULT_NUM_BINS,
@@ -147,6 +154,7 @@ def qb_histogram(scores: torch.Tensor, bias: torch.Tensor, k: int, edges: torch.
     B+1 counts margins at or above ``edges[B]``; out-of-range margins are thus counted, so the
     quantile's rank stays right. Every margin lands in exactly one bin: each row sums to N.
     """
+    _check_routing(scores, bias, k)
     r = qb_margins(scores, bias, k)  # [N, E]
     E, B2 = r.shape[1], edges.numel() + 1
     pos = torch.bucketize(r, edges.to(r.dtype), right=True)  # [N, E] in 0..B+1
@@ -322,8 +330,12 @@ class Balancer:
             counts = torch.stack([qb_histogram(s, b, k, e) for (s, _), b, e in zip(routings, biases, edges)])
             counts = _all_reduce_sum_(counts, self.group)  # [L, E, B+2]: one collective for all layers
             new = [qb_bias_from_histogram(c, b, e, k) for c, b, e in zip(counts, biases, edges)]
-        else:
-            new = [qb_update_exact(s, b, k) for (s, _), b in zip(routings, biases)]
+        else:  # all routers at once when they routed the same tokens (they do in a model)
+            scores = [s for s, _ in routings]
+            if len({s.shape for s in scores}) == 1:
+                new = qb_update_exact(torch.stack(scores), torch.stack(biases), k).unbind()
+            else:
+                new = [qb_update_exact(s, b, k) for s, b in zip(scores, biases)]
         for b, nb in zip(biases, new):
             b.copy_(nb)
 

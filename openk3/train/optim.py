@@ -31,6 +31,7 @@ from openk3.model.kda import KDAttention
 from openk3.model.mla import MLAttention
 from openk3.model.model import AttnResQuery
 from openk3.model.moe import Router
+from openk3.ops import muon as muon_ops
 from openk3.vision.tower import PositionEmbedding
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)  # quintic Newton-Schulz, a / b / c
@@ -50,6 +51,12 @@ def zeropower_via_newtonschulz(G: torch.Tensor, steps: int = 5, eps: float = 1e-
     every singular value back towards the band), so bf16 rounding does not accumulate and the
     matmuls run at full tensor-core rate; CPUs have no fast bf16 matmul, so fp32 costs nothing
     extra there. Returns G's dtype.
+
+    ``a X + B X`` is computed as ``(a I + B) X``: ``baddbmm(X, B, X, beta=a)`` first copies X
+    into its output (cuBLAS accumulates into it), a pass over every momentum per iteration
+    (5.3 of ~21 ms of ``small``'s Muon step on an H200). In bf16 the diagonal ``a + B_ii`` is
+    rounded once more: ~2% relative distance from the exact (fp64) iteration instead of ~1%,
+    next to the ~25% by which the iteration itself misses ``U V^T`` (docs/benchmarks.md).
     """
     if G.dim() < 2:
         raise ValueError(f"zeropower_via_newtonschulz: needs a matrix [..., m, n], got {tuple(G.shape)}")
@@ -65,7 +72,8 @@ def zeropower_via_newtonschulz(G: torch.Tensor, steps: int = 5, eps: float = 1e-
     for _ in range(steps):
         A = X @ X.mT  # [N, m, m]
         B = torch.baddbmm(A, A, A, beta=b, alpha=c)  # b A + c A^2, scaled in the GEMM's epilogue
-        X = torch.baddbmm(X, B, X, beta=a)  # a X + B X
+        B.diagonal(dim1=-2, dim2=-1).add_(a)  # + a I: then a X + B X is one product, B X
+        X = B @ X
     X = X.reshape(*lead, *X.shape[-2:])
     if transposed:
         X = X.mT
@@ -245,15 +253,21 @@ class Muon(torch.optim.Optimizer):
         kinds: dict[bool, list[nn.Parameter]] = {}
         for p in params:
             kinds.setdefault(isinstance(p, DTensor), []).append(p)
-        for same in kinds.values():
-            bufs = [self.state[p]["momentum_buffer"] for p in same]
-            torch._foreach_mul_(bufs, mu)
-            torch._foreach_add_(bufs, [p.grad for p in same])
         for sharded, same in kinds.items():
-            (self._update_gathered if sharded else self._update_in_place)(same, group)
+            if sharded:
+                self._momentum(same, mu)
+                self._update_gathered(same, group)
+            else:  # the momentum is updated block by block on the way into Newton-Schulz
+                self._update_in_place(same, group)
+
+    def _momentum(self, params: list[nn.Parameter], mu: float) -> None:
+        bufs = [self.state[p]["momentum_buffer"] for p in params]
+        torch._foreach_mul_(bufs, mu)
+        torch._foreach_add_(bufs, [p.grad for p in params])
 
     def _update_gathered(self, params: list[nn.Parameter], group: dict) -> None:
-        """The reference update, and FSDP's: whole momenta (an FSDP shard gathered: every rank
+        """The reference update, and FSDP's, on momenta already updated (``_momentum``): whole
+        momenta (an FSDP shard gathered: every rank
         computes the same full update, and head blocks need not align with the shard
         boundaries) through ``muon_updates``, then each rank keeps its shard."""
         lr, mu, wd = group["lr"], group["momentum"], group["weight_decay"]
@@ -273,14 +287,15 @@ class Muon(torch.optim.Optimizer):
             torch._foreach_add_(params, steps, alpha=-lr)
 
     def _update_in_place(self, params: list[nn.Parameter], group: dict) -> None:
-        """``_update_gathered`` for plain tensors in fewer passes over memory (the step's
-        elementwise work, not its matmuls, bounded it: ~55 of ~69 ms for ``small`` on an H200).
-        The Nesterov momentum of each head block is written straight into its place in the
-        stacked Newton-Schulz input (bf16 on CUDA), already in the wide orientation, and each
-        block of the result is added into its slice of the parameter with the scale and the
-        learning rate as one factor: no fp32 momentum copy, stack, cast back, scaled copy or
-        reassembly. A parameter whose head blocks are not views of it (a split of a stacked
-        3-D tensor's columns) takes ``_update_gathered``."""
+        """``_momentum`` and ``_update_gathered`` for plain tensors in fewer passes over memory
+        (the step's elementwise work, not its matmuls, bounded it: ~55 of ~69 ms for ``small``
+        on an H200). Block by block (``openk3.ops.muon``; one Triton kernel a pass on CUDA),
+        the momentum is updated and its Nesterov combination written straight into its place
+        in the stacked Newton-Schulz input (bf16 on CUDA), already in the wide orientation; then
+        each block of the result is added into its slice of the decayed parameter with the
+        scale and the learning rate as one factor: no fp32 momentum copy, stack, cast back,
+        scaled copy or reassembly. A parameter whose head blocks are not views of it (a split of
+        a stacked 3-D tensor's columns) takes ``_update_gathered``."""
         lr, mu, wd = group["lr"], group["momentum"], group["weight_decay"]
         groups: dict[tuple, list[tuple[torch.Tensor, ...]]] = {}
         in_place, copied = [], []  # a parameter whose blocks are not views of it: the reference
@@ -296,25 +311,18 @@ class Muon(torch.optim.Optimizer):
                     g, m, w = g.mT, m.mT, w.mT
                 groups.setdefault((tuple(g.shape[-2:]), p.device), []).append((g, m, w))
         if copied:
+            self._momentum(copied, mu)
             self._update_gathered(copied, group)
-        if wd and in_place:
-            torch._foreach_mul_(in_place, 1 - lr * wd)
         for (shape, device), members in groups.items():
             dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # as Newton-Schulz
             sizes = [g.shape[0] for g, _, _ in members]
             stacked = torch.empty(sum(sizes), *shape, dtype=dtype, device=device)
             for (g, m, _), out in zip(members, stacked.split(sizes)):
-                if group["nesterov"]:
-                    torch.add(g, m, alpha=mu, out=out)
-                else:
-                    out.copy_(m)
+                muon_ops.momentum_(g, m, out, mu, group["nesterov"])
             X = zeropower_via_newtonschulz(stacked, group["ns_steps"])
-            factor = -lr * (UPDATE_RMS * math.sqrt(max(shape)))
+            scale = UPDATE_RMS * math.sqrt(max(shape))
             for (_, _, w), x in zip(members, X.split(sizes)):
-                if isinstance(factor, torch.Tensor):
-                    w.addcmul_(x, factor)
-                else:
-                    w.add_(x, alpha=factor)
+                muon_ops.apply_update_(w, x, lr, wd, scale)
 
 
 def _classify(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter], list[nn.Parameter]]:

@@ -117,6 +117,25 @@ def test_backward_reaches_every_parameter():
                       "model.layers.0.self_attention_res.proj.weight"]
 
 
+def test_autocast_bank_holds_one_dtype(monkeypatch):
+    """Under autocast (training: fp32 weights) the embedding enters the AttnRes bank in the
+    autocast dtype, beside the layers' bf16 outputs: cast once, not at every read; the values
+    every read sees are the same (each read cast it to that dtype before)."""
+    cfg = preset("debug")
+    model = _randomise(build_model(cfg))
+    ids = torch.randint(0, cfg.vocab_size, (1, 8))
+    seen = []
+    real = model_mod.attn_res_agg
+    monkeypatch.setattr(model_mod, "attn_res_agg", lambda s, *a: seen.append([t.dtype for t in s]) or real(s, *a))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        _, bank = model.model.hidden_and_blocks(ids)
+    assert bank[0].dtype == torch.bfloat16
+    torch.testing.assert_close(bank[0], model.model.embed_tokens(ids).bfloat16(), rtol=0, atol=0)
+    assert seen and all(d == torch.bfloat16 for dtypes in seen for d in dtypes)
+    with torch.no_grad():  # no autocast: the embedding keeps the weights' dtype
+        assert model.model.hidden_and_blocks(ids)[1][0].dtype == torch.float32
+
+
 def test_k3_parameter_count():
     """Exact totals, recomputed here from K3_SPEC §1-2 term by term (deleting any sub-module, or
     changing one size, changes them)."""

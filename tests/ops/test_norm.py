@@ -16,6 +16,19 @@ def test_rms_norm_formula_and_dtype():
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+def test_rms_norm_returns_the_autocast_dtype_under_autocast():
+    """Training's fp32 weight would promote the output to fp32, which the reading matmul casts
+    back: under autocast the norm rounds ``w * y`` to the autocast dtype itself (the values the
+    matmul would read), unless ``out_dtype`` is given."""
+    x, w = torch.randn(3, 5, 64), torch.rand(64) + 0.5
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = rms_norm(x, w, 1e-5)
+        kept = rms_norm(x, w, 1e-5, out_dtype=torch.float32)
+    assert got.dtype == torch.bfloat16 and kept.dtype == torch.float32
+    torch.testing.assert_close(got, rms_norm_ref(x, w, 1e-5).to(torch.bfloat16), rtol=0, atol=0)
+    assert rms_norm(x, w, 1e-5).dtype == torch.float32  # no autocast: promoted, as before
+
+
 def test_gated_rms_norm_is_fp32_throughout():
     x, g = torch.randn(4, 7, 16, dtype=torch.bfloat16), torch.randn(4, 7, 16, dtype=torch.bfloat16)
     w = torch.rand(16) + 0.5

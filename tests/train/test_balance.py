@@ -65,6 +65,20 @@ def test_qb_balances_the_same_batch(E, k, N):
     assert loads[-1].max() < 1.1 and loads[-1].min() > 0.85  # measured 1.055/0.879, 1.055/0.918
 
 
+def test_qb_update_of_routers_side_by_side_is_each_routers():
+    # Balancer.update stacks its routers' scores [L, N, E] and biases [L, E]: one kernel per op
+    # must give each router exactly its own update (and the bias shape is checked)
+    E, k, N = 64, 4, 1000
+    s = torch.stack([SyntheticRouter(E, seed=i).batch(N) for i in range(3)])
+    b = torch.randn(3, E) * 0.1
+    new = qb_update_exact(s, b, k)
+    assert new.shape == (3, E)
+    for i in range(3):
+        assert torch.equal(new[i], qb_update_exact(s[i], b[i], k))
+    with pytest.raises(ValueError, match="bias must be"):
+        qb_update_exact(s, b[0], k)
+
+
 @pytest.mark.parametrize("E,k,tokens,qb_max,sign_min", [(64, 4, 4096, 1.35, 9.0),
                                                         (896, 16, 4096, 1.8, 40.0)])
 def test_qb_converges_lower_and_faster_than_sign(E, k, tokens, qb_max, sign_min):
