@@ -6,6 +6,11 @@
 # cache (compiled regions: 60-90 s of a fresh machine's first training step), if it packs into
 # 15 MiB. Unpack it with `mkdir -p .warm && tar xzf warm.tgz -C .warm` and carry ".warm": the
 # next call starts from it.
+# .whl (git-ignored) holds what the device lacks, as Python 3.12 x86-64 wheels: fla-core 0.6.0
+# and openk3's serving dependencies with theirs (fastapi, starlette, uvicorn, httptools, uvloop,
+# pydantic, pydantic-core, anyio, rich, prometheus_client, ...). Made on a fresh checkout with
+#   pip download --only-binary=:all: --python-version 3.12 --implementation cp #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 #     -d .whl fla-core==0.6.0 fastapi uvicorn httptools uvloop rich prometheus_client
+# (11 MiB; with .triton-cache and a ~47 MiB .warm the carried paths stay under the 64 MiB limit).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 nested=${OPENK3_DEVICE_COMMON:-}

@@ -13,7 +13,9 @@ them) to:
   node's kernels go to the module that ran that forward op;
 * ``optimizer Muon.step`` and the like: inside a ``torch.optim`` step;
 * ``(grad accumulation)``: AccumulateGrad, autograd adding into existing ``.grad`` tensors;
-* ``(step)``: anything else (the loss's host reads, clipping outside an optimiser).
+* ``(step)``: anything else (the loss's host reads, clipping outside an optimiser);
+* ``(unattributed)``: kernels the profiler links to no ATen op (Triton kernels launched from
+  Python, inductor's), so that the totals match the profile.
 
 On the CPU (a check of the attribution) the "kernels" are the leaf ATen ops that are not views.
 Run on the device through ``python benchmarks/train_throughput.py --census`` (JSON under $OUT:
@@ -59,8 +61,8 @@ def attribute_step(events, on_cuda: bool) -> list[tuple[str, str, float]]:
     for e in sorted(cpu, key=lambda e: e.time_range.start):
         if e.sequence_nr >= 0 and _node(e) is None and not e.name.startswith(BACKWARD):
             forward_op[e.sequence_nr] = e
-    if on_cuda:  # the profiler lists each kernel under the CPU event that launched it (a
-        # runtime call such as cudaLaunchKernel, inside the op); ranges' GPU shadows are not kernels
+    if on_cuda:  # the profiler lists each kernel under the ATen op whose launch it links to;
+        # ranges' GPU shadows are not kernels
         items = [(k.name, k.duration, e) for e in cpu for k in e.kernels
                  if not getattr(e, "is_user_annotation", False) and k.name != e.name]
     else:
@@ -76,4 +78,24 @@ def attribute_step(events, on_cuda: bool) -> list[tuple[str, str, float]]:
             fwd = forward_op.get(node.sequence_nr)
             label = f"{_label(fwd) or '(step)'} bwd"
         out.append((label, name, us))
+    if on_cuda:
+        out += _unattributed(events, items)
     return out
+
+
+def _unattributed(events, attributed: list[tuple[str, float, object]]) -> list[tuple[str, str, float]]:
+    """The kernels the profiler links to no ATen op (a Triton kernel launched from Python, as
+    Muon's are; inductor's), labelled ``(unattributed)`` so that the census adds up to the
+    profile: per name, the GPU's kernels less the attributed ones ((name, us, launcher)), at
+    their mean duration."""
+    seen: dict[str, list] = {}
+    for e in events:
+        if e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False):
+            row = seen.setdefault(e.name, [0, 0.0])
+            row[0] += 1
+            row[1] += e.time_range.elapsed_us()
+    for name, us, _ in attributed:
+        if name in seen:
+            seen[name][0] -= 1
+            seen[name][1] -= us
+    return [("(unattributed)", name, us / n) for name, (n, us) in seen.items() if n > 0 for _ in range(n)]

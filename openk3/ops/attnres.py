@@ -8,8 +8,9 @@
 * The key RMSNorm has no weight of its own and uses ``eps = rms_norm_eps``; keys, logits,
   softmax and the weighted sum are all fp32; the values are the *un-normalised* sources;
   the result is cast once to the sources' dtype.
-Sources of mixed dtypes (under autocast the bank holds the fp32 embedding beside bf16 layer
-outputs) are first cast to the autocast dtype, or else to their promoted dtype.
+Sources of mixed dtypes (a caller's fp32 tensor beside bf16 layer outputs; the model itself
+casts the embedding into the bank once under autocast) are first cast to the autocast dtype, or
+else to their promoted dtype.
 With a zero query the softmax is uniform and ``agg`` is the mean of the sources.
 
 Fast path (CUDA): fla-core's ``fused_attnres``, whose math is exactly this when called without

@@ -50,8 +50,9 @@ def _kernels(t: torch.Tensor) -> bool:
 
 
 def momentum_(g: torch.Tensor, m: torch.Tensor, out: torch.Tensor, mu: float, nesterov: bool) -> None:
-    """``m <- mu * m + g``; ``out <- g + mu * m`` (``nesterov``) or ``m``. g, m: fp32 blocks
-    ``[n, r, c]``, any strides; out: the same shape, any float dtype."""
+    """``m <- mu * m + g``; ``out <- g + mu * m`` (``nesterov``) or ``m``. g, m: blocks
+    ``[n, r, c]`` (fp32 in training), any strides; out: the same shape, any float dtype. The
+    kernel computes in fp32 and rounds to each tensor's dtype on store."""
     _check("momentum", m, g)
     _check("out", out, g)
     if not _kernels(g):
@@ -64,7 +65,7 @@ def momentum_(g: torch.Tensor, m: torch.Tensor, out: torch.Tensor, mu: float, ne
 def apply_update_(w: torch.Tensor, x: torch.Tensor, lr: float | torch.Tensor, wd: float, scale: float) -> None:
     """``w <- w * (1 - lr * wd) + (-lr * scale) * x`` in place. w: a block ``[n, r, c]`` of the
     weight, any strides; x: the update, same shape; lr: a float or a 0-dim tensor on w's device."""
-    _check("update", x, w)
+    _check("x", x, w)
     if isinstance(lr, torch.Tensor) and (lr.dim() != 0 or lr.device != w.device):
         raise ValueError(f"Muon's lr tensor must be 0-dim on {w.device}, got {list(lr.shape)} on {lr.device}")
     if not _kernels(w):

@@ -6,10 +6,13 @@ axis 1 picks the matrix), each operand addressed through its own three strides: 
 (a transposed view) or a tall matrix iterated in its wide orientation are read in place. Every
 operand is read once and written at most once. Automatic fp contraction is off: the momentum's
 multiply and add round separately, as the reference's two passes do, and the two products that
-torch's kernels contract (``add`` with ``alpha``, ``addcmul``) are explicit ``fma``\ s.
+torch's kernels may contract (``add`` with ``alpha`` does; ``addcmul``, ``a + v * b * c``, may
+round ``b * c`` first: half an ulp of the update term) are explicit ``fma``\ s.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import triton
@@ -52,19 +55,28 @@ def apply_update_kernel(w_ptr, x_ptr, lr_ptr, decay, factor, wd, scale, R, C, w0
     p_w = w_ptr + b * w0 + r * w1 + c * w2
     w = tl.load(p_w, mask=mask, other=0.0)
     x = tl.load(x_ptr + b * x0 + r * x1 + c * x2, mask=mask, other=0.0).to(tl.float32)
-    w = tl.fma(x, factor, w * decay)  # contracted, as addcmul_ and add_(alpha=) are
+    w = tl.fma(x, factor, w * decay)  # contracted, as add_(alpha=) is (addcmul_ may not be)
     tl.store(p_w, w.to(w_ptr.dtype.element_ty), mask=mask)
 
 
 def _grid(t: torch.Tensor) -> tuple[int, int]:
     n, R, C = t.shape
+    if n > 65535:  # CUDA's limit on a grid's second axis
+        raise ValueError(f"Muon's kernels take at most 65535 matrices a block, got {list(t.shape)}")
     return triton.cdiv(R, BR) * triton.cdiv(C, BC), n
+
+
+def _on(t: torch.Tensor):
+    """Triton launches on the current CUDA device: make it t's (the CPU tests run the interpreter)."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
 def launch_momentum(g: torch.Tensor, m: torch.Tensor, out: torch.Tensor, mu: float, nesterov: bool) -> None:
     if g.numel():
-        momentum_kernel[_grid(g)](g, m, out, g.shape[1], g.shape[2], *g.stride(), *m.stride(), *out.stride(),
-                                  mu, NESTEROV=nesterov, BR=BR, BC=BC, enable_fp_fusion=False)
+        with _on(g):
+            momentum_kernel[_grid(g)](g, m, out, g.shape[1], g.shape[2], *g.stride(), *m.stride(),
+                                      *out.stride(), mu, NESTEROV=nesterov, BR=BR, BC=BC,
+                                      enable_fp_fusion=False)
 
 
 def launch_apply_update(w: torch.Tensor, x: torch.Tensor, lr: float | torch.Tensor, wd: float, scale: float) -> None:
@@ -73,6 +85,7 @@ def launch_apply_update(w: torch.Tensor, x: torch.Tensor, lr: float | torch.Tens
     in_memory = isinstance(lr, torch.Tensor)
     # host floats: the factors computed in double as the reference's Python scalars are
     decay, factor = (1.0, 0.0) if in_memory else (1 - lr * wd, -lr * scale)
-    apply_update_kernel[_grid(w)](w, x, lr if in_memory else w, decay, factor, wd, scale, w.shape[1], w.shape[2],
-                                  *w.stride(), *x.stride(), LR_IN_MEMORY=in_memory, BR=BR, BC=BC,
-                                  enable_fp_fusion=False)
+    with _on(w):
+        apply_update_kernel[_grid(w)](w, x, lr if in_memory else w, decay, factor, wd, scale, w.shape[1],
+                                      w.shape[2], *w.stride(), *x.stride(), LR_IN_MEMORY=in_memory,
+                                      BR=BR, BC=BC, enable_fp_fusion=False)

@@ -68,7 +68,7 @@ def qb_margins(scores: torch.Tensor, bias: torch.Tensor, k: int) -> torch.Tensor
     """Margins of every (token, expert) pair against the token's (k+1)-th biased score.
 
     scores: [N, E] sigmoid scores; bias: [E] (or [..., N, E] and [..., E]: routers side by
-    side). Returns r [N, E] fp32 with
+    side). Returns r [N, E] (or [..., N, E]) fp32 with
     ``r_ij = s_ij + b_j - a_i``, ``a_i`` = the (k+1)-th largest of ``s_i + b``.
     Expert j is among token i's top-k exactly when ``r_ij > 0`` (barring ties), and the runner-up
     (the (k+1)-th) has ``r_ij = 0``: one threshold per token that separates chosen from not chosen.
@@ -242,6 +242,25 @@ def load_max_over_mean(topk_idx: torch.Tensor, num_experts: int) -> float:
     return (loads.max() / loads.mean()).item()
 
 
+# scores updated at once by the exact QB step: it holds ~5 fp32 copies of them (stack, biased
+# scores, margins, their transpose, kthvalue's workspace), 2^26 elements ~1.3 GB at the peak
+QB_BATCH_NUMEL = 1 << 26
+
+
+def _batches(scores: list[torch.Tensor]) -> list[list[int]]:
+    """Indices of consecutive routers with one shape and device, at most QB_BATCH_NUMEL score
+    elements a batch (at least one router): each batch is one ``qb_update_exact`` call."""
+    batches: list[list[int]] = []
+    for i, s in enumerate(scores):
+        last = batches[-1] if batches else None
+        if (last is not None and (s.shape, s.device) == (scores[last[0]].shape, scores[last[0]].device)
+                and (len(last) + 1) * s.numel() <= QB_BATCH_NUMEL):
+            last.append(i)
+        else:
+            batches.append([i])
+    return batches
+
+
 class Balancer:
     """Balances every MoE router of a model from the routing its forward hooks collect.
 
@@ -330,12 +349,11 @@ class Balancer:
             counts = torch.stack([qb_histogram(s, b, k, e) for (s, _), b, e in zip(routings, biases, edges)])
             counts = _all_reduce_sum_(counts, self.group)  # [L, E, B+2]: one collective for all layers
             new = [qb_bias_from_histogram(c, b, e, k) for c, b, e in zip(counts, biases, edges)]
-        else:  # all routers at once when they routed the same tokens (they do in a model)
-            scores = [s for s, _ in routings]
-            if len({s.shape for s in scores}) == 1:
-                new = qb_update_exact(torch.stack(scores), torch.stack(biases), k).unbind()
-            else:
-                new = [qb_update_exact(s, b, k) for s, b in zip(scores, biases)]
+        else:  # routers side by side, as many at once as QB_BATCH_NUMEL allows
+            new = []
+            for chunk in _batches([s for s, _ in routings]):
+                scores = [routings[i][0] for i in chunk]
+                new += qb_update_exact(torch.stack(scores), torch.stack([biases[i] for i in chunk]), k).unbind()
         for b, nb in zip(biases, new):
             b.copy_(nb)
 

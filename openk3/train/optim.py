@@ -148,6 +148,11 @@ def _blocks(M: torch.Tensor, split: HeadSplit | None) -> list[torch.Tensor]:
     return [b.reshape(-1, size, C) for b, size in zip(heads.split(split.sizes, dim=-2), split.sizes)]
 
 
+def _viewed(block: torch.Tensor, M: torch.Tensor) -> bool:
+    """Whether ``block`` (from ``_blocks(M, ...)``) is a view of M, not a copy: writes reach M."""
+    return block.untyped_storage().data_ptr() == M.untyped_storage().data_ptr()
+
+
 def _assemble(blocks: list[torch.Tensor], M: torch.Tensor, split: HeadSplit | None) -> torch.Tensor:
     """The inverse of ``_blocks``: a tensor of M's shape from (updated) blocks."""
     if split is None:
@@ -294,18 +299,19 @@ class Muon(torch.optim.Optimizer):
         in the stacked Newton-Schulz input (bf16 on CUDA), already in the wide orientation; then
         each block of the result is added into its slice of the decayed parameter with the
         scale and the learning rate as one factor: no fp32 momentum copy, stack, cast back,
-        scaled copy or reassembly. A parameter whose head blocks are not views of it (a split of
-        a stacked 3-D tensor's columns) takes ``_update_gathered``."""
+        scaled copy or reassembly. A parameter whose head blocks, or whose momentum's, are not
+        views of it (a split of a stacked 3-D tensor's columns; a momentum of another layout,
+        e.g. loaded) takes ``_update_gathered``: both are written through the blocks."""
         lr, mu, wd = group["lr"], group["momentum"], group["weight_decay"]
         groups: dict[tuple, list[tuple[torch.Tensor, ...]]] = {}
-        in_place, copied = [], []  # a parameter whose blocks are not views of it: the reference
+        copied = []  # the parameters the reference updates
         for p in params:
             split = self.head_splits.get(p)
-            views = [_blocks(t, split) for t in (p.grad, self.state[p]["momentum_buffer"], p)]
-            if any(w.untyped_storage().data_ptr() != p.untyped_storage().data_ptr() for w in views[2]):
+            buf = self.state[p]["momentum_buffer"]
+            views = [_blocks(t, split) for t in (p.grad, buf, p)]
+            if not all(_viewed(b, t) for t, blocks in ((buf, views[1]), (p, views[2])) for b in blocks):
                 copied.append(p)
                 continue
-            in_place.append(p)
             for g, m, w in zip(*views):
                 if g.shape[-2] > g.shape[-1]:  # Newton-Schulz iterates on the wide form
                     g, m, w = g.mT, m.mT, w.mT

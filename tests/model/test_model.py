@@ -120,7 +120,8 @@ def test_backward_reaches_every_parameter():
 def test_autocast_bank_holds_one_dtype(monkeypatch):
     """Under autocast (training: fp32 weights) the embedding enters the AttnRes bank in the
     autocast dtype, beside the layers' bf16 outputs: cast once, not at every read; the values
-    every read sees are the same (each read cast it to that dtype before)."""
+    every AttnRes read sees are the same (each read cast it to that dtype before). Layer 0,
+    whose bank is empty, now normalises the bf16 embedding (as the transformers model does)."""
     cfg = preset("debug")
     model = _randomise(build_model(cfg))
     ids = torch.randint(0, cfg.vocab_size, (1, 8))

@@ -72,7 +72,7 @@ def test_reference_is_the_momentum_and_update_formula():
 @pytest.mark.parametrize("call,message", [
     (lambda t: muon.momentum_(t, t[:, :2], torch.empty_like(t), 0.9, True), "`momentum` must match"),
     (lambda t: muon.momentum_(t, t.clone(), torch.empty(2, 3, 4), 0.9, True), "`out` must match"),
-    (lambda t: muon.apply_update_(t, t[:1], 0.1, 0.0, 1.0), "`update` must match"),
+    (lambda t: muon.apply_update_(t, t[:1], 0.1, 0.0, 1.0), "`x` must match"),
     (lambda t: muon.apply_update_(t, t.clone(), torch.tensor([0.1]), 0.0, 1.0), "lr tensor must be 0-dim"),
 ])
 def test_bad_blocks_are_named(call, message):

@@ -248,6 +248,16 @@ def _routing(model, x):
     return out
 
 
+def test_routers_are_batched_by_shape_and_size(monkeypatch):
+    import openk3.train.balance as balance
+
+    monkeypatch.setattr(balance, "QB_BATCH_NUMEL", 80)
+    scores = [torch.zeros(10, 4)] * 3 + [torch.zeros(5, 4)] + [torch.zeros(10, 4)] * 2
+    assert balance._batches(scores) == [[0, 1], [2], [3], [4, 5]]
+    monkeypatch.setattr(balance, "QB_BATCH_NUMEL", 1)  # too small for one: one router a batch
+    assert balance._batches(scores[:2]) == [[0], [1]]
+
+
 def test_balancer_on_moe_layers():
     model = _moe_stack()
     cfg = model[0].cfg

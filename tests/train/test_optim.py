@@ -343,6 +343,26 @@ def test_in_place_update_equals_the_gathered_reference_on_bare_parameters(bucket
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=str(shape))
 
 
+def test_momentum_of_another_layout_takes_the_reference():
+    """A gradient of another memory layout (set by hand, or a loaded momentum) makes a momentum
+    whose head blocks are copies, not views: the in-place path must not update those copies (the
+    momentum would stay zero) but hand the parameter to the reference."""
+    runs = []
+    for path in ("_update_in_place", "_update_gathered"):
+        gen = torch.Generator().manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(4, 32, 16, generator=gen))
+        opt = Muon([p], lr=0.02, weight_decay=0.1, head_splits={p: HeadSplit(0, (8,))})
+        if path == "_update_gathered":
+            opt._update_in_place = _reference_update(opt)
+        for _ in range(3):
+            p.grad = torch.randn(32, 4, 16, generator=gen).transpose(0, 1)  # [4, 32, 16], strided
+            opt.step()
+        runs.append((p.detach().clone(), opt.state[p]["momentum_buffer"].clone()))
+    assert runs[0][1].norm() > 0
+    torch.testing.assert_close(runs[0][1], runs[1][1], rtol=0, atol=0)
+    torch.testing.assert_close(runs[0][0], runs[1][0], rtol=0, atol=0)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_in_place_update_equals_the_gathered_reference_on_cuda():

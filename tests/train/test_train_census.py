@@ -100,3 +100,20 @@ def test_a_node_goes_to_the_module_that_made_it_not_to_an_earlier_op_with_its_nu
     rows = attribute_step(prof.events(), on_cuda=False)
     backward = {label for label, _, _ in rows if label.endswith("bwd")}
     assert backward == {"Layer/Pick bwd"}, rows  # the select's and the multiply's backward
+
+
+def test_kernels_linked_to_no_op_are_counted_unattributed():
+    """On CUDA the census must add up to the profile: GPU kernels that no ATen op lists (Triton
+    kernels launched from Python) come back as ``(unattributed)``, per name, the rest not twice."""
+    from types import SimpleNamespace
+
+    from benchmarks.train_census import _unattributed
+
+    def kernel(name, us, annotation=False):
+        return SimpleNamespace(name=name, device_type=torch.autograd.DeviceType.CUDA, is_user_annotation=annotation,
+                               time_range=SimpleNamespace(elapsed_us=lambda: us))
+
+    events = [kernel("gemm", 10.0), kernel("gemm", 12.0), kernel("momentum_kernel", 5.0),
+              kernel("Optimizer.step#Muon.step", 99.0, annotation=True)]
+    rows = _unattributed(events, [("gemm", 10.0, "launching op"), ("gemm", 12.0, "launching op")])
+    assert rows == [("(unattributed)", "momentum_kernel", 5.0)]
