@@ -16,36 +16,36 @@
 #    what changed beside another 200-step curve, then the graphed step against the peer.
 # 4: P8 as device_s12.sh 1 left it: the decode steps against the peer and the censuses.
 source "$(dirname "$0")/device_common.sh"
+curve_beside_tests() {  # SECONDS (curve) SECONDS (tests) TESTS...: a 200-step curve beside the GPU tests
+  local curve=$1 tests=$2; shift 2
+  (timeout -k 10 "$curve" python3 -m openk3 train --preset small --max-steps 200 --warmup-steps 20 \
+    --log-interval 5 --eval-interval 100 --ckpt-interval 100000 --num-samples 0 --out /tmp/runs/curve \
+    > "$OUT/curve.log" 2>&1; echo "== rc $?" >> "$OUT/curve.log"
+   cp /tmp/runs/curve/metrics.jsonl "$OUT/curve.metrics.jsonl") &
+  gpu_tests "$tests" "$@"
+  wait
+}
+step_against_peer() {  # SECONDS FLAGS...: the graphed step of `small` against the transformers peer
+  local limit=$1; shift
+  timeout -k 10 "$limit" python3 benchmarks/train_throughput.py --batch 4 --seq 4096 --steps 10 "$@" \
+    > "$OUT/throughput.log" 2>&1
+  echo "== rc $?" >> "$OUT/throughput.log"
+}
 case "${1:?phase}" in
 1)
   gpu_tests 220 tests/train/test_graphed.py tests/train/test_optim.py -s
   timeout -k 5 60 python3 benchmarks/qb_speed.py > "$OUT/qb_speed.log" 2>&1
   echo "== rc $?" >> "$OUT/qb_speed.log"
-  timeout -k 10 240 python3 benchmarks/train_throughput.py --batch 4 --seq 4096 --steps 10 --profile \
-    --census > "$OUT/throughput.log" 2>&1
-  echo "== rc $?" >> "$OUT/throughput.log"
+  step_against_peer 240 --profile --census
   ;;
 2)
-  (timeout -k 10 230 python3 -m openk3 train --preset small --max-steps 200 --warmup-steps 20 \
-    --log-interval 5 --eval-interval 100 --ckpt-interval 100000 --num-samples 0 --out /tmp/runs/curve \
-    > "$OUT/curve.log" 2>&1; echo "== rc $?" >> "$OUT/curve.log"
-   cp /tmp/runs/curve/metrics.jsonl "$OUT/curve.metrics.jsonl") &
-  gpu_tests 220 tests/ops/test_muon.py tests/ops/test_norm.py tests/train/test_optim.py tests/train/test_graphed.py
-  wait
-  timeout -k 10 240 python3 benchmarks/train_throughput.py --batch 4 --seq 4096 --steps 10 --profile \
-    --census > "$OUT/throughput.log" 2>&1
-  echo "== rc $?" >> "$OUT/throughput.log"
+  curve_beside_tests 230 220 tests/ops/test_muon.py tests/ops/test_norm.py tests/train/test_optim.py \
+    tests/train/test_graphed.py
+  step_against_peer 240 --profile --census
   ;;
 3)
-  (timeout -k 10 220 python3 -m openk3 train --preset small --max-steps 200 --warmup-steps 20 \
-    --log-interval 5 --eval-interval 100 --ckpt-interval 100000 --num-samples 0 --out /tmp/runs/curve \
-    > "$OUT/curve.log" 2>&1; echo "== rc $?" >> "$OUT/curve.log"
-   cp /tmp/runs/curve/metrics.jsonl "$OUT/curve.metrics.jsonl") &
-  gpu_tests 200 tests/ops/test_muon.py tests/train/test_optim.py tests/train/test_graphed.py
-  wait
-  timeout -k 10 150 python3 benchmarks/train_throughput.py --batch 4 --seq 4096 --steps 10 --profile \
-    > "$OUT/throughput.log" 2>&1
-  echo "== rc $?" >> "$OUT/throughput.log"
+  curve_beside_tests 220 200 tests/ops/test_muon.py tests/train/test_optim.py tests/train/test_graphed.py
+  step_against_peer 150 --profile
   ;;
 4)
   bash benchmarks/device_s12.sh 1  # nested: shares this call's setup and saver
