@@ -4,7 +4,9 @@ A block is a ``[n, r, c]`` view of a parameter (its gradient, momentum and weigh
 head's rows, a head's columns, experts), any strides. Two passes per block and step:
 
 * ``momentum_``: ``m <- mu * m + g`` in place, and ``out = g + mu * m`` (Nesterov) or ``m``,
-  written in ``out``'s dtype (Newton-Schulz's bf16 input on CUDA, a slice of the stacked batch).
+  written in ``out``'s dtype (Newton-Schulz's bf16 input on CUDA, a slice of the stacked batch);
+  with ``grad_scale`` (gradient clipping's 0-dim coefficient) g is ``g * grad_scale`` first, as
+  the clipping's own pass would have left it.
 * ``apply_update_``: ``w <- w * (1 - lr * wd) + (-lr * scale) * x``: weight decay and the
   orthogonalised update ``x`` in one pass; ``lr`` a float or a 0-dim tensor (the CUDA graphs
   read it on the device).
@@ -27,7 +29,10 @@ def _check(name: str, t: torch.Tensor, like: torch.Tensor) -> None:
                          f"got {list(t.shape)} on {t.device}")
 
 
-def momentum_ref(g: torch.Tensor, m: torch.Tensor, out: torch.Tensor, mu: float, nesterov: bool) -> None:
+def momentum_ref(g: torch.Tensor, m: torch.Tensor, out: torch.Tensor, mu: float, nesterov: bool,
+                 grad_scale: torch.Tensor | None = None) -> None:
+    if grad_scale is not None:
+        g = g * grad_scale
     m.mul_(mu).add_(g)
     if nesterov:
         torch.add(g, m, alpha=mu, out=out)
@@ -49,17 +54,21 @@ def _kernels(t: torch.Tensor) -> bool:
     return use_fast_path(t) and t.dim() == 3 and importable("triton")
 
 
-def momentum_(g: torch.Tensor, m: torch.Tensor, out: torch.Tensor, mu: float, nesterov: bool) -> None:
+def momentum_(g: torch.Tensor, m: torch.Tensor, out: torch.Tensor, mu: float, nesterov: bool,
+              grad_scale: torch.Tensor | None = None) -> None:
     """``m <- mu * m + g``; ``out <- g + mu * m`` (``nesterov``) or ``m``. g, m: blocks
     ``[n, r, c]`` (fp32 in training), any strides; out: the same shape, any float dtype. The
     kernel computes in fp32 and rounds to each tensor's dtype on store."""
     _check("momentum", m, g)
     _check("out", out, g)
+    if grad_scale is not None and (grad_scale.dim() != 0 or grad_scale.device != g.device):
+        raise ValueError(f"Muon's grad_scale must be 0-dim on {g.device}, got {list(grad_scale.shape)} "
+                         f"on {grad_scale.device}")
     if not _kernels(g):
-        return momentum_ref(g, m, out, mu, nesterov)
+        return momentum_ref(g, m, out, mu, nesterov, grad_scale)
     from openk3.ops.muon_triton import launch_momentum
 
-    launch_momentum(g, m, out, float(mu), bool(nesterov))
+    launch_momentum(g, m, out, float(mu), bool(nesterov), grad_scale)
 
 
 def apply_update_(w: torch.Tensor, x: torch.Tensor, lr: float | torch.Tensor, wd: float, scale: float) -> None:

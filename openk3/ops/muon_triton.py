@@ -31,11 +31,13 @@ def _offsets(R, C, BR: tl.constexpr, BC: tl.constexpr):
 
 
 @triton.jit
-def momentum_kernel(g_ptr, m_ptr, out_ptr, R, C, g0, g1, g2, m0, m1, m2, o0, o1, o2, mu,
-                    NESTEROV: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+def momentum_kernel(g_ptr, m_ptr, out_ptr, scale_ptr, R, C, g0, g1, g2, m0, m1, m2, o0, o1, o2, mu,
+                    NESTEROV: tl.constexpr, SCALED: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
     r, c, mask = _offsets(R, C, BR, BC)
     b = tl.program_id(1).to(tl.int64)
     g = tl.load(g_ptr + b * g0 + r * g1 + c * g2, mask=mask, other=0.0).to(tl.float32)
+    if SCALED:  # gradient clipping's coefficient, as its own pass would have applied it
+        g = (g * tl.load(scale_ptr).to(tl.float32)).to(g_ptr.dtype.element_ty).to(tl.float32)
     p_m = m_ptr + b * m0 + r * m1 + c * m2
     m = tl.load(p_m, mask=mask, other=0.0) * mu + g
     tl.store(p_m, m, mask=mask)
@@ -71,12 +73,13 @@ def _on(t: torch.Tensor):
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
-def launch_momentum(g: torch.Tensor, m: torch.Tensor, out: torch.Tensor, mu: float, nesterov: bool) -> None:
+def launch_momentum(g: torch.Tensor, m: torch.Tensor, out: torch.Tensor, mu: float, nesterov: bool,
+                    grad_scale: torch.Tensor | None = None) -> None:
     if g.numel():
         with _on(g):
-            momentum_kernel[_grid(g)](g, m, out, g.shape[1], g.shape[2], *g.stride(), *m.stride(),
-                                      *out.stride(), mu, NESTEROV=nesterov, BR=BR, BC=BC,
-                                      enable_fp_fusion=False)
+            momentum_kernel[_grid(g)](g, m, out, g if grad_scale is None else grad_scale, g.shape[1], g.shape[2],
+                                      *g.stride(), *m.stride(), *out.stride(), mu, NESTEROV=nesterov,
+                                      SCALED=grad_scale is not None, BR=BR, BC=BC, enable_fp_fusion=False)
 
 
 def launch_apply_update(w: torch.Tensor, x: torch.Tensor, lr: float | torch.Tensor, wd: float, scale: float) -> None:

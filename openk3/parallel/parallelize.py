@@ -24,6 +24,8 @@ attention and MLPs compiled (``compile.py``), as torchtitan orders them.
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -106,10 +108,26 @@ class Parallel:
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Scale all gradients so that their global L2 norm is at most ``max_norm``; returns the
         norm before clipping as a plain 0-dim tensor (the same value on every rank)."""
+        return self.clip_grads_(max_norm)[0]
+
+    def clip_grads_(self, max_norm: float, unscaled: Collection[nn.Parameter] = ()
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``clip_grad_norm_``, returning ``(norm, coefficient)``. Where the gradients are plain
+        tensors (one process), those of ``unscaled`` parameters are left as they are and the
+        caller applies the coefficient (a 0-dim tensor: torch's ``min(1, max_norm / (norm +
+        1e-6))``), e.g. in Muon's momentum kernel, saving a pass over them; elsewhere (FSDP,
+        MoonEP) every gradient is scaled here and the coefficient is None."""
         if self.experts is not None:
-            return self.experts.clip_grad_norm_(self.model, max_norm)
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-        return norm.full_tensor() if isinstance(norm, DTensor) else norm
+            return self.experts.clip_grad_norm_(self.model, max_norm), None
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if not unscaled or any(isinstance(p.grad, DTensor) for p in params):
+            norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+            return (norm.full_tensor() if isinstance(norm, DTensor) else norm), None
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # as torch's clipping computes it
+        skip = {id(p) for p in unscaled}
+        torch._foreach_mul_([p.grad for p in params if id(p) not in skip], coef)
+        return norm, coef
 
     def state_dict(self, optimizers) -> dict:
         """The training state as ``torch.distributed.checkpoint`` saves and loads it:

@@ -219,9 +219,14 @@ class Muon(torch.optim.Optimizer):
         # elements orthogonalised together: 2^27 fp32 momenta are 512 MB, a few GB at the peak
         # of one bucket's Newton-Schulz (stacked copy, bf16 iterates, scaled and assembled output)
         self.bucket_numel = bucket_numel
+        self._grad_scale: torch.Tensor | None = None  # step()'s, for the passes below
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, grad_scale: torch.Tensor | None = None):
+        """``grad_scale``: a 0-dim tensor the gradients are multiplied by on their way into the
+        momentum (gradient clipping's coefficient, ``Parallel.clip_grads_``: the clipping then
+        skips its own pass over these gradients, which are left unscaled)."""
+        self._grad_scale = grad_scale
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -267,8 +272,11 @@ class Muon(torch.optim.Optimizer):
 
     def _momentum(self, params: list[nn.Parameter], mu: float) -> None:
         bufs = [self.state[p]["momentum_buffer"] for p in params]
+        grads = [p.grad for p in params]
+        if self._grad_scale is not None:
+            grads = torch._foreach_mul(grads, self._grad_scale)
         torch._foreach_mul_(bufs, mu)
-        torch._foreach_add_(bufs, [p.grad for p in params])
+        torch._foreach_add_(bufs, grads)
 
     def _update_gathered(self, params: list[nn.Parameter], group: dict) -> None:
         """The reference update, and FSDP's, on momenta already updated (``_momentum``): whole
@@ -324,7 +332,7 @@ class Muon(torch.optim.Optimizer):
             sizes = [g.shape[0] for g, _, _ in members]
             stacked = torch.empty(sum(sizes), *shape, dtype=dtype, device=device)
             for (g, m, _), out in zip(members, stacked.split(sizes)):
-                muon_ops.momentum_(g, m, out, mu, group["nesterov"])
+                muon_ops.momentum_(g, m, out, mu, group["nesterov"], self._grad_scale)
             X = zeropower_via_newtonschulz(stacked, group["ns_steps"])
             scale = UPDATE_RMS * math.sqrt(max(shape))
             for (_, _, w), x in zip(members, X.split(sizes)):

@@ -34,7 +34,7 @@ from openk3.train.balance import Balancer
 from openk3.train.data import BOS_TOKEN, PAD_TOKEN, prepare_data
 from openk3.train.stream import TokenStream, val_batches
 from openk3.train.metrics import MetricsLog, Progress, flops_per_token, peak_flops
-from openk3.train.optim import LRSchedule, build_optimizers, set_lr
+from openk3.train.optim import LRSchedule, Muon, build_optimizers, set_lr
 
 
 class TrainingDiverged(RuntimeError):
@@ -252,9 +252,17 @@ def update_step(t: Training, cfg: RunConfig, *, keep_grads: bool = False) -> tor
     gradient norm before clipping (a 0-dim tensor, no host sync). ``keep_grads``: leave the
     gradient tensors as they are (the graphed step's first micro-batch overwrites them)."""
     t.parallel.reduce_gradients()
-    grad_norm = t.parallel.clip_grad_norm_(cfg.clip_grad if cfg.clip_grad > 0 else 1e30)
+    # Muon applies the clipping coefficient in its momentum pass (where the layout allows):
+    # one pass over its gradients fewer
+    muon = [opt for opt in t.optimizers if isinstance(opt, Muon)]
+    grad_norm, coef = t.parallel.clip_grads_(cfg.clip_grad if cfg.clip_grad > 0 else 1e30,
+                                             unscaled=[p for opt in muon for g in opt.param_groups
+                                                       for p in g["params"]])
     for opt in t.optimizers:
-        opt.step()
+        if coef is not None and opt in muon:
+            opt.step(grad_scale=coef)
+        else:
+            opt.step()
         if not keep_grads:
             opt.zero_grad(set_to_none=True)
     return grad_norm

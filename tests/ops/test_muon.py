@@ -38,6 +38,13 @@ for name, g, m, w in blocks():
         muon.momentum_ref(g, m2, out2, 0.95, nesterov)
         assert torch.equal(m1, m2), (name, (m1 - m2).abs().max())
         assert (out1 - out2).abs().max() <= 1e-6 * out2.abs().max(), (name, nesterov)
+    c = torch.tensor(0.37)  # gradient clipping's coefficient, applied on the way in
+    m1, m2 = m.clone(), m.clone()
+    out1, out2 = torch.empty(g.shape), torch.empty(g.shape)
+    launch_momentum(g, m1, out1, 0.95, True, c)
+    muon.momentum_ref(g * c, m2, out2, 0.95, True)
+    assert torch.equal(m1, m2), (name, "scaled", (m1 - m2).abs().max())
+    assert (out1 - out2).abs().max() <= 1e-6 * out2.abs().max(), (name, "scaled")
     x = torch.randn(g.shape)
     for lr, wd in ((0.02, 0.1), (torch.tensor(0.02), 0.1), (0.02, 0.0), (torch.tensor(0.015), 0.0)):
         w1, w2 = w.clone(), w.clone()
@@ -74,6 +81,7 @@ def test_reference_is_the_momentum_and_update_formula():
     (lambda t: muon.momentum_(t, t.clone(), torch.empty(2, 3, 4), 0.9, True), "`out` must match"),
     (lambda t: muon.apply_update_(t, t[:1], 0.1, 0.0, 1.0), "`x` must match"),
     (lambda t: muon.apply_update_(t, t.clone(), torch.tensor([0.1]), 0.0, 1.0), "lr tensor must be 0-dim"),
+    (lambda t: muon.momentum_(t, t.clone(), t.clone(), 0.9, True, torch.ones(2)), "grad_scale must be 0-dim"),
 ])
 def test_bad_blocks_are_named(call, message):
     with pytest.raises(ValueError, match=message):
@@ -92,6 +100,11 @@ def test_kernels_match_the_reference_on_cuda():
         out2 = torch.empty_like(out1)
         muon.momentum_(g, m1, out1, 0.95, True)
         muon.momentum_ref(g, m2, out2, 0.95, True)
+        assert torch.equal(m1, m2), name
+        torch.testing.assert_close(out1, out2, rtol=8e-3, atol=0, msg=name)
+        c = torch.tensor(0.37, device="cuda")  # gradient clipping's coefficient on the way in
+        muon.momentum_(g, m1, out1, 0.95, True, c)
+        muon.momentum_ref(g * c, m2, out2, 0.95, True)
         assert torch.equal(m1, m2), name
         torch.testing.assert_close(out1, out2, rtol=8e-3, atol=0, msg=name)
         x = torch.randn(g.shape, device="cuda").bfloat16()

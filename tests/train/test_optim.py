@@ -343,6 +343,43 @@ def test_in_place_update_equals_the_gathered_reference_on_bare_parameters(bucket
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=str(shape))
 
 
+def test_clipping_folded_into_muon_equals_clipping_first():
+    """``update_step``'s path: the clipping scales all but Muon's gradients and Muon applies the
+    coefficient in its momentum pass; three clipped steps give exactly the weights and momenta of
+    torch's ``clip_grad_norm_`` followed by plain steps (the same products, rounded the same)."""
+    from openk3.parallel.parallelize import Parallel
+
+    cfg = _tiny()
+    runs = []
+    for folded in (False, True):
+        model = build_model(cfg, seed=0)
+        opts = build_optimizers(model, lr=1e-2, weight_decay=0.1)
+        muon = opts[0]
+        for step in range(3):
+            for opt in opts:
+                opt.zero_grad(set_to_none=True)
+            _loss(model, _batch(cfg, step)).backward()
+            if folded:
+                unscaled = [p for g in muon.param_groups for p in g["params"]]
+                before = {p: p.grad.clone() for p in unscaled}
+                norm, coef = Parallel(model, 0, 1).clip_grads_(0.05, unscaled=unscaled)
+                assert coef is not None and coef < 1  # clipping is active
+                assert all(torch.equal(p.grad, g) for p, g in before.items())  # left unscaled
+                muon.step(grad_scale=coef)
+                opts[1].step()
+            else:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+                for opt in opts:
+                    opt.step()
+        runs.append((model, muon))
+    (a, muon_a), (b, muon_b) = runs
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)
+    for p, q in zip(muon_a.param_groups[0]["params"], muon_b.param_groups[0]["params"]):
+        torch.testing.assert_close(muon_a.state[p]["momentum_buffer"], muon_b.state[q]["momentum_buffer"],
+                                   rtol=0, atol=0)
+
+
 def test_momentum_of_another_layout_takes_the_reference():
     """A gradient of another memory layout (set by hand, or a loaded momentum) makes a momentum
     whose head blocks are copies, not views: the in-place path must not update those copies (the
