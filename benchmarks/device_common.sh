@@ -41,6 +41,16 @@ summary() { [ -n "$nested" ] && return; for f in "$OUT"/*.log; do echo "== $f"; 
 export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-cache
 gpu_tests() { local limit=$1; shift; timeout "$limit" python3 -m pytest -m gpu "$@" -q -p no:cacheprovider \
   -rfE --tb=short >> "$OUT/${GPU_LOG:-gpu_tests}.log" 2>&1; echo "== $*: rc $?" >> "$OUT/${GPU_LOG:-gpu_tests}.log"; }
+curve_beside_tests() {  # SECONDS (curve) SECONDS (tests) TESTS...: `small`'s 200-step loss curve
+  # (docs/benchmarks.md, P7) beside the GPU tests of a change
+  local curve=$1 tests=$2; shift 2
+  (timeout -k 10 "$curve" python3 -m openk3 train --preset small --max-steps 200 --warmup-steps 20 \
+    --log-interval 5 --eval-interval 100 --ckpt-interval 100000 --num-samples 0 --out /tmp/runs/curve \
+    > "$OUT/curve.log" 2>&1; echo "== rc $?" >> "$OUT/curve.log"
+   cp /tmp/runs/curve/metrics.jsonl "$OUT/curve.metrics.jsonl") &
+  gpu_tests "$tests" "$@"
+  wait
+}
 train_run() {  # train_run SECONDS NAME NPROC EXTRA...: `openk3 train` from the current directory's
   local limit=$1 name=$2 n=$3; shift 3  # package (python -m puts the directory first on sys.path)
   timeout -k 10 "$limit" torchrun --nproc-per-node "$n" -m openk3 train --out "/tmp/runs/$name" \

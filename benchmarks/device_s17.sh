@@ -16,15 +16,6 @@
 #    what changed beside another 200-step curve, then the graphed step against the peer.
 # 4: P8 as device_s12.sh 1 left it: the decode steps against the peer and the censuses.
 source "$(dirname "$0")/device_common.sh"
-curve_beside_tests() {  # SECONDS (curve) SECONDS (tests) TESTS...: a 200-step curve beside the GPU tests
-  local curve=$1 tests=$2; shift 2
-  (timeout -k 10 "$curve" python3 -m openk3 train --preset small --max-steps 200 --warmup-steps 20 \
-    --log-interval 5 --eval-interval 100 --ckpt-interval 100000 --num-samples 0 --out /tmp/runs/curve \
-    > "$OUT/curve.log" 2>&1; echo "== rc $?" >> "$OUT/curve.log"
-   cp /tmp/runs/curve/metrics.jsonl "$OUT/curve.metrics.jsonl") &
-  gpu_tests "$tests" "$@"
-  wait
-}
 step_against_peer() {  # SECONDS FLAGS...: the graphed step of `small` against the transformers peer
   local limit=$1; shift
   timeout -k 10 "$limit" python3 benchmarks/train_throughput.py --batch 4 --seq 4096 --steps 10 "$@" \
