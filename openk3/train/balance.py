@@ -350,10 +350,10 @@ class Balancer:
             counts = _all_reduce_sum_(counts, self.group)  # [L, E, B+2]: one collective for all layers
             new = [qb_bias_from_histogram(c, b, e, k) for c, b, e in zip(counts, biases, edges)]
         else:  # routers side by side, as many at once as QB_BATCH_NUMEL allows
-            new = []
-            for chunk in _batches([s for s, _ in routings]):
-                scores = [routings[i][0] for i in chunk]
-                new += qb_update_exact(torch.stack(scores), torch.stack([biases[i] for i in chunk]), k).unbind()
+            scores, new = [s for s, _ in routings], []
+            for chunk in _batches(scores):
+                new += qb_update_exact(torch.stack([scores[i] for i in chunk]),
+                                       torch.stack([biases[i] for i in chunk]), k).unbind()
         for b, nb in zip(biases, new):
             b.copy_(nb)
 
