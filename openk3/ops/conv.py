@@ -9,10 +9,14 @@ result as one call per part.
 
 * ``causal_conv1d_ref``: plain PyTorch, the reference. Packed variable-length input is
   gathered by index arithmetic: no Python work per sequence.
-* ``causal_conv1d``: the entry point layers call. On CUDA it runs fla-core's Triton kernels:
-  ``causal_conv1d`` (variable length, initial and final state, autograd) and, for one decode
-  token without autograd, ``causal_conv1d_update``; ``torch.compile`` calls them as they are
-  (a graph break around them) instead of tracing them.
+* ``causal_conv1d``: the entry point layers call. On CUDA, without a state or ``cu_seqlens``
+  (training: one sequence per batch row), openk3's Triton kernels (``conv_triton.py``): a
+  forward, and a backward that recomputes the pre-activation and writes dx and per-block shares
+  of dweight in one pass (fla's forward and backward took ~235 us of GPU time per `small` call,
+  ~6x the bytes they move; these ~165: issue P7, ``benchmarks/conv_speed.py``). Otherwise fla-core's Triton kernels: ``causal_conv1d`` (variable length, initial
+  and final state, autograd) and, for one decode token without autograd,
+  ``causal_conv1d_update``. ``torch.compile`` calls both as they are (a graph break around
+  them) instead of tracing them.
 * ``causal_conv1d_update_``: one decode token per row whose states live in a pool (the serving
   engine's state slots): reads and writes the pool rows in place. Reference: gather, the
   reference above, scatter; on CUDA one Triton kernel (``conv_triton.py``).
@@ -24,6 +28,8 @@ and drops it from the result.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -108,6 +114,59 @@ def causal_conv1d_ref(x: torch.Tensor, weight: torch.Tensor,
 
 
 _FLA_CONV = "fla.modules.causal_conv1d"
+_CONV_TRITON = "openk3.ops.conv_triton"
+# (positions, channels, warps) per program of the training kernels (``conv_triton.py``); chosen
+# by ``benchmarks/conv_speed.py`` on one H200 at `small`'s shape (docs/benchmarks.md).
+FWD_BLOCKS = (16, 128, 2)
+BWD_BLOCKS = (16, 32, 1)
+TRITON_WIDTH = 4  # the taps the backward kernel is written for (K3's linear_conv_kernel_size)
+
+
+def _conv_launch(x: torch.Tensor, weight: torch.Tensor, dy: torch.Tensor | None = None):
+    """The forward (dy None: y) or backward (dx, dweight) Triton kernel over x [B, T, C]."""
+    import triton
+
+    from openk3.ops.conv_triton import conv_bwd_kernel, conv_fwd_kernel
+
+    B, T, C = x.shape
+    W = weight.shape[-1]
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    w = weight.reshape(C, W).contiguous()
+    if dy is None:
+        bt, bc, warps = FWD_BLOCKS
+        y = torch.empty(B, T, C, device=x.device, dtype=x.dtype)
+        conv_fwd_kernel[(triton.cdiv(T, bt), triton.cdiv(C, bc), B)](
+            x, w, y, T, C, x.stride(0), x.stride(1), W=W, BLOCK_T=bt, BLOCK_C=bc, num_warps=warps)
+        return y
+    if dy.stride(-1) != 1:
+        dy = dy.contiguous()
+    bt, bc, warps = BWD_BLOCKS
+    blocks = triton.cdiv(T, bt)
+    dx = torch.empty(B, T, C, device=x.device, dtype=x.dtype)
+    dw = torch.empty(B * blocks, W, C, device=x.device, dtype=torch.float32)
+    conv_bwd_kernel[(blocks, triton.cdiv(C, bc), B)](
+        x, w, dy, dx, dw, T, C, x.stride(0), x.stride(1), dy.stride(0), dy.stride(1),
+        BLOCK_T=bt, BLOCK_C=bc, num_warps=warps)
+    return dx, dw.sum(0).T.reshape(C, 1, W).to(weight.dtype)
+
+
+class _ConvTriton(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        return _conv_launch(x, weight)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        dx, dw = _conv_launch(x, weight, dy)
+        return (dx if ctx.needs_input_grad[0] else None), (dw if ctx.needs_input_grad[1] else None)
+
+
+@compile_disabled("openk3's Triton conv kernels run as they are")
+def _conv_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return _ConvTriton.apply(x, weight)
 
 
 @compile_disabled("fla-core's Triton conv kernels run as they are")
@@ -149,8 +208,10 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tenso
             sequences at ``[cu_seqlens[i], cu_seqlens[i+1])``; conv_state is then ``[N, C, W-1]``.
         cu_seqlens_cpu: the same offsets on the host, if the caller has them: fla then reads
             the sequence lengths without waiting for the GPU.
-        backend: ``"fla"`` runs fla-core's Triton kernels, ``"torch"`` the reference,
-            ``"auto"`` picks fla for CUDA inputs when it imports (unless ``OPENK3_REFERENCE=1``).
+        backend: ``"fla"`` runs fla-core's Triton kernels, ``"triton"`` openk3's (no state, no
+            cu_seqlens, 4 taps: training's case), ``"torch"`` the reference; ``"auto"`` picks
+            openk3's for such CUDA inputs, else fla when it imports (unless
+            ``OPENK3_REFERENCE=1``).
 
     Returns:
         y ``[B, T, C]`` and the new conv_state ``[B, C, W-1]`` (``[N, C, W-1]`` with
@@ -163,11 +224,31 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tenso
         >>> y.shape, state.shape, torch.equal(state, x[:, -3:].transpose(1, 2))
         (torch.Size([2, 7, 6]), torch.Size([2, 6, 3]), True)
     """
-    if backend not in ("auto", "torch", "fla"):
-        raise ValueError(f"`backend` must be 'auto', 'torch' or 'fla', got {backend!r}")
+    if backend not in ("auto", "torch", "fla", "triton"):
+        raise ValueError(f"`backend` must be 'auto', 'torch', 'fla' or 'triton', got {backend!r}")
     _validate(x, weight, conv_state, cu_seqlens)
     if backend == "auto":
-        backend = "fla" if use_fast_path(x) and importable(_FLA_CONV) else "torch"
+        if (use_fast_path(x) and conv_state is None and cu_seqlens is None
+                and weight.shape[-1] == TRITON_WIDTH and importable(_CONV_TRITON)):
+            backend = "triton"
+        else:
+            backend = "fla" if use_fast_path(x) and importable(_FLA_CONV) else "torch"
+    if backend == "triton":
+        if conv_state is not None or cu_seqlens is not None:
+            raise ValueError("backend='triton' takes neither `conv_state` nor `cu_seqlens` (training's "
+                             "case); use 'fla' or 'auto'")
+        if weight.shape[-1] != TRITON_WIDTH:
+            raise ValueError(f"backend='triton' is written for {TRITON_WIDTH} taps, `weight` has "
+                             f"{weight.shape[-1]}; use 'fla' or 'auto'")
+        if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(f"backend='triton' needs CUDA tensors, got x on {x.device}")
+        W = weight.shape[-1]
+        y = _conv_triton(x, weight)
+        # the state after x: its last W-1 inputs (zeros in front of a shorter x), a view of x
+        state = x[:, max(x.shape[1] - (W - 1), 0):].transpose(1, 2)
+        if x.shape[1] < W - 1:
+            state = F.pad(state, (W - 1 - x.shape[1], 0))
+        return y, state
     if backend == "fla":
         if not x.is_cuda:
             raise ValueError(f"backend='fla' needs CUDA tensors, got x on {x.device}")

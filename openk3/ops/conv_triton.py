@@ -1,6 +1,10 @@
-"""The Triton kernel behind ``openk3.ops.conv.causal_conv1d_update_`` (imported only on CUDA).
+"""The Triton kernels behind ``openk3.ops.conv`` (imported only on CUDA).
 
-One program per (row b, block of BLOCK_C channels). It reads row b's state from the pool at
+``conv_fwd_kernel`` / ``conv_bwd_kernel``: training's convolution (``causal_conv1d`` without a
+state or ``cu_seqlens``), described above them.
+
+``conv_update_kernel`` (``causal_conv1d_update_``): one program per (row b, block of BLOCK_C
+channels). It reads row b's state from the pool at
 ``slots[b]`` (the W-1 inputs before this token, oldest first), convolves them and the token's
 input with the channel's W taps in fp32, writes ``silu`` of the sum to row b of its part of
 ``y`` (``[C / part, B, part]``, i.e. ``[parts, B, C / parts]``: q, k and v each contiguous), and writes the
@@ -34,3 +38,95 @@ def conv_update_kernel(x_ptr, w_ptr, pool_ptr, slots_ptr, y_ptr, B, C, part, str
     y = acc * tl.sigmoid(acc)
     # y is [C // part, B, part] (parts x rows x channels of a part): q, k, v each a contiguous [B, part]
     tl.store(y_ptr + (c // part) * B * part + b * part + c % part, y.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+# The short convolution of training (no state in, one sequence per batch row): a forward, and a
+# backward in one pass that recomputes the pre-activation at the four positions whose outputs
+# read x[t]; one program per (block of BLOCK_T positions, block of BLOCK_C channels, row b). A
+# position's taps are loads of the same tile shifted by one row, which the caches serve: the
+# DRAM traffic is x read and y written (forward), x and dy read and dx written (backward).
+# Measured at `small`'s shape on the H200 (docs/benchmarks.md, fifteenth session): forward
+# ~28 us (floor 15.6), backward ~115 us in the training step (floor 23.4) against fla's
+# ~148 us backward plus its ~25 us forward recomputation. A two-pass backward (da written in
+# fp32, then dx) measured slower: its first pass alone took ~129 us, so the per-block dw sums
+# (four reductions across positions) look like the bound, not the four sigmoids; accumulating
+# dw across blocks inside a program is the next thing to try. The backward is written for K3's
+# W = 4 taps (``causal_conv1d`` sends other widths to fla).
+
+
+@triton.jit
+def _preactivation(xb, w_ptr, t, c, c_ok, T, stride_xt, W: tl.constexpr):
+    """a[t, c] = sum_j w[c, j] x[t - (W-1) + j, c] in fp32 (zeros before 0 and from T on)."""
+    a = tl.zeros([t.shape[0], c.shape[0]], dtype=tl.float32)
+    for j in tl.static_range(W):
+        src = t - (W - 1) + j
+        ok = ((src >= 0) & (src < T))[:, None] & c_ok[None, :]
+        xv = tl.load(xb + src[:, None].to(tl.int64) * stride_xt + c[None, :], mask=ok, other=0.0)
+        a += xv.to(tl.float32) * tl.load(w_ptr + c * W + j, mask=c_ok, other=0.0).to(tl.float32)[None, :]
+    return a
+
+
+@triton.jit
+def conv_fwd_kernel(x_ptr, w_ptr, y_ptr, T, C, stride_xb, stride_xt,
+                    W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    b = tl.program_id(2).to(tl.int64)
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = c < C
+    a = _preactivation(x_ptr + b * stride_xb, w_ptr, t, c, c_ok, T, stride_xt, W)
+    y = a * tl.sigmoid(a)
+    rows = (b * T + t).to(tl.int64)
+    tl.store(y_ptr + rows[:, None] * C + c[None, :], y.to(y_ptr.dtype.element_ty),
+             mask=(t < T)[:, None] & c_ok[None, :])
+
+
+@triton.jit
+def _tap(ptr, t, c, c_ok, T, stride_t):
+    """The tile at positions t (zeros outside 0 .. T-1) and channels c, in fp32."""
+    ok = ((t >= 0) & (t < T))[:, None] & c_ok[None, :]
+    return tl.load(ptr + t[:, None].to(tl.int64) * stride_t + c[None, :], mask=ok, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _dsilu(a, dy):
+    sig = tl.sigmoid(a)
+    return dy * sig * (1.0 + a * (1.0 - sig))
+
+
+@triton.jit
+def conv_bwd_kernel(x_ptr, w_ptr, dy_ptr, dx_ptr, dw_ptr, T, C, stride_xb, stride_xt,
+                    stride_dyb, stride_dyt, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    """W = 4 taps. dx[t] = sum_s w[3-s] da[t+s], da = dy silu'(a), from the seven tiles
+    x[t-3 .. t+3] each loaded once; this block's share of dw[c, j] = sum_t da[t] x[t-3+j] goes
+    to row (b, block) of dw_ptr ``[B * blocks, 4, C]`` fp32."""
+    b = tl.program_id(2).to(tl.int64)
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = c < C
+    xb, dyb = x_ptr + b * stride_xb, dy_ptr + b * stride_dyb
+    w0 = tl.load(w_ptr + c * 4, mask=c_ok, other=0.0).to(tl.float32)[None, :]
+    w1 = tl.load(w_ptr + c * 4 + 1, mask=c_ok, other=0.0).to(tl.float32)[None, :]
+    w2 = tl.load(w_ptr + c * 4 + 2, mask=c_ok, other=0.0).to(tl.float32)[None, :]
+    w3 = tl.load(w_ptr + c * 4 + 3, mask=c_ok, other=0.0).to(tl.float32)[None, :]
+    x0 = _tap(xb, t - 3, c, c_ok, T, stride_xt)
+    x1 = _tap(xb, t - 2, c, c_ok, T, stride_xt)
+    x2 = _tap(xb, t - 1, c, c_ok, T, stride_xt)
+    x3 = _tap(xb, t, c, c_ok, T, stride_xt)
+    da = _dsilu(w0 * x0 + w1 * x1 + w2 * x2 + w3 * x3, _tap(dyb, t, c, c_ok, T, stride_dyt))
+    part = dw_ptr + (b * tl.num_programs(0) + tl.program_id(0)) * 4 * C + c
+    tl.store(part, tl.sum(da * x0, axis=0), mask=c_ok)
+    tl.store(part + C, tl.sum(da * x1, axis=0), mask=c_ok)
+    tl.store(part + 2 * C, tl.sum(da * x2, axis=0), mask=c_ok)
+    tl.store(part + 3 * C, tl.sum(da * x3, axis=0), mask=c_ok)
+    dx = w3 * da
+    x4 = _tap(xb, t + 1, c, c_ok, T, stride_xt)
+    dx += w2 * _dsilu(w0 * x1 + w1 * x2 + w2 * x3 + w3 * x4, _tap(dyb, t + 1, c, c_ok, T, stride_dyt))
+    x5 = _tap(xb, t + 2, c, c_ok, T, stride_xt)
+    dx += w1 * _dsilu(w0 * x2 + w1 * x3 + w2 * x4 + w3 * x5, _tap(dyb, t + 2, c, c_ok, T, stride_dyt))
+    x6 = _tap(xb, t + 3, c, c_ok, T, stride_xt)
+    dx += w0 * _dsilu(w0 * x3 + w1 * x4 + w2 * x5 + w3 * x6, _tap(dyb, t + 3, c, c_ok, T, stride_dyt))
+    rows = (b * T + t).to(tl.int64)
+    tl.store(dx_ptr + rows[:, None] * C + c[None, :], dx.to(dx_ptr.dtype.element_ty),
+             mask=(t < T)[:, None] & c_ok[None, :])
+
+

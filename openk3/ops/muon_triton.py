@@ -7,7 +7,7 @@ axis 1 picks the matrix), each operand addressed through its own three strides: 
 operand is read once and written at most once. Automatic fp contraction is off: the momentum's
 multiply and add round separately, as the reference's two passes do, and the two products that
 torch's kernels may contract (``add`` with ``alpha`` does; ``addcmul``, ``a + v * b * c``, may
-round ``b * c`` first: half an ulp of the update term) are explicit ``fma``\ s.
+round ``b * c`` first: half an ulp of the update term) are explicit ``fma`` calls.
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ from the unbiased ones.
 
 * ``router_topk_ref``: plain PyTorch (differentiable: training's router).
 * ``router_topk``: the entry point; without autograd on CUDA one Triton kernel per call
-  (``router_triton.py``) instead of six (a decode step pays them in every MoE layer).
+  (``router_triton.py``) instead of six (a decode step pays them in every MoE layer); with
+  autograd the kernel picks the experts and the weights are gathered by autograd's ops.
 * ``router_logits``: the fp32 logits ``x W^T`` before it; without autograd on CUDA, for up to
   ``LOGITS_GEMV_MAX_TOKENS`` tokens, one Triton kernel reading x in its own dtype instead of a
   cast and cuBLAS's two fp32 GEMV kernels.
@@ -30,6 +31,7 @@ RENORM_EPS = 1e-20
 # changes in it), so it stays on cuBLAS.
 LOGITS_GEMV_MAX_TOKENS = 32
 LOGITS_ROWS, LOGITS_COLS = 4, 256  # experts per program (>= 16 programs per `small` token), columns per step
+TOPK_TILE = 1024  # router_topk_kernel's tokens x experts per program
 
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
@@ -82,12 +84,17 @@ def router_topk_ref(logits: torch.Tensor, bias: torch.Tensor, k: int, renormaliz
     """``router_topk`` in plain PyTorch; arguments and results as its."""
     scores = torch.sigmoid(logits.float())
     topk_idx = (scores + bias).topk(k, dim=-1).indices
+    return scores, topk_idx, _weights(scores, topk_idx, renormalize, scale)
+
+
+def _weights(scores: torch.Tensor, topk_idx: torch.Tensor, renormalize: bool, scale: float) -> torch.Tensor:
+    """The chosen experts' weights from the (unbiased) scores [N, E], differentiable."""
     weight = scores.gather(1, topk_idx)
     if renormalize:
         weight = weight / (weight.sum(-1, keepdim=True) + RENORM_EPS)
     if scale != 1.0:  # K3's is 1: one kernel less per layer and step
         weight = weight * scale
-    return scores, topk_idx, weight
+    return weight
 
 
 def router_topk(logits: torch.Tensor, bias: torch.Tensor, k: int, renormalize: bool = True,
@@ -102,7 +109,10 @@ def router_topk(logits: torch.Tensor, bias: torch.Tensor, k: int, renormalize: b
         renormalize: divide the chosen scores by their sum (+ 1e-20).
         scale: ``routed_scaling_factor``.
         backend: ``"triton"`` (CUDA), ``"torch"`` the reference, ``"auto"``: Triton for CUDA
-            inputs that need no gradient (unless ``OPENK3_REFERENCE=1``).
+            inputs with one bias [E] (unless ``OPENK3_REFERENCE=1``). With autograd (training)
+            the kernel only picks the experts (no gradient flows through the choice) and the
+            scores and weights are the reference's ops on them: ``torch.topk`` of 16,384 rows of
+            64 took ~100 us a `small` layer on the H200 (issue P7).
 
     Returns:
         scores ``[N, E]`` fp32, topk_idx ``[N, k]`` int64 (largest biased score first; the
@@ -125,12 +135,15 @@ def router_topk(logits: torch.Tensor, bias: torch.Tensor, k: int, renormalize: b
         raise ValueError(f"router_topk: k = {k} must be in 1..E = 1..{logits.shape[1]}")
     if backend == "auto":
         backend = ("triton" if use_fast_path(logits) and triton_available() and bias.dim() == 1
-                   and not needs_grad(logits, bias) else "torch")
+                   else "torch")
     if backend == "torch":
         return router_topk_ref(logits, bias, k, renormalize, scale)
-    if needs_grad(logits, bias) or bias.dim() != 1:
-        raise ValueError("router_topk: the Triton kernel takes one bias [E] and has no backward "
-                         "(use backend='torch')")
+    if bias.dim() != 1:
+        raise ValueError("router_topk: the Triton kernel takes one bias [E] (use backend='torch')")
+    if needs_grad(logits, bias):
+        _, topk_idx, _ = _router_topk_triton(logits.detach(), bias.detach(), k, renormalize, scale)
+        scores = torch.sigmoid(logits.float())
+        return scores, topk_idx, _weights(scores, topk_idx, renormalize, scale)
     return _router_topk_triton(logits, bias, k, renormalize, scale)
 
 
@@ -147,8 +160,62 @@ def _router_topk_triton(logits, bias, k, renormalize, scale):
     idx = torch.empty(N, k, device=logits.device, dtype=torch.int64)
     weight = torch.empty(N, k, device=logits.device, dtype=torch.float32)
     if N:
-        router_topk_kernel[(N,)](logits, bias.contiguous(), scores, idx, weight, E, logits.stride(0),
-                                 RENORM_EPS, float(scale), K=k, BLOCK_E=triton.next_power_of_2(E),
-                                 BLOCK_K=triton.next_power_of_2(k),
-                                 RENORMALIZE=renormalize)
+        block_e = triton.next_power_of_2(E)
+        # a [TOKENS, BLOCK_E] tile of ~1K values per program (16 of `small`'s tokens, one of
+        # K3's): one token per program left most of 4 warps idle on 64 experts (~39 us for
+        # training's 16,384 tokens on the H200)
+        tokens = min(max(1, TOPK_TILE // block_e), triton.next_power_of_2(N))
+        router_topk_kernel[(triton.cdiv(N, tokens),)](
+            logits, bias.contiguous(), scores, idx, weight, N, E, logits.stride(0), RENORM_EPS,
+            float(scale), K=k, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(k), TOKENS=tokens,
+            RENORMALIZE=renormalize)
     return scores, idx, weight
+
+
+def kth_largest_biased(scores: torch.Tensor, bias: torch.Tensor, k: int, *, backend: str = "auto") -> torch.Tensor:
+    """The k-th largest of ``scores + bias`` along the last dimension, in fp32 (Quantile
+    Balancing's per-token threshold, ``openk3.train.balance.qb_margins``).
+
+    Args:
+        scores: ``[..., N, E]`` (one or several routers' scores side by side).
+        bias: ``[..., E]``, one row per router.
+        k: ``1 <= k <= E``.
+        backend: ``"triton"`` (CUDA), ``"torch"`` the reference (``topk``), ``"auto"`` Triton
+            for CUDA inputs (unless ``OPENK3_REFERENCE=1``): ``torch.topk`` of `small`'s
+            23 x 16,384 rows of 64 took 1.15 ms of the training step on the H200.
+
+    Returns:
+        ``[..., N]`` fp32; the same values as ``topk(k).values[..., k-1]`` (ties count; a NaN
+        ranks first and gives +inf where topk gives NaN).
+    """
+    if backend not in ("auto", "torch", "triton"):
+        raise ValueError(f"`backend` must be 'auto', 'torch' or 'triton', got {backend!r}")
+    if scores.dim() < 2 or bias.shape != scores.shape[:-2] + scores.shape[-1:]:
+        raise ValueError(f"kth_largest_biased: `scores` must be [..., N, E] and `bias` [..., E], got "
+                         f"{list(scores.shape)} and {list(bias.shape)}")
+    if not 1 <= k <= scores.shape[-1]:
+        raise ValueError(f"kth_largest_biased: k = {k} must be in 1..E = 1..{scores.shape[-1]}")
+    if backend == "auto":
+        backend = "triton" if use_fast_path(scores) and triton_available() else "torch"
+    if backend == "torch":
+        biased = scores.float() + bias.float().unsqueeze(-2)
+        return biased.topk(k, dim=-1).values[..., k - 1]
+    return _kth_largest_triton(scores.detach(), bias.detach(), k)
+
+
+@compile_disabled("a Triton kernel launched as it is")
+def _kth_largest_triton(scores: torch.Tensor, bias: torch.Tensor, k: int) -> torch.Tensor:
+    import triton
+
+    from openk3.ops.router_triton import kth_largest_kernel
+
+    N, E = scores.shape[-2:]
+    x, b = scores.contiguous(), bias.contiguous()
+    out = torch.empty(scores.shape[:-1], device=scores.device, dtype=torch.float32)
+    R = out.numel()
+    block_e = triton.next_power_of_2(E)
+    rows = max(1, TOPK_TILE // block_e)
+    if R:
+        kth_largest_kernel[(triton.cdiv(R, rows),)](x, b, out, R, N, E, K=k, BLOCK_E=block_e, ROWS=rows)
+    return out
+

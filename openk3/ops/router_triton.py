@@ -7,7 +7,7 @@ at the end (as ``openk3.ops.moe_kernels``). It replaces the activation's cast to
 cuBLAS's fp32 GEMM, which runs as two kernels at these sizes (a dot and a reduction, or a GEMM
 and a split-K reduction).
 
-``router_topk_kernel``: one program per token: its E logits in one tile, the sigmoid scores
+``router_topk_kernel``: one program per ``TOKENS`` tokens: their E logits in one tile, the sigmoid scores
 (written out), the biased scores, then k rounds of "take the largest, mask it" (the first index
 among equal values), the chosen scores renormalised and scaled in registers. It replaces the
 sigmoid, bias add, top-k, gather, sum and divide kernels of the PyTorch router by one launch.
@@ -20,33 +20,35 @@ import triton.language as tl
 
 
 @triton.jit
-def router_topk_kernel(logits_ptr, bias_ptr, scores_ptr, idx_ptr, weight_ptr, E, stride_l, eps, scale,
-                       K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+def router_topk_kernel(logits_ptr, bias_ptr, scores_ptr, idx_ptr, weight_ptr, N, E, stride_l, eps, scale,
+                       K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, TOKENS: tl.constexpr,
                        RENORMALIZE: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
+    t = tl.program_id(0).to(tl.int64) * TOKENS + tl.arange(0, TOKENS)  # [TOKENS]
     e = tl.arange(0, BLOCK_E)
-    ok = e < E
-    s = tl.sigmoid(tl.load(logits_ptr + t * stride_l + e, mask=ok, other=0.0).to(tl.float32))
-    tl.store(scores_ptr + t * E + e, s, mask=ok)
-    biased = s + tl.load(bias_ptr + e, mask=ok, other=0.0).to(tl.float32)
+    ok = (t < N)[:, None] & (e < E)[None, :]                            # [TOKENS, BLOCK_E]
+    s = tl.sigmoid(tl.load(logits_ptr + t[:, None] * stride_l + e[None, :], mask=ok, other=0.0).to(tl.float32))
+    tl.store(scores_ptr + t[:, None] * E + e[None, :], s, mask=ok)
+    biased = s + tl.load(bias_ptr + e, mask=e < E, other=0.0).to(tl.float32)[None, :]
     # NaN ranks first, as in torch.topk (a NaN hidden state must still name experts in 0..E-1;
     # the GPU's max ignores NaN), and the padding lanes last
-    biased = tl.where(ok, tl.where(biased != biased, float("inf"), biased), float("-inf"))
-    slot = tl.arange(0, BLOCK_K)
-    chosen = tl.zeros([BLOCK_K], dtype=tl.int32)
-    weights = tl.zeros([BLOCK_K], dtype=tl.float32)
+    biased = tl.where((e < E)[None, :], tl.where(biased != biased, float("inf"), biased), float("-inf"))
+    slot = tl.arange(0, BLOCK_K)[None, :]                               # [1, BLOCK_K]
+    chosen = tl.zeros([TOKENS, BLOCK_K], dtype=tl.int32)
+    weights = tl.zeros([TOKENS, BLOCK_K], dtype=tl.float32)
     for j in tl.static_range(K):
-        best = tl.max(biased, axis=0)
-        i = tl.min(tl.where(ok & (biased == best), e, BLOCK_E), axis=0)  # the first index of the largest
-        i = tl.minimum(i, E - 1)  # never out of range, whatever the values
-        chosen = tl.where(slot == j, i, chosen)
-        weights = tl.where(slot == j, tl.sum(tl.where(e == i, s, 0.0), axis=0), weights)
-        biased = tl.where(e == i, float("-inf"), biased)
+        best = tl.max(biased, axis=1)[:, None]
+        # the first index of the largest, never out of range whatever the values
+        i = tl.minimum(tl.min(tl.where((e < E)[None, :] & (biased == best), e[None, :], BLOCK_E), axis=1), E - 1)
+        hit = e[None, :] == i[:, None]
+        chosen = tl.where(slot == j, i[:, None], chosen)
+        weights = tl.where(slot == j, tl.sum(tl.where(hit, s, 0.0), axis=1)[:, None], weights)
+        biased = tl.where(hit, float("-inf"), biased)
     if RENORMALIZE:
-        weights = weights / (tl.sum(weights, axis=0) + eps)
+        weights = weights / (tl.sum(weights, axis=1)[:, None] + eps)
     weights = weights * scale
-    tl.store(idx_ptr + t * K + slot, chosen.to(idx_ptr.dtype.element_ty), mask=slot < K)
-    tl.store(weight_ptr + t * K + slot, weights, mask=slot < K)
+    out = (t < N)[:, None] & (slot < K)
+    tl.store(idx_ptr + t[:, None] * K + slot, chosen.to(idx_ptr.dtype.element_ty), mask=out)
+    tl.store(weight_ptr + t[:, None] * K + slot, weights, mask=out)
 
 
 @triton.jit
@@ -62,3 +64,23 @@ def router_logits_kernel(x_ptr, w_ptr, out_ptr, E, D, stride_xn, stride_we,
         w = tl.load(w_rows + d[None, :], mask=(e[:, None] < E) & (d[None, :] < D), other=0.0)
         acc += w.to(tl.float32) * x[None, :]
     tl.store(out_ptr + t * E + e, tl.sum(acc, axis=1), mask=e < E)
+
+
+@triton.jit
+def kth_largest_kernel(x_ptr, bias_ptr, out_ptr, R, N, E, K: tl.constexpr, BLOCK_E: tl.constexpr,
+                       ROWS: tl.constexpr):
+    """out[r] = the K-th largest of x[r, :] + bias[r // N, :] over E contiguous columns (rows of
+    several routers side by side, N tokens each): K rounds of "take the largest, mask it once"
+    (ties count, as in ``torch.topk``)."""
+    r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    e = tl.arange(0, BLOCK_E)
+    ok = (r < R)[:, None] & (e < E)[None, :]
+    v = tl.load(x_ptr + r[:, None] * E + e[None, :], mask=ok, other=0.0).to(tl.float32)
+    v += tl.load(bias_ptr + (r // N)[:, None] * E + e[None, :], mask=ok, other=0.0).to(tl.float32)
+    v = tl.where(ok, tl.where(v != v, float("inf"), v), float("-inf"))
+    best = tl.max(v, axis=1)
+    for _ in tl.static_range(K - 1):
+        first = tl.min(tl.where(v == best[:, None], e[None, :], BLOCK_E), axis=1)
+        v = tl.where(e[None, :] == first[:, None], float("-inf"), v)
+        best = tl.max(v, axis=1)
+    tl.store(out_ptr + r, best, mask=r < R)

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from openk3.model.moe import Router
+from openk3.ops.router import kth_largest_biased
 
 METHODS = ("qb", "sign", "aux", "none")
 DEFAULT_NUM_BINS = 1024
@@ -78,7 +79,7 @@ def qb_margins(scores: torch.Tensor, bias: torch.Tensor, k: int) -> torch.Tensor
     """
     _check_routing(scores, bias, k, batched=True)
     biased = scores.float() + bias.float().unsqueeze(-2)  # [..., N, E]
-    a = biased.topk(k + 1, dim=-1).values[..., k]  # [..., N]
+    a = kth_largest_biased(scores, bias, k + 1)  # [..., N]: one Triton kernel on CUDA (the same sums)
     return biased - a.unsqueeze(-1)
 
 

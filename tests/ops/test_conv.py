@@ -167,7 +167,7 @@ def test_reference_reads_no_unwritten_memory():
     ("weight", torch.randn(5, 1, W), "`weight`"),
     ("conv_state", torch.randn(2, 6, W), "`conv_state`"),
     ("cu_seqlens", torch.tensor([0, 3, 5]), "cu_seqlens"),  # needs a packed [1, T, C] input
-    ("backend", "triton", "`backend`"),
+    ("backend", "cuda", "`backend`"),
 ])
 def test_rejects_bad_arguments(name, bad, message):
     kwargs = conv_inputs(2, 5, 6) | {name: bad}
@@ -197,17 +197,17 @@ FLA_TOLS = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 
 
 def fla_vs_reference(x: dict, dtype: torch.dtype, weight_dtype: torch.dtype | None = None,
-                     **kwargs) -> tuple[dict, dict]:
-    """fla on ``x`` cast to dtype (the weight to weight_dtype, by default dtype too), writing
-    into NaN-poisoned buffers; the reference on the same values in fp32. Returns the outputs
-    and gradients of both."""
+                     backend: str = "fla", **kwargs) -> tuple[dict, dict]:
+    """fla (or another ``backend``) on ``x`` cast to dtype (the weight to weight_dtype, by
+    default dtype too), writing into NaN-poisoned buffers; the reference on the same values in
+    fp32. Returns the outputs and gradients of both."""
     low = {n: t.to((weight_dtype or dtype) if n == "weight" else dtype) for n, t in x.items()}
 
     def run(backend):
         return lambda **inputs: causal_conv1d(**inputs, **kwargs, backend=backend)
 
     with nan_poisoned_empty():
-        actual = run_with_grads(run("fla"), low, out_names=("y", "state"))
+        actual = run_with_grads(run(backend), low, out_names=("y", "state"))
     expected = run_with_grads(run("torch"), {n: t.float() for n, t in low.items()},
                               out_names=("y", "state"))
     assert actual["y"].dtype == actual["state"].dtype == dtype
@@ -260,6 +260,66 @@ def test_fla_decode_steps_match_reference(dtype, with_state):
                                      backend="torch")
     assert_all_close({"y": torch.cat(ys, 1), "state": state},
                      {"y": y_ref, "state": state_ref}, tolerances(("y", "state"), FLA_TOLS[dtype]))
+
+
+# ---- openk3's Triton kernels: training's convolution (no state, no cu_seqlens) ----
+
+def test_triton_backend_rejects_state_and_cpu():
+    x = conv_inputs(2, 5, 6)
+    with pytest.raises(ValueError, match="neither `conv_state` nor `cu_seqlens`"):
+        causal_conv1d(**x, backend="triton")
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        causal_conv1d(x["x"], x["weight"], backend="triton")
+    with pytest.raises(ValueError, match="written for 4 taps"):
+        causal_conv1d(x["x"], x["weight"][..., :3], backend="triton")
+
+
+_INTERPRETED_TRAINING = """
+import torch
+import openk3.ops.conv as conv_ops
+from openk3.ops.conv import causal_conv1d
+torch.manual_seed(0)
+# odd sizes against the blocks; x a column slice (a row stride that is not T * C); T = 2 is
+# shorter than the state
+for B, T, C, blocks in [(2, 37, 70, ((16, 32, 4), (8, 32, 4))), (1, 2, 5, ((16, 32, 4), (16, 32, 4))),
+                        (3, 70, 33, ((64, 32, 4), (32, 16, 4)))]:
+    conv_ops.FWD_BLOCKS, conv_ops.BWD_BLOCKS = blocks
+    x, w, dy = torch.randn(B, T + 3, C)[:, 1:T + 1], torch.randn(C, 1, 4), torch.randn(B, T, C)
+    got, want = [], []
+    for backend, dtype, out in (("triton", torch.float32, got), ("torch", torch.float64, want)):
+        xs, ws = (t.detach().to(dtype).requires_grad_() for t in (x, w))
+        y, state = causal_conv1d(xs, ws, backend=backend)
+        (y * dy.to(dtype)).sum().backward()
+        out += [y, xs.grad, ws.grad, state]
+    for name, a, b in zip(("y", "dx", "dweight", "state"), got, want):
+        err = ((a.double() - b).abs().max() / b.abs().max()).item()
+        assert err < 1e-5, (name, B, T, C, err)
+print("ok")
+"""
+
+
+def test_triton_kernels_in_the_triton_interpreter():
+    """Forward and backward (dx and dweight) on the CPU (TRITON_INTERPRET=1, fp32) against the
+    fp64 reference's autograd, on sizes that are not multiples of the blocks."""
+    from tests.ops.checks import run_triton_interpreted
+
+    run_triton_interpreted(_INTERPRETED_TRAINING)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype,weight_dtype", [
+    (torch.float32, torch.float32), (torch.bfloat16, torch.float32)], ids=["fp32", "bf16-fp32weight"])
+@pytest.mark.parametrize("T", [1, 2, 63, 1000])
+def test_triton_matches_reference(dtype, weight_dtype, T):
+    x = conv_inputs(3, T, 384, device="cuda", with_state=False)
+    x["x"] = torch.randn(3, T, 3 * 384, device="cuda")[..., 384:2 * 384]  # a column slice, as the fused projection's
+    actual, expected = fla_vs_reference(x, dtype, weight_dtype, backend="triton")
+    assert_all_close(actual, expected, tolerances(expected, FLA_TOLS[dtype]))
+    low = {n: t.to(weight_dtype if n == "weight" else dtype) for n, t in x.items()}
+    auto = run_with_grads(lambda **i: causal_conv1d(**i), low, out_names=("y", "state"))
+    triton = run_with_grads(lambda **i: causal_conv1d(**i, backend="triton"), low, out_names=("y", "state"))
+    assert_all_close(auto, triton, tolerances(auto, 0.0))  # "auto" takes these kernels here
 
 
 # ---- causal_conv1d_update_: one token per row, the states in a pool, updated in place ----

@@ -66,6 +66,23 @@ def test_logits_reject_bad_arguments(x, w, kwargs, match):
         router_logits(x, w, **kwargs)
 
 
+@pytest.mark.parametrize("scores,bias,k,match", [
+    (torch.rand(5, 8), torch.zeros(7), 2, "must be"),
+    (torch.rand(2, 5, 8), torch.zeros(8), 2, "must be"),  # one bias row per router
+    (torch.rand(5, 8), torch.zeros(8), 9, "k = 9"),
+])
+def test_kth_largest_rejects_bad_arguments(scores, bias, k, match):
+    with pytest.raises(ValueError, match=match):
+        router_ops.kth_largest_biased(scores, bias, k)
+
+
+def test_kth_largest_reference_on_hand_made_numbers():
+    scores = torch.tensor([[[0.9, 0.5, 0.5, 0.1]], [[0.2, 0.4, 0.6, 0.8]]])
+    bias = torch.tensor([[0.0, 0.0, 0.0, 0.0], [0.5, 0.0, 0.0, -0.5]])
+    got = router_ops.kth_largest_biased(scores, bias, 3)  # ties count: 0.5 twice
+    assert got.tolist() == [[0.5], [pytest.approx(0.4)]]
+
+
 def test_logits_reference_is_an_fp32_linear_and_takes_gradients():
     x, w = torch.randn(3, 8, dtype=torch.bfloat16, requires_grad=True), torch.randn(4, 8, requires_grad=True)
     out = router_logits(x, w)
@@ -91,6 +108,28 @@ for N, E, k, renorm, scale in ((5, 64, 4, True, 1.0), (3, 896, 16, True, 2.5), (
     assert torch.equal(got[1], want[1]), (got[1], want[1])
     for g, w in zip(got[::2], want[::2]):
         assert (g - w).abs().max() < 1e-6, (g - w).abs().max()
+# with autograd (training) the kernel picks the experts; scores and weights carry the reference's
+# gradients
+from openk3.ops.router import router_topk
+logits, bias = torch.randn(6, 64), 0.1 * torch.randn(64)
+got, want = [], []
+for backend, out in (("triton", got), ("torch", want)):
+    leaf = logits.clone().requires_grad_()
+    scores, idx, w = router_topk(leaf, bias, 4, True, 2.0, backend=backend)
+    (w * torch.arange(4.0)).sum().backward()
+    out += [scores, idx, w, leaf.grad]
+assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0]), (got[1], want[1])
+for g, w in zip(got[2:], want[2:]):
+    assert (g - w).abs().max() < 1e-6, (g - w).abs().max()
+# Quantile Balancing's thresholds: the k-th largest of scores + bias, several routers side by
+# side, ties among the largest (they count), sizes that fill no tile
+from openk3.ops.router import kth_largest_biased
+for shape, k in (((3, 37, 64), 5), ((2, 5, 10), 3), ((1, 1, 896), 17)):
+    scores, bias = torch.rand(shape), 0.01 * torch.randn(shape[0], shape[2])
+    scores[0, 0, :3] = 2.0
+    got = kth_largest_biased(scores, bias, k, backend="triton")
+    want = (scores + bias[:, None]).topk(k, dim=-1).values[..., k - 1]
+    assert torch.equal(got, want), (got - want).abs().max()
 # a NaN hidden state: NaN ranks first (as in torch.topk) and every id stays in 0..E-1
 logits = torch.randn(3, 10)
 logits[0] = float("nan")
@@ -132,6 +171,37 @@ def test_kernel_matches_reference_gpu(N, E, k):
     logits[0] = float("nan")  # a NaN hidden state still names experts in range
     idx = router_topk(logits, bias, k)[1]
     assert ((idx >= 0) & (idx < E)).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("L,N,E,k", [(23, 16384, 64, 5), (2, 100, 896, 17), (1, 3, 10, 1)])
+def test_kth_largest_matches_topk_gpu(L, N, E, k):
+    scores, bias = torch.rand(L, N, E, device="cuda"), 0.01 * torch.randn(L, E, device="cuda")
+    scores[0, :5, :2] = 0.5  # ties
+    got = router_ops.kth_largest_biased(scores, bias, k)
+    want = router_ops.kth_largest_biased(scores, bias, k, backend="torch")
+    assert torch.equal(got, want), (got - want).abs().max()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_training_router_takes_the_kernels_choice_and_the_references_gradient():
+    # small's training shape: 16,384 tokens, 64 experts, 4 per token
+    logits, bias = torch.randn(16384, 64, device="cuda"), 0.1 * torch.randn(64, device="cuda")
+    cot = torch.randn(16384, 4, device="cuda")
+    out = {}
+    for backend in ("auto", "torch"):
+        leaf = logits.clone().requires_grad_()
+        scores, idx, w = router_topk(leaf, bias, 4, backend=backend)
+        (w * cot).sum().backward()
+        out[backend] = (scores, idx, w, leaf.grad)
+    (s, i, w, g), (s_ref, i_ref, w_ref, g_ref) = out["auto"], out["torch"]
+    same = (i == i_ref).all(-1)  # near-ties may swap (the kernel's sigmoid rounds differently)
+    assert same.float().mean() > 0.999, same.float().mean()
+    torch.testing.assert_close(s, s_ref, rtol=0, atol=0)  # autograd's sigmoid in both
+    torch.testing.assert_close(w[same], w_ref[same], rtol=0, atol=0)
+    torch.testing.assert_close(g[same], g_ref[same], rtol=0, atol=0)
 
 
 @pytest.mark.gpu

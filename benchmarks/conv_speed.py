@@ -1,0 +1,106 @@
+"""GPU time of training's short convolution (issue P7): openk3's Triton kernels against fla-core's
+``causal_conv1d`` on the same inputs, forward and forward + backward, over a few block sizes;
+and the training router's expert choice, ``torch.topk`` against the Triton kernel.
+
+    python benchmarks/conv_speed.py [--batch 4 --seq 4096 --channels 1024]
+
+Defaults: one of `small`'s three convolutions (q, k or v: 8 heads x 128) at batch 4 x 4096, bf16
+activations, fp32 weights (autocast training). GPU kernel time from the profiler (the host's
+launch time left out, as the graphed training step does). Floor at the copy bandwidth
+(~4.3 TB/s): forward x read + y written, backward x and dy read + dx written (the weight and its
+per-block sums are under 1%). The router: 16,384 tokens x 64 experts, k = 4; floor: the fp32
+logits read once.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+import openk3.ops.conv as conv_ops
+from benchmarks.common import environment, rel_err, write_results
+from openk3.ops.conv import causal_conv1d
+from openk3.ops.router import router_topk
+
+BANDWIDTH = 4.3e12
+
+
+def gpu_us(fn, iters: int = 10) -> dict[str, float]:
+    """Microseconds of GPU kernel time per call of ``fn``, by kernel name and in all ("total"),
+    from the profiler: the launches' host time is left out (in the graphed training step the
+    host does not wait on them)."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    kernels = {e.key: e.self_device_time_total / iters for e in prof.key_averages() if e.self_device_time_total > 0}
+    return kernels | {"total": sum(kernels.values())}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--channels", type=int, default=1024)
+    args = ap.parse_args()
+    print(environment())
+    B, T, C = args.batch, args.seq, args.channels
+    x = torch.randn(B, T, C, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(C, 1, 4, device="cuda", requires_grad=True)
+    dy = torch.randn(B, T, C, device="cuda", dtype=torch.bfloat16)
+    size = B * T * C * 2
+
+    def step(backend: str, backward: bool):
+        def run():
+            with torch.autocast("cuda", torch.bfloat16):
+                y, _ = causal_conv1d(x, w, backend=backend)
+            if backward:
+                torch.autograd.backward(y, dy)
+        return run
+
+    def grads(backend: str) -> list[torch.Tensor]:
+        x.grad = w.grad = None
+        step(backend, True)()
+        return [x.grad.clone(), w.grad.clone()]  # later steps accumulate into .grad
+
+    want = grads("fla")
+    rows = []
+
+    def measure(variant: str, backend: str) -> None:
+        fwd, both = gpu_us(step(backend, False))["total"], gpu_us(step(backend, True))["total"]
+        got = grads(backend)
+        rows.append({"variant": variant, "fwd_us": fwd, "bwd_us": both - fwd, "fwd_bwd_us": both,
+                     "dx_rel_err_vs_fla": rel_err(got[0], want[0]), "dw_rel_err_vs_fla": rel_err(got[1], want[1])})
+
+    measure("fla causal_conv1d", "fla")
+    defaults = conv_ops.FWD_BLOCKS, conv_ops.BWD_BLOCKS
+    # (positions, channels, warps) of the forward and backward kernels, side by side
+    for fwd, bwd in [defaults, ((16, 32, 1), (16, 128, 2)), ((32, 64, 2), (64, 64, 4)),
+                     ((32, 128, 4), (32, 64, 2)), ((16, 128, 2), (64, 128, 8)), ((16, 128, 2), (16, 256, 4)),
+                     ((16, 128, 2), (8, 128, 1)), ((16, 128, 2), (32, 256, 8))]:
+        conv_ops.FWD_BLOCKS, conv_ops.BWD_BLOCKS = fwd, bwd
+        measure(f"openk3 triton fwd {fwd} bwd {bwd}", "triton")
+    conv_ops.FWD_BLOCKS, conv_ops.BWD_BLOCKS = defaults
+    floor = {"fwd_us": 2 * size / BANDWIDTH * 1e6, "bwd_us": 3 * size / BANDWIDTH * 1e6}
+    for r in rows:
+        print(f"{r['variant']:56s} fwd {r['fwd_us']:7.1f} us  bwd {r['bwd_us']:7.1f} us  "
+              f"(floors {floor['fwd_us']:.1f} / {floor['bwd_us']:.1f})  "
+              f"dx {r['dx_rel_err_vs_fla']:.1e} dw {r['dw_rel_err_vs_fla']:.1e} vs fla")
+
+    N, E, k = B * T, 64, 4
+    logits = torch.randn(N, E, device="cuda", requires_grad=True)
+    bias = 0.01 * torch.randn(E, device="cuda")
+    for backend in ("torch", "triton"):
+        us = gpu_us(lambda: router_topk(logits, bias, k, backend=backend))["total"]
+        rows.append({"variant": f"router choice with autograd, {backend}", "fwd_us": us,
+                     "floor_us": N * E * 4 / BANDWIDTH * 1e6})
+        print(f"router choice with autograd ({backend:6s}) {us:7.1f} us  (floor {N * E * 4 / BANDWIDTH * 1e6:.1f})")
+    write_results("conv_speed", rows)
+
+
+if __name__ == "__main__":
+    main()
