@@ -27,6 +27,21 @@ def cuda_time(fn, warmup: int = 3, iters: int = 10) -> float:
     return statistics.median(times)
 
 
+def gpu_us(fn, iters: int = 10) -> dict[str, float]:
+    """Microseconds of GPU kernel time per call of ``fn``, by kernel name and in all ("total"),
+    from the profiler: the launches' host time is left out (in the graphed training step the
+    host does not wait on them)."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    kernels = {e.key: e.self_device_time_total / iters for e in prof.key_averages() if e.self_device_time_total > 0}
+    return kernels | {"total": sum(kernels.values())}
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """||a - b|| / ||b|| in fp32."""
     a, b = a.float(), b.float()

@@ -19,26 +19,11 @@ import argparse
 import torch
 
 import openk3.ops.conv as conv_ops
-from benchmarks.common import environment, rel_err, write_results
+from benchmarks.common import environment, gpu_us, rel_err, write_results
 from openk3.ops.conv import causal_conv1d
 from openk3.ops.router import router_topk
 
 BANDWIDTH = 4.3e12
-
-
-def gpu_us(fn, iters: int = 10) -> dict[str, float]:
-    """Microseconds of GPU kernel time per call of ``fn``, by kernel name and in all ("total"),
-    from the profiler: the launches' host time is left out (in the graphed training step the
-    host does not wait on them)."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            fn()
-        torch.cuda.synchronize()
-    kernels = {e.key: e.self_device_time_total / iters for e in prof.key_averages() if e.self_device_time_total > 0}
-    return kernels | {"total": sum(kernels.values())}
 
 
 def main() -> None:

@@ -158,6 +158,7 @@ class _ConvTriton(torch.autograd.Function):
         return _conv_launch(x, weight)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, dy: torch.Tensor):
         x, weight = ctx.saved_tensors
         dx, dw = _conv_launch(x, weight, dy)
@@ -244,8 +245,9 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tenso
             raise ValueError(f"backend='triton' needs CUDA tensors, got x on {x.device}")
         W = weight.shape[-1]
         y = _conv_triton(x, weight)
-        # the state after x: its last W-1 inputs (zeros in front of a shorter x), a view of x
-        state = x[:, max(x.shape[1] - (W - 1), 0):].transpose(1, 2)
+        # the state after x: its last W-1 inputs (zeros in front of a shorter x), copied: a view
+        # would keep all of x (a layer's whole projection output) alive as long as the state
+        state = x[:, max(x.shape[1] - (W - 1), 0):].transpose(1, 2).contiguous()
         if x.shape[1] < W - 1:
             state = F.pad(state, (W - 1 - x.shape[1], 0))
         return y, state

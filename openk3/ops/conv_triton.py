@@ -46,8 +46,9 @@ def conv_update_kernel(x_ptr, w_ptr, pool_ptr, slots_ptr, y_ptr, B, C, part, str
 # position's taps are loads of the same tile shifted by one row, which the caches serve: the
 # DRAM traffic is x read and y written (forward), x and dy read and dx written (backward).
 # Measured at `small`'s shape on the H200 (docs/benchmarks.md, fifteenth session): forward
-# ~28 us (floor 15.6), backward ~115 us in the training step (floor 23.4) against fla's
-# ~148 us backward plus its ~25 us forward recomputation. A two-pass backward (da written in
+# ~28 us (floor 15.6); backward 115 us in the training step with 16x64 tiles, 137 against 154 us
+# for 16x32 and 16x64 tiles in `benchmarks/conv_speed.py` (floor 23.4); fla's backward ~148 us
+# plus its ~25 us forward recomputation. A two-pass backward (da written in
 # fp32, then dx) measured slower: its first pass alone took ~129 us, so the per-block dw sums
 # (four reductions across positions) look like the bound, not the four sigmoids; accumulating
 # dw across blocks inside a program is the next thing to try. The backward is written for K3's

@@ -141,14 +141,15 @@ def router_topk(logits: torch.Tensor, bias: torch.Tensor, k: int, renormalize: b
     if bias.dim() != 1:
         raise ValueError("router_topk: the Triton kernel takes one bias [E] (use backend='torch')")
     if needs_grad(logits, bias):
-        _, topk_idx, _ = _router_topk_triton(logits.detach(), bias.detach(), k, renormalize, scale)
+        _, topk_idx, _ = _router_topk_triton(logits.detach(), bias.detach(), k, renormalize, scale,
+                                             write_scores=False)
         scores = torch.sigmoid(logits.float())
         return scores, topk_idx, _weights(scores, topk_idx, renormalize, scale)
     return _router_topk_triton(logits, bias, k, renormalize, scale)
 
 
 @compile_disabled("a Triton kernel launched as it is")
-def _router_topk_triton(logits, bias, k, renormalize, scale):
+def _router_topk_triton(logits, bias, k, renormalize, scale, write_scores: bool = True):
     import triton
 
     from openk3.ops.router_triton import router_topk_kernel
@@ -156,7 +157,8 @@ def _router_topk_triton(logits, bias, k, renormalize, scale):
     N, E = logits.shape
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
-    scores = torch.empty(N, E, device=logits.device, dtype=torch.float32)
+    # without write_scores (training: autograd computes the scores) nothing is written there
+    scores = torch.empty(N if write_scores else 0, E, device=logits.device, dtype=torch.float32)
     idx = torch.empty(N, k, device=logits.device, dtype=torch.int64)
     weight = torch.empty(N, k, device=logits.device, dtype=torch.float32)
     if N:
@@ -168,7 +170,7 @@ def _router_topk_triton(logits, bias, k, renormalize, scale):
         router_topk_kernel[(triton.cdiv(N, tokens),)](
             logits, bias.contiguous(), scores, idx, weight, N, E, logits.stride(0), RENORM_EPS,
             float(scale), K=k, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(k), TOKENS=tokens,
-            RENORMALIZE=renormalize)
+            RENORMALIZE=renormalize, WRITE_SCORES=write_scores)
     return scores, idx, weight
 
 

@@ -8,8 +8,9 @@ cuBLAS's fp32 GEMM, which runs as two kernels at these sizes (a dot and a reduct
 and a split-K reduction).
 
 ``router_topk_kernel``: one program per ``TOKENS`` tokens: their E logits in one tile, the sigmoid scores
-(written out), the biased scores, then k rounds of "take the largest, mask it" (the first index
-among equal values), the chosen scores renormalised and scaled in registers. It replaces the
+(written out unless training's autograd computes them), the biased scores, then k rounds of
+"take the largest not yet taken" (the first index among equal values), the chosen scores
+renormalised and scaled in registers. It replaces the
 sigmoid, bias add, top-k, gather, sum and divide kernels of the PyTorch router by one launch.
 """
 
@@ -22,27 +23,29 @@ import triton.language as tl
 @triton.jit
 def router_topk_kernel(logits_ptr, bias_ptr, scores_ptr, idx_ptr, weight_ptr, N, E, stride_l, eps, scale,
                        K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, TOKENS: tl.constexpr,
-                       RENORMALIZE: tl.constexpr):
+                       RENORMALIZE: tl.constexpr, WRITE_SCORES: tl.constexpr):
     t = tl.program_id(0).to(tl.int64) * TOKENS + tl.arange(0, TOKENS)  # [TOKENS]
     e = tl.arange(0, BLOCK_E)
     ok = (t < N)[:, None] & (e < E)[None, :]                            # [TOKENS, BLOCK_E]
     s = tl.sigmoid(tl.load(logits_ptr + t[:, None] * stride_l + e[None, :], mask=ok, other=0.0).to(tl.float32))
-    tl.store(scores_ptr + t[:, None] * E + e[None, :], s, mask=ok)
+    if WRITE_SCORES:
+        tl.store(scores_ptr + t[:, None] * E + e[None, :], s, mask=ok)
     biased = s + tl.load(bias_ptr + e, mask=e < E, other=0.0).to(tl.float32)[None, :]
     # NaN ranks first, as in torch.topk (a NaN hidden state must still name experts in 0..E-1;
-    # the GPU's max ignores NaN), and the padding lanes last
-    biased = tl.where((e < E)[None, :], tl.where(biased != biased, float("inf"), biased), float("-inf"))
+    # the GPU's max ignores NaN)
+    biased = tl.where(biased != biased, float("inf"), biased)
+    free = ok                                                           # not padding, not chosen yet
     slot = tl.arange(0, BLOCK_K)[None, :]                               # [1, BLOCK_K]
     chosen = tl.zeros([TOKENS, BLOCK_K], dtype=tl.int32)
     weights = tl.zeros([TOKENS, BLOCK_K], dtype=tl.float32)
     for j in tl.static_range(K):
-        best = tl.max(biased, axis=1)[:, None]
-        # the first index of the largest, never out of range whatever the values
-        i = tl.minimum(tl.min(tl.where((e < E)[None, :] & (biased == best), e[None, :], BLOCK_E), axis=1), E - 1)
+        best = tl.max(tl.where(free, biased, float("-inf")), axis=1)[:, None]
+        # the first free index of the largest (of any free one when all are -inf), in range
+        i = tl.minimum(tl.min(tl.where(free & (biased == best), e[None, :], BLOCK_E), axis=1), E - 1)
         hit = e[None, :] == i[:, None]
         chosen = tl.where(slot == j, i[:, None], chosen)
         weights = tl.where(slot == j, tl.sum(tl.where(hit, s, 0.0), axis=1)[:, None], weights)
-        biased = tl.where(hit, float("-inf"), biased)
+        free = free & ~hit
     if RENORMALIZE:
         weights = weights / (tl.sum(weights, axis=1)[:, None] + eps)
     weights = weights * scale

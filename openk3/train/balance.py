@@ -73,6 +73,8 @@ def qb_margins(scores: torch.Tensor, bias: torch.Tensor, k: int) -> torch.Tensor
     ``r_ij = s_ij + b_j - a_i``, ``a_i`` = the (k+1)-th largest of ``s_i + b``.
     Expert j is among token i's top-k exactly when ``r_ij > 0`` (barring ties), and the runner-up
     (the (k+1)-th) has ``r_ij = 0``: one threshold per token that separates chosen from not chosen.
+    A token with a NaN score has NaN margins on the CPU and -inf ones on CUDA (its threshold is
+    +inf there: ``openk3.ops.router.kth_largest_biased``).
 
     >>> s = torch.tensor([[0.9, 0.5, 0.2]]); qb_margins(s, torch.zeros(3), k=1)
     tensor([[ 0.4000,  0.0000, -0.3000]])

@@ -279,18 +279,22 @@ import torch
 import openk3.ops.conv as conv_ops
 from openk3.ops.conv import causal_conv1d
 torch.manual_seed(0)
-# odd sizes against the blocks; x a column slice (a row stride that is not T * C); T = 2 is
-# shorter than the state
+# odd sizes against the blocks; x a column slice (a row stride that is not C), dy transposed
+# (no unit stride); T = 1 and 2 shorter than the state, 3 and 4 at its edge
 for B, T, C, blocks in [(2, 37, 70, ((16, 32, 4), (8, 32, 4))), (1, 2, 5, ((16, 32, 4), (16, 32, 4))),
-                        (3, 70, 33, ((64, 32, 4), (32, 16, 4)))]:
+                        (3, 70, 33, ((64, 32, 4), (32, 16, 4))), (2, 1, 9, ((16, 32, 4), (8, 32, 4))),
+                        (1, 3, 9, ((16, 32, 4), (8, 32, 4))), (2, 4, 9, ((16, 32, 4), (8, 32, 4)))]:
     conv_ops.FWD_BLOCKS, conv_ops.BWD_BLOCKS = blocks
-    x, w, dy = torch.randn(B, T + 3, C)[:, 1:T + 1], torch.randn(C, 1, 4), torch.randn(B, T, C)
+    x, w = torch.randn(B, T, C + 5)[..., 2:C + 2], torch.randn(C, 1, 4)
+    dy = torch.randn(C, T, B).permute(2, 1, 0)
     got, want = [], []
     for backend, dtype, out in (("triton", torch.float32, got), ("torch", torch.float64, want)):
         xs, ws = (t.detach().to(dtype).requires_grad_() for t in (x, w))
         y, state = causal_conv1d(xs, ws, backend=backend)
         (y * dy.to(dtype)).sum().backward()
         out += [y, xs.grad, ws.grad, state]
+        if backend == "triton":  # a copy: a view would keep all of x alive with the state
+            assert state.untyped_storage().data_ptr() != xs.untyped_storage().data_ptr()
     for name, a, b in zip(("y", "dx", "dweight", "state"), got, want):
         err = ((a.double() - b).abs().max() / b.abs().max()).item()
         assert err < 1e-5, (name, B, T, C, err)

@@ -130,6 +130,15 @@ for shape, k in (((3, 37, 64), 5), ((2, 5, 10), 3), ((1, 1, 896), 17)):
     got = kth_largest_biased(scores, bias, k, backend="triton")
     want = (scores + bias[:, None]).topk(k, dim=-1).values[..., k - 1]
     assert torch.equal(got, want), (got - want).abs().max()
+# a bias of -inf on all but two experts: the kernel still names k distinct experts (the
+# reference's -inf ties may come in any order)
+bias = torch.full((8,), float("-inf"))
+bias[[3, 6]] = 0.0
+_, idx, _ = _router_topk_triton(torch.randn(2, 8), bias, 4, True, 1.0)
+assert all(len(set(row)) == 4 and set(row[:2]) == {3, 6} for row in idx.tolist()), idx
+# training's path writes no scores of its own
+scores, _, _ = _router_topk_triton(torch.randn(2, 8), torch.zeros(8), 2, True, 1.0, write_scores=False)
+assert scores.numel() == 0
 # a NaN hidden state: NaN ranks first (as in torch.topk) and every id stays in 0..E-1
 logits = torch.randn(3, 10)
 logits[0] = float("nan")
