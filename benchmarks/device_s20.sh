@@ -5,7 +5,9 @@
 # at once to keep it warm.
 # 1 (nvidia-h200): P7 as committed (the convolution's backward with 16x32 tiles and one warp and
 #    QB's Triton thresholds were not measured in one step together: expected ~184 ms, 18.3% MFU):
-#    the GPU tests of both beside a 200-step curve, conv_speed.py, norm_speed.py (the 49 norms
+#    the GPU tests of both beside a 200-step curve, conv_speed.py (now also the backward walking
+#    several blocks per program, ITERS > 1, never run on a GPU: set BWD_BLOCKS from it),
+#    norm_speed.py (the 49 norms
 #    outside the compiled regions: inductor's kernels at ~2-3x their floor against fla's fused
 #    rms_norm, before deciding to switch), then the step against the peer
 #    with its profile, then the census of one eager step (where the remaining ~14 ms to 20% MFU

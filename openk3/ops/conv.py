@@ -115,10 +115,11 @@ def causal_conv1d_ref(x: torch.Tensor, weight: torch.Tensor,
 
 _FLA_CONV = "fla.modules.causal_conv1d"
 _CONV_TRITON = "openk3.ops.conv_triton"
-# (positions, channels, warps) per program of the training kernels (``conv_triton.py``); chosen
-# by ``benchmarks/conv_speed.py`` on one H200 at `small`'s shape (docs/benchmarks.md).
+# (positions, channels, warps) per program of the training kernels (``conv_triton.py``), and
+# for the backward the blocks of positions each program walks; chosen by
+# ``benchmarks/conv_speed.py`` on one H200 at `small`'s shape (docs/benchmarks.md).
 FWD_BLOCKS = (16, 128, 2)
-BWD_BLOCKS = (16, 32, 1)
+BWD_BLOCKS = (16, 32, 1, 1)
 TRITON_WIDTH = 4  # the taps the backward kernel is written for (K3's linear_conv_kernel_size)
 
 
@@ -141,13 +142,13 @@ def _conv_launch(x: torch.Tensor, weight: torch.Tensor, dy: torch.Tensor | None 
         return y
     if dy.stride(-1) != 1:
         dy = dy.contiguous()
-    bt, bc, warps = BWD_BLOCKS
-    blocks = triton.cdiv(T, bt)
+    bt, bc, warps, iters = BWD_BLOCKS
+    programs = triton.cdiv(T, bt * iters)
     dx = torch.empty(B, T, C, device=x.device, dtype=x.dtype)
-    dw = torch.empty(B * blocks, W, C, device=x.device, dtype=torch.float32)
-    conv_bwd_kernel[(blocks, triton.cdiv(C, bc), B)](
+    dw = torch.empty(B * programs, W, C, device=x.device, dtype=torch.float32)
+    conv_bwd_kernel[(programs, triton.cdiv(C, bc), B)](
         x, w, dy, dx, dw, T, C, x.stride(0), x.stride(1), dy.stride(0), dy.stride(1),
-        BLOCK_T=bt, BLOCK_C=bc, num_warps=warps)
+        BLOCK_T=bt, BLOCK_C=bc, ITERS=iters, num_warps=warps)
     return dx, dw.sum(0).T.reshape(C, 1, W).to(weight.dtype)
 
 

@@ -50,8 +50,10 @@ def conv_update_kernel(x_ptr, w_ptr, pool_ptr, slots_ptr, y_ptr, B, C, part, str
 # for 16x32 and 16x64 tiles in `benchmarks/conv_speed.py` (floor 23.4); fla's backward ~148 us
 # plus its ~25 us forward recomputation. A two-pass backward (da written in
 # fp32, then dx) measured slower: its first pass alone took ~129 us, so the per-block dw sums
-# (four reductions across positions) look like the bound, not the four sigmoids; accumulating
-# dw across blocks inside a program is the next thing to try. The backward is written for K3's
+# (four reductions across positions) look like the bound, not the four sigmoids. Hence ITERS:
+# a program walks ITERS blocks and accumulates dw elementwise, reducing once (ITERS = 1 keeps
+# the measured kernel's per-block sums; larger ones are for ``conv_speed.py`` to measure: not
+# run on a GPU yet). The backward is written for K3's
 # W = 4 taps (``causal_conv1d`` sends other widths to fla).
 
 
@@ -96,12 +98,14 @@ def _dsilu(a, dy):
 
 @triton.jit
 def conv_bwd_kernel(x_ptr, w_ptr, dy_ptr, dx_ptr, dw_ptr, T, C, stride_xb, stride_xt,
-                    stride_dyb, stride_dyt, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
-    """W = 4 taps. dx[t] = sum_s w[3-s] da[t+s], da = dy silu'(a), from the seven tiles
-    x[t-3 .. t+3] each loaded once; this block's share of dw[c, j] = sum_t da[t] x[t-3+j] goes
-    to row (b, block) of dw_ptr ``[B * blocks, 4, C]`` fp32."""
+                    stride_dyb, stride_dyt, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+                    ITERS: tl.constexpr):
+    """W = 4 taps, ITERS consecutive blocks of BLOCK_T positions per program. dx[t] = sum_s
+    w[3-s] da[t+s], da = dy silu'(a), from the seven tiles x[t-3 .. t+3] each loaded once; the
+    program's share of dw[c, j] = sum_t da[t] x[t-3+j], accumulated elementwise over its blocks
+    and summed over positions once, goes to row (b, program) of dw_ptr ``[B * programs, 4, C]``
+    fp32."""
     b = tl.program_id(2).to(tl.int64)
-    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     c_ok = c < C
     xb, dyb = x_ptr + b * stride_xb, dy_ptr + b * stride_dyb
@@ -109,25 +113,42 @@ def conv_bwd_kernel(x_ptr, w_ptr, dy_ptr, dx_ptr, dw_ptr, T, C, stride_xb, strid
     w1 = tl.load(w_ptr + c * 4 + 1, mask=c_ok, other=0.0).to(tl.float32)[None, :]
     w2 = tl.load(w_ptr + c * 4 + 2, mask=c_ok, other=0.0).to(tl.float32)[None, :]
     w3 = tl.load(w_ptr + c * 4 + 3, mask=c_ok, other=0.0).to(tl.float32)[None, :]
-    x0 = _tap(xb, t - 3, c, c_ok, T, stride_xt)
-    x1 = _tap(xb, t - 2, c, c_ok, T, stride_xt)
-    x2 = _tap(xb, t - 1, c, c_ok, T, stride_xt)
-    x3 = _tap(xb, t, c, c_ok, T, stride_xt)
-    da = _dsilu(w0 * x0 + w1 * x1 + w2 * x2 + w3 * x3, _tap(dyb, t, c, c_ok, T, stride_dyt))
     part = dw_ptr + (b * tl.num_programs(0) + tl.program_id(0)) * 4 * C + c
-    tl.store(part, tl.sum(da * x0, axis=0), mask=c_ok)
-    tl.store(part + C, tl.sum(da * x1, axis=0), mask=c_ok)
-    tl.store(part + 2 * C, tl.sum(da * x2, axis=0), mask=c_ok)
-    tl.store(part + 3 * C, tl.sum(da * x3, axis=0), mask=c_ok)
-    dx = w3 * da
-    x4 = _tap(xb, t + 1, c, c_ok, T, stride_xt)
-    dx += w2 * _dsilu(w0 * x1 + w1 * x2 + w2 * x3 + w3 * x4, _tap(dyb, t + 1, c, c_ok, T, stride_dyt))
-    x5 = _tap(xb, t + 2, c, c_ok, T, stride_xt)
-    dx += w1 * _dsilu(w0 * x2 + w1 * x3 + w2 * x4 + w3 * x5, _tap(dyb, t + 2, c, c_ok, T, stride_dyt))
-    x6 = _tap(xb, t + 3, c, c_ok, T, stride_xt)
-    dx += w0 * _dsilu(w0 * x3 + w1 * x4 + w2 * x5 + w3 * x6, _tap(dyb, t + 3, c, c_ok, T, stride_dyt))
-    rows = (b * T + t).to(tl.int64)
-    tl.store(dx_ptr + rows[:, None] * C + c[None, :], dx.to(dx_ptr.dtype.element_ty),
-             mask=(t < T)[:, None] & c_ok[None, :])
+    dw0 = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+    dw1 = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+    dw2 = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+    dw3 = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+    for it in range(ITERS):
+        t = (tl.program_id(0) * ITERS + it) * BLOCK_T + tl.arange(0, BLOCK_T)
+        x0 = _tap(xb, t - 3, c, c_ok, T, stride_xt)
+        x1 = _tap(xb, t - 2, c, c_ok, T, stride_xt)
+        x2 = _tap(xb, t - 1, c, c_ok, T, stride_xt)
+        x3 = _tap(xb, t, c, c_ok, T, stride_xt)
+        da = _dsilu(w0 * x0 + w1 * x1 + w2 * x2 + w3 * x3, _tap(dyb, t, c, c_ok, T, stride_dyt))
+        if ITERS == 1:  # the measured kernel: the block's sums at once, no accumulator registers
+            tl.store(part, tl.sum(da * x0, axis=0), mask=c_ok)
+            tl.store(part + C, tl.sum(da * x1, axis=0), mask=c_ok)
+            tl.store(part + 2 * C, tl.sum(da * x2, axis=0), mask=c_ok)
+            tl.store(part + 3 * C, tl.sum(da * x3, axis=0), mask=c_ok)
+        else:
+            dw0 += da * x0
+            dw1 += da * x1
+            dw2 += da * x2
+            dw3 += da * x3
+        dx = w3 * da
+        x4 = _tap(xb, t + 1, c, c_ok, T, stride_xt)
+        dx += w2 * _dsilu(w0 * x1 + w1 * x2 + w2 * x3 + w3 * x4, _tap(dyb, t + 1, c, c_ok, T, stride_dyt))
+        x5 = _tap(xb, t + 2, c, c_ok, T, stride_xt)
+        dx += w1 * _dsilu(w0 * x2 + w1 * x3 + w2 * x4 + w3 * x5, _tap(dyb, t + 2, c, c_ok, T, stride_dyt))
+        x6 = _tap(xb, t + 3, c, c_ok, T, stride_xt)
+        dx += w0 * _dsilu(w0 * x3 + w1 * x4 + w2 * x5 + w3 * x6, _tap(dyb, t + 3, c, c_ok, T, stride_dyt))
+        rows = (b * T + t).to(tl.int64)
+        tl.store(dx_ptr + rows[:, None] * C + c[None, :], dx.to(dx_ptr.dtype.element_ty),
+                 mask=(t < T)[:, None] & c_ok[None, :])
+    if ITERS > 1:
+        tl.store(part, tl.sum(dw0, axis=0), mask=c_ok)
+        tl.store(part + C, tl.sum(dw1, axis=0), mask=c_ok)
+        tl.store(part + 2 * C, tl.sum(dw2, axis=0), mask=c_ok)
+        tl.store(part + 3 * C, tl.sum(dw3, axis=0), mask=c_ok)
 
 
