@@ -4,7 +4,9 @@
 # .whl and .warm as device_common.sh says. The machine is released 30 s after a call: call again
 # at once to keep it warm.
 # 1 (nvidia-h200): P7 as committed (the convolution's backward with 16x32 tiles and one warp and
-#    QB's Triton thresholds were not measured in one step together: expected ~184 ms, 18.3% MFU):
+#    QB's Triton thresholds were not measured in one step together: expected ~184 ms, 18.3% MFU;
+#    and the router's logits now fp32 under autocast, bf16 in every earlier run: ~+1 ms expected,
+#    and the loss curve is the check of the routing numerics):
 #    the GPU tests of both beside a 200-step curve, conv_speed.py (now also the backward walking
 #    several blocks per program, ITERS > 1, never run on a GPU: set BWD_BLOCKS from it),
 #    norm_speed.py (the 49 norms

@@ -1,4 +1,4 @@
-"""The MoE router's choice (K3_SPEC §1.4): sigmoid scores, top-k on the biased scores, weights
+"""The MoE router's choice (K3_SPEC §1.5): sigmoid scores, top-k on the biased scores, weights
 from the unbiased ones.
 
     s = sigmoid(logits)                      fp32 [N, E]
@@ -45,7 +45,8 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, *, backend: str = "auto
             (unless ``OPENK3_REFERENCE=1``).
 
     Returns:
-        ``[N, E]`` fp32 (products and sums in fp32; the kernel sums in its own order).
+        ``[N, E]`` fp32 (products and sums in fp32, under autocast too; the kernel sums in its
+        own order).
     """
     if backend not in ("auto", "torch", "triton"):
         raise ValueError(f"`backend` must be 'auto', 'torch' or 'triton', got {backend!r}")
@@ -56,7 +57,10 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, *, backend: str = "auto
         backend = ("triton" if use_fast_path(x) and triton_available()
                    and x.shape[0] <= LOGITS_GEMV_MAX_TOKENS and not needs_grad(x, weight) else "torch")
     if backend == "torch":
-        return F.linear(x.float(), weight.float())
+        # autocast would run this linear in bf16 (training's step is under it): K3_SPEC §1.5
+        # asks for fp32 logits, which bf16 rounds to 8 bits
+        with torch.autocast(x.device.type, enabled=False):
+            return F.linear(x.float(), weight.float())
     if needs_grad(x, weight):
         raise ValueError("router_logits: the Triton kernel has no backward (use backend='torch')")
     return _router_logits_triton(x, weight)

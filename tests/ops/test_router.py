@@ -83,6 +83,18 @@ def test_kth_largest_reference_on_hand_made_numbers():
     assert got.tolist() == [[0.5], [pytest.approx(0.4)]]
 
 
+def test_logits_are_fp32_under_autocast():
+    # training runs under autocast, which would make the linear a bf16 one (logits rounded to 8
+    # bits, the QB margins with them)
+    x, w = torch.randn(5, 64, dtype=torch.bfloat16, requires_grad=True), torch.randn(4, 64, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = router_logits(x, w)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, x.float() @ w.T, rtol=0, atol=0)
+    out.sum().backward()
+    assert w.grad.dtype == torch.float32 and x.grad.dtype == torch.bfloat16
+
+
 def test_logits_reference_is_an_fp32_linear_and_takes_gradients():
     x, w = torch.randn(3, 8, dtype=torch.bfloat16, requires_grad=True), torch.randn(4, 8, requires_grad=True)
     out = router_logits(x, w)
