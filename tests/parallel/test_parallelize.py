@@ -19,7 +19,9 @@ from torch.distributed.tensor import DTensor
 
 from openk3.config import preset
 from openk3.model import build_model
+from openk3.model.moe import Router
 from openk3.parallel.expert_parallel import MoonEPExperts
+from openk3.parallel.fsdp import apply_fsdp
 from openk3.parallel.parallelize import parallelize
 from openk3.train.optim import build_optimizers
 from openk3.train.trainer import Env
@@ -142,8 +144,26 @@ def _worker(rank: int, world: int, port: int, results) -> None:
             except Exception as e:
                 raise AssertionError(f"rank {rank}, ep={ep}, replicate={replicate}: {e}") from e
             results[rank, ep, replicate] = "ok"
+        _routers_stay_fp32(rank, world)
+        results[rank, "bf16"] = "ok"
     finally:
         dist.destroy_process_group()
+
+
+def _routers_stay_fp32(rank: int, world: int) -> None:
+    """Under a bf16 policy (CUDA's) the routers compute with fp32 weights, the rest with bf16."""
+    model = _model()
+    apply_fsdp(model, _env(rank, world), param_dtype=torch.bfloat16)
+    seen: dict[str, set] = {"router": set(), "other": set()}
+    for module in model.modules():
+        kind = "router" if isinstance(module, Router) else "other" if isinstance(module, torch.nn.Linear) else None
+        if kind:
+            module.register_forward_pre_hook(
+                lambda m, args, kind=kind: seen[kind].add(m.weight.dtype) and None)
+    _backward(model, _batch(2 * world).chunk(world)[rank])
+    assert seen == {"router": {torch.float32}, "other": {torch.bfloat16}}, seen
+    assert all(p.grad is not None and p.grad.dtype == torch.float32
+               for m in model.modules() if isinstance(m, Router) for p in m.parameters())
 
 
 def _case(rank: int, world: int, ep: int, replicate: bool) -> None:
@@ -178,6 +198,12 @@ def _results() -> dict:
     results = mp.Manager().dict()
     mp.start_processes(_worker, args=(2, _free_port(), results), nprocs=2, join=True, start_method="spawn")
     return dict(results)
+
+
+def test_routers_stay_fp32_under_a_bf16_policy():
+    """FSDP2 with CUDA's bf16 policy (here on gloo): each router is a unit of its own in fp32."""
+    results = _results()
+    assert results[0, "bf16"] == results[1, "bf16"] == "ok"
 
 
 @pytest.mark.parametrize("ep, replicate", CASES, ids=["fsdp", "fsdp+moonep", "fsdp+plain-ep"])
