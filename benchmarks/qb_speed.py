@@ -3,7 +3,7 @@ strided token dimension, router by router (the update until the fourteenth sessi
 the same along contiguous rows, router by router and all routers at once (``Balancer.update``);
 and the margins' per-token thresholds, the (k+1)-th largest biased score, by ``topk`` (until the
 fifteenth session), by a sort, and by the Triton kernel ``qb_margins`` now runs
-(``openk3.ops.router.kth_largest_biased``).
+(``openk3.ops.router.kth_largest``).
 
     python benchmarks/qb_speed.py [--tokens 16384 --experts 64 --k 4 --layers 23]
 
@@ -18,7 +18,7 @@ import argparse
 import torch
 
 from benchmarks.common import cuda_time, environment, write_results
-from openk3.ops.router import kth_largest_biased
+from openk3.ops.router import kth_largest
 from openk3.train.balance import qb_margins, qb_update_exact, target_load
 
 
@@ -48,9 +48,9 @@ def main() -> None:
         "kthvalue down tokens, per router": lambda: [strided(s, b, k) for s, b in zip(scores, bias)],
         "kthvalue along rows, per router": lambda: [qb_update_exact(s, b, k) for s, b in zip(scores, bias)],
         "kthvalue along rows, all routers": lambda: qb_update_exact(scores, bias, k),
-        "thresholds: topk(k+1)": lambda: kth_largest_biased(scores, bias, k + 1, backend="torch"),
+        "thresholds: topk(k+1)": lambda: kth_largest(scores + bias[:, None], k + 1, backend="torch"),
         "thresholds: sort": lambda: (scores + bias[:, None]).sort(dim=-1).values[..., -(k + 1)],
-        "thresholds: Triton k-th largest": lambda: kth_largest_biased(scores, bias, k + 1),
+        "thresholds: Triton k-th largest": lambda: kth_largest(scores + bias[:, None], k + 1),
     }
     floor_ms = L * N * E * 4 / 4.3e12 * 1e3
     rows = [{"variant": name, "ms": cuda_time(fn) * 1e3, "floor_ms": floor_ms, "max_diff_vs_first": max_diff}

@@ -13,9 +13,9 @@ result as one call per part.
   (training: one sequence per batch row), openk3's Triton kernels (``conv_triton.py``): a
   forward, and a backward that recomputes the pre-activation and writes dx and per-block shares
   of dweight in one pass (fla's forward and backward took ~235 us of GPU time per `small` call,
-  ~6x the bytes they move; these ~165: issue P7, ``benchmarks/conv_speed.py``). Otherwise fla-core's Triton kernels: ``causal_conv1d`` (variable length, initial
-  and final state, autograd) and, for one decode token without autograd,
-  ``causal_conv1d_update``. ``torch.compile`` calls both as they are (a graph break around
+  ~6x the bytes they move; these ~165: issue P7, ``benchmarks/conv_speed.py``). Otherwise
+  fla-core's Triton kernels: ``causal_conv1d`` (variable length, initial and final state,
+  autograd) and, for one decode token without autograd, ``causal_conv1d_update``. ``torch.compile`` calls both as they are (a graph break around
   them) instead of tracing them.
 * ``causal_conv1d_update_``: one decode token per row whose states live in a pool (the serving
   engine's state slots): reads and writes the pool rows in place. Reference: gather, the
@@ -244,13 +244,12 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tenso
                              f"{weight.shape[-1]}; use 'fla' or 'auto'")
         if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(f"backend='triton' needs CUDA tensors, got x on {x.device}")
-        W = weight.shape[-1]
         y = _conv_triton(x, weight)
         # the state after x: its last W-1 inputs (zeros in front of a shorter x), copied: a view
         # would keep all of x (a layer's whole projection output) alive as long as the state
-        state = x[:, max(x.shape[1] - (W - 1), 0):].transpose(1, 2).contiguous()
-        if x.shape[1] < W - 1:
-            state = F.pad(state, (W - 1 - x.shape[1], 0))
+        state = x[:, max(x.shape[1] - (TRITON_WIDTH - 1), 0):].transpose(1, 2).contiguous()
+        if x.shape[1] < TRITON_WIDTH - 1:
+            state = F.pad(state, (TRITON_WIDTH - 1 - x.shape[1], 0))
         return y, state
     if backend == "fla":
         if not x.is_cuda:

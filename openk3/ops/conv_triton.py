@@ -48,13 +48,19 @@ def conv_update_kernel(x_ptr, w_ptr, pool_ptr, slots_ptr, y_ptr, B, C, part, str
 # Measured at `small`'s shape on the H200 (docs/benchmarks.md, fifteenth session): forward
 # ~28 us (floor 15.6); backward 115 us in the training step with 16x64 tiles, 137 against 154 us
 # for 16x32 and 16x64 tiles in `benchmarks/conv_speed.py` (floor 23.4); fla's backward ~148 us
-# plus its ~25 us forward recomputation. A two-pass backward (da written in
-# fp32, then dx) measured slower: its first pass alone took ~129 us, so the per-block dw sums
-# (four reductions across positions) look like the bound, not the four sigmoids. Hence ITERS:
-# a program walks ITERS blocks and accumulates dw elementwise, reducing once (ITERS = 1 keeps
-# the measured kernel's per-block sums; larger ones are for ``conv_speed.py`` to measure: not
-# run on a GPU yet). The backward is written for K3's
-# W = 4 taps (``causal_conv1d`` sends other widths to fla).
+# plus its ~25 us forward recomputation. A two-pass backward (da written in fp32, then dx)
+# measured slower: its first pass alone took ~129 us, so the per-block dw sums (four reductions
+# across positions) look like the bound, not the four sigmoids. Hence ITERS: a program walks
+# ITERS blocks and accumulates dw elementwise, reducing once (ITERS = 1 keeps the measured
+# kernel's per-block sums; larger ones are for ``conv_speed.py`` to measure: not run on a GPU
+# yet). The backward is written for K3's W = 4 taps (``causal_conv1d`` sends other widths to fla).
+
+
+@triton.jit
+def _tap(ptr, t, c, c_ok, T, stride_t):
+    """The tile at positions t (zeros outside 0 .. T-1) and channels c, in fp32."""
+    ok = ((t >= 0) & (t < T))[:, None] & c_ok[None, :]
+    return tl.load(ptr + t[:, None].to(tl.int64) * stride_t + c[None, :], mask=ok, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -62,10 +68,8 @@ def _preactivation(xb, w_ptr, t, c, c_ok, T, stride_xt, W: tl.constexpr):
     """a[t, c] = sum_j w[c, j] x[t - (W-1) + j, c] in fp32 (zeros before 0 and from T on)."""
     a = tl.zeros([t.shape[0], c.shape[0]], dtype=tl.float32)
     for j in tl.static_range(W):
-        src = t - (W - 1) + j
-        ok = ((src >= 0) & (src < T))[:, None] & c_ok[None, :]
-        xv = tl.load(xb + src[:, None].to(tl.int64) * stride_xt + c[None, :], mask=ok, other=0.0)
-        a += xv.to(tl.float32) * tl.load(w_ptr + c * W + j, mask=c_ok, other=0.0).to(tl.float32)[None, :]
+        w = tl.load(w_ptr + c * W + j, mask=c_ok, other=0.0).to(tl.float32)
+        a += _tap(xb, t - (W - 1) + j, c, c_ok, T, stride_xt) * w[None, :]
     return a
 
 
@@ -81,13 +85,6 @@ def conv_fwd_kernel(x_ptr, w_ptr, y_ptr, T, C, stride_xb, stride_xt,
     rows = (b * T + t).to(tl.int64)
     tl.store(y_ptr + rows[:, None] * C + c[None, :], y.to(y_ptr.dtype.element_ty),
              mask=(t < T)[:, None] & c_ok[None, :])
-
-
-@triton.jit
-def _tap(ptr, t, c, c_ok, T, stride_t):
-    """The tile at positions t (zeros outside 0 .. T-1) and channels c, in fp32."""
-    ok = ((t >= 0) & (t < T))[:, None] & c_ok[None, :]
-    return tl.load(ptr + t[:, None].to(tl.int64) * stride_t + c[None, :], mask=ok, other=0.0).to(tl.float32)
 
 
 @triton.jit

@@ -178,50 +178,44 @@ def _router_topk_triton(logits, bias, k, renormalize, scale, write_scores: bool 
     return scores, idx, weight
 
 
-def kth_largest_biased(scores: torch.Tensor, bias: torch.Tensor, k: int, *, backend: str = "auto") -> torch.Tensor:
-    """The k-th largest of ``scores + bias`` along the last dimension, in fp32 (Quantile
-    Balancing's per-token threshold, ``openk3.train.balance.qb_margins``).
+def kth_largest(x: torch.Tensor, k: int, *, backend: str = "auto") -> torch.Tensor:
+    """The k-th largest of ``x`` along its last dimension, in fp32 (Quantile Balancing's
+    per-token threshold: ``x`` the biased scores, ``openk3.train.balance.qb_margins``).
 
     Args:
-        scores: ``[..., N, E]`` (one or several routers' scores side by side).
-        bias: ``[..., E]``, one row per router.
+        x: ``[..., E]``, any float dtype (e.g. several routers' biased scores side by side).
         k: ``1 <= k <= E``.
         backend: ``"triton"`` (CUDA), ``"torch"`` the reference (``topk``), ``"auto"`` Triton
             for CUDA inputs (unless ``OPENK3_REFERENCE=1``): ``torch.topk`` of `small`'s
             23 x 16,384 rows of 64 took 1.15 ms of the training step on the H200.
 
     Returns:
-        ``[..., N]`` fp32; the same values as ``topk(k).values[..., k-1]`` (ties count; a NaN
+        ``[...]`` fp32; the same values as ``topk(k).values[..., k-1]`` (ties count; a NaN
         ranks first and gives +inf where topk gives NaN).
     """
     if backend not in ("auto", "torch", "triton"):
         raise ValueError(f"`backend` must be 'auto', 'torch' or 'triton', got {backend!r}")
-    if scores.dim() < 2 or bias.shape != scores.shape[:-2] + scores.shape[-1:]:
-        raise ValueError(f"kth_largest_biased: `scores` must be [..., N, E] and `bias` [..., E], got "
-                         f"{list(scores.shape)} and {list(bias.shape)}")
-    if not 1 <= k <= scores.shape[-1]:
-        raise ValueError(f"kth_largest_biased: k = {k} must be in 1..E = 1..{scores.shape[-1]}")
+    if x.dim() < 1 or not 1 <= k <= x.shape[-1]:
+        raise ValueError(f"kth_largest: k = {k} must be in 1..E for `x` [..., E], got {list(x.shape)}")
     if backend == "auto":
-        backend = "triton" if use_fast_path(scores) and triton_available() else "torch"
+        backend = "triton" if use_fast_path(x) and triton_available() else "torch"
     if backend == "torch":
-        biased = scores.float() + bias.float().unsqueeze(-2)
-        return biased.topk(k, dim=-1).values[..., k - 1]
-    return _kth_largest_triton(scores.detach(), bias.detach(), k)
+        return x.float().topk(k, dim=-1).values[..., k - 1]
+    return _kth_largest_triton(x.detach(), k)
 
 
 @compile_disabled("a Triton kernel launched as it is")
-def _kth_largest_triton(scores: torch.Tensor, bias: torch.Tensor, k: int) -> torch.Tensor:
+def _kth_largest_triton(x: torch.Tensor, k: int) -> torch.Tensor:
     import triton
 
     from openk3.ops.router_triton import kth_largest_kernel
 
-    N, E = scores.shape[-2:]
-    x, b = scores.contiguous(), bias.contiguous()
-    out = torch.empty(scores.shape[:-1], device=scores.device, dtype=torch.float32)
+    E = x.shape[-1]
+    x = x.contiguous()
+    out = torch.empty(x.shape[:-1], device=x.device, dtype=torch.float32)
     R = out.numel()
     block_e = triton.next_power_of_2(E)
     rows = max(1, TOPK_TILE // block_e)
     if R:
-        kth_largest_kernel[(triton.cdiv(R, rows),)](x, b, out, R, N, E, K=k, BLOCK_E=block_e, ROWS=rows)
+        kth_largest_kernel[(triton.cdiv(R, rows),)](x, out, R, E, K=k, BLOCK_E=block_e, ROWS=rows)
     return out
-

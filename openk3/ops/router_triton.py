@@ -70,16 +70,13 @@ def router_logits_kernel(x_ptr, w_ptr, out_ptr, E, D, stride_xn, stride_we,
 
 
 @triton.jit
-def kth_largest_kernel(x_ptr, bias_ptr, out_ptr, R, N, E, K: tl.constexpr, BLOCK_E: tl.constexpr,
-                       ROWS: tl.constexpr):
-    """out[r] = the K-th largest of x[r, :] + bias[r // N, :] over E contiguous columns (rows of
-    several routers side by side, N tokens each): K rounds of "take the largest, mask it once"
-    (ties count, as in ``torch.topk``)."""
+def kth_largest_kernel(x_ptr, out_ptr, R, E, K: tl.constexpr, BLOCK_E: tl.constexpr, ROWS: tl.constexpr):
+    """out[r] = the K-th largest of x[r, :] over E contiguous columns: K rounds of "take the
+    largest, mask it once" (ties count, as in ``torch.topk``)."""
     r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     e = tl.arange(0, BLOCK_E)
     ok = (r < R)[:, None] & (e < E)[None, :]
     v = tl.load(x_ptr + r[:, None] * E + e[None, :], mask=ok, other=0.0).to(tl.float32)
-    v += tl.load(bias_ptr + (r // N)[:, None] * E + e[None, :], mask=ok, other=0.0).to(tl.float32)
     v = tl.where(ok, tl.where(v != v, float("inf"), v), float("-inf"))
     best = tl.max(v, axis=1)
     for _ in tl.static_range(K - 1):

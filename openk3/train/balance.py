@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from openk3.model.moe import Router
-from openk3.ops.router import kth_largest_biased
+from openk3.ops.router import kth_largest
 
 METHODS = ("qb", "sign", "aux", "none")
 DEFAULT_NUM_BINS = 1024
@@ -74,14 +74,14 @@ def qb_margins(scores: torch.Tensor, bias: torch.Tensor, k: int) -> torch.Tensor
     Expert j is among token i's top-k exactly when ``r_ij > 0`` (barring ties), and the runner-up
     (the (k+1)-th) has ``r_ij = 0``: one threshold per token that separates chosen from not chosen.
     A token with a NaN score has NaN margins on the CPU and -inf ones on CUDA (its threshold is
-    +inf there: ``openk3.ops.router.kth_largest_biased``).
+    +inf there: ``openk3.ops.router.kth_largest``).
 
     >>> s = torch.tensor([[0.9, 0.5, 0.2]]); qb_margins(s, torch.zeros(3), k=1)
     tensor([[ 0.4000,  0.0000, -0.3000]])
     """
     _check_routing(scores, bias, k, batched=True)
     biased = scores.float() + bias.float().unsqueeze(-2)  # [..., N, E]
-    a = kth_largest_biased(scores, bias, k + 1)  # [..., N]: one Triton kernel on CUDA (the same sums)
+    a = kth_largest(biased, k + 1)  # [..., N]: one Triton kernel on CUDA
     return biased - a.unsqueeze(-1)
 
 
