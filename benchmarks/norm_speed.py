@@ -1,6 +1,6 @@
-"""GPU time of training's RMSNorm outside the compiled regions (issue P7): openk3's ``rms_norm``
-(the reference compiled by inductor, what the step runs for the layers' input and
-post-attention norms and the final norm: 49 of `small`'s 72 such calls) against fla-core's
+"""GPU time of training's RMSNorm outside the compiled regions (issue P7): openk3's Triton
+kernels (``rms_norm(backend="triton")``, what the step runs since the sixteenth session, at
+several tile sizes), the reference compiled by inductor (what it ran before) and fla-core's
 fused ``rms_norm`` on the same inputs, forward and forward + backward, with each one's error
 against the fp32 reference.
 
@@ -21,6 +21,7 @@ import argparse
 import torch
 
 from benchmarks.common import environment, gpu_us, rel_err, write_results
+import openk3.ops.norm as norm_ops
 from openk3.ops.norm import rms_norm
 
 BANDWIDTH = 4.3e12
@@ -39,8 +40,19 @@ def main() -> None:
     x = torch.randn(N, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w = (1 + 0.1 * torch.randn(D, device="cuda")).requires_grad_()
     dy = torch.randn(N, D, device="cuda", dtype=torch.bfloat16)
-    norms = {"openk3 rms_norm (inductor)": lambda: rms_norm(x, w, EPS),
-             "fla rms_norm": lambda: fla_rms_norm(x, w, None, eps=EPS)}
+
+    def tiled(fwd: int, bwd: int, per_sm: int):
+        def run():
+            norm_ops.FWD_ELEMENTS, norm_ops.BWD_ELEMENTS, norm_ops.BWD_PROGRAMS_PER_SM = fwd, bwd, per_sm
+            return rms_norm(x, w, EPS, backend="triton")
+        return run
+
+    committed = (norm_ops.FWD_ELEMENTS, norm_ops.BWD_ELEMENTS, norm_ops.BWD_PROGRAMS_PER_SM)
+    sweep = [(4096, b, p) for b in (1024, 2048, 4096) for p in (4, 8, 16)]
+    norms = {f"openk3 triton {fe}/{be}/{p}": tiled(fe, be, p)
+             for fe, be, p in [committed, (2048, 2048, 4)] + [t for t in sweep if t != committed]}
+    norms |= {"openk3 reference (inductor)": lambda: rms_norm(x, w, EPS, backend="torch"),
+              "fla rms_norm": lambda: fla_rms_norm(x, w, None, eps=EPS)}
 
     def step(norm, backward: bool):
         def run():
@@ -70,7 +82,7 @@ def main() -> None:
         row = {"variant": name, "fwd_us": fwd, "bwd_us": both - fwd, **{f"floor_{k}": v for k, v in floor.items()}}
         row |= {f"{k}_rel_err_vs_fp32": rel_err(g, r) for k, g, r in zip(("y", "dx", "dw"), got, want)}
         rows.append(row)
-        print(f"{name:30s} fwd {fwd:7.1f} us  bwd {both - fwd:7.1f} us  (floors {floor['fwd_us']:.1f} / "
+        print(f"{name:32s} fwd {fwd:7.1f} us  bwd {both - fwd:7.1f} us  (floors {floor['fwd_us']:.1f} / "
               f"{floor['bwd_us']:.1f})  errors vs fp32: y {row['y_rel_err_vs_fp32']:.1e} "
               f"dx {row['dx_rel_err_vs_fp32']:.1e} dw {row['dw_rel_err_vs_fp32']:.1e}")
     write_results("norm_speed", rows)

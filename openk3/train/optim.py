@@ -57,22 +57,34 @@ def zeropower_via_newtonschulz(G: torch.Tensor, steps: int = 5, eps: float = 1e-
     (5.3 of ~21 ms of ``small``'s Muon step on an H200). In bf16 the diagonal ``a + B_ii`` is
     rounded once more: ~2% relative distance from the exact (fp64) iteration instead of ~1%,
     next to the ~25% by which the iteration itself misses ``U V^T`` (docs/benchmarks.md).
+
+    X starts as ``G / ||G||_F``, applied through the first Gram matrix (``||X||_F^2 = tr(X X^T)``):
+    the norm and the division were a reduction and a broadcast pass over every momentum (2.7 ms of
+    `small`'s step on an H200, sixteenth session); the m x m matrices are what the first
+    iteration scales instead.
     """
-    if G.dim() < 2:
-        raise ValueError(f"zeropower_via_newtonschulz: needs a matrix [..., m, n], got {tuple(G.shape)}")
+    if G.dim() < 2 or steps < 1:
+        raise ValueError(f"zeropower_via_newtonschulz: needs a matrix [..., m, n] and steps >= 1, got "
+                         f"{tuple(G.shape)} and steps={steps}")
     a, b, c = NS_COEFFS
     X = G.bfloat16() if G.is_cuda else G.float()
     transposed = X.shape[-2] > X.shape[-1]
     if transposed:  # iterate on the wide form: A = X X^T is then the smaller Gram matrix
         X = X.mT
-    # Frobenius >= spectral norm, so every singular value starts in (0, 1]
-    X = X / (X.norm(dim=(-2, -1), keepdim=True) + eps)
     lead = X.shape[:-2]
     X = X.reshape(-1, *X.shape[-2:])  # [N, m, n]: every product below is one batched GEMM
-    for _ in range(steps):
+    for step in range(steps):
         A = X @ X.mT  # [N, m, m]
+        if step == 0:
+            # X / ||X||_F (Frobenius >= spectral norm: every singular value starts in (0, 1])
+            # without a pass over X: ||X||_F^2 = trace(X X^T), so the first A is scaled by
+            # 1 / ||X||^2 and the first product by 1 / ||X||, both on the m x m matrices
+            scale = 1 / (A.diagonal(dim1=-2, dim2=-1).float().sum(-1).sqrt() + eps)  # [N]
+            A.mul_(scale.square()[:, None, None])
         B = torch.baddbmm(A, A, A, beta=b, alpha=c)  # b A + c A^2, scaled in the GEMM's epilogue
         B.diagonal(dim1=-2, dim2=-1).add_(a)  # + a I: then a X + B X is one product, B X
+        if step == 0:
+            B.mul_(scale[:, None, None])
         X = B @ X
     X = X.reshape(*lead, *X.shape[-2:])
     if transposed:

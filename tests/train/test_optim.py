@@ -69,7 +69,8 @@ def test_newton_schulz_singular_values(shape):
 
 def test_newton_schulz_is_the_quintic_iteration():
     """``(a I + b A + c A^2) X``, one product per step, is the quintic ``a X + (b A + c A^2) X``:
-    in fp32 within rounding of the iteration run in fp64 (wide and tall inputs, a batch)."""
+    in fp32 within rounding of the iteration run in fp64 (wide and tall inputs, a batch), the
+    first iteration's input divided by its Frobenius norm (done through the Gram matrix)."""
     a, b, c = NS_COEFFS
     for shape in [(48, 160), (160, 48), (3, 40, 96)]:
         G = torch.randn(shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
@@ -87,6 +88,8 @@ def test_newton_schulz_keeps_dtype_and_zero():
     G = torch.randn(32, 64, dtype=torch.bfloat16)
     assert zeropower_via_newtonschulz(G).dtype == torch.bfloat16
     assert zeropower_via_newtonschulz(torch.zeros(8, 16)).abs().max() == 0
+    with pytest.raises(ValueError, match="steps"):  # the first iteration normalises X
+        zeropower_via_newtonschulz(G, steps=0)
 
 
 @pytest.fixture(scope="module")
