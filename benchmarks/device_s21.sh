@@ -29,8 +29,9 @@ case "${1:?phase}" in
   throughput_and_census
   ;;
 3)  # after call 1: the backward as the unrounded derivative, its partial sums by a Triton kernel
-  # (torch's sum over the programs cost 15.6 us a norm), tiles and programs per SM swept
-  curve_beside_tests 230 220 tests/ops/test_norm.py tests/serve/test_engine_gpu.py
+  # (torch's sum over the programs cost 15.6 us a norm), tiles and programs per SM swept; QB's
+  # per-expert thresholds by a bisection kernel (torch's kthvalue: 0.61 ms)
+  curve_beside_tests 230 220 tests/ops/test_norm.py tests/ops/test_router.py tests/serve/test_engine_gpu.py
   timeout -k 10 90 python3 benchmarks/norm_speed.py --hidden 1024 > "$OUT/norm_speed_1024.log" 2>&1
   echo "== rc $?" >> "$OUT/norm_speed_1024.log"
   timeout -k 10 200 python3 benchmarks/train_throughput.py --batch 4 --seq 4096 --steps 10 --profile \

@@ -32,6 +32,11 @@ RENORM_EPS = 1e-20
 LOGITS_GEMV_MAX_TOKENS = 32
 LOGITS_ROWS, LOGITS_COLS = 4, 256  # experts per program (>= 16 programs per `small` token), columns per step
 TOPK_TILE = 1024  # router_topk_kernel's tokens x experts per program
+# kth_largest_kernel unrolls k rounds over a row: up to this k (and rows up to 4 tiles) it is
+# the kernel; beyond, kth_largest_long_kernel's 32 counts over a row held in registers (rows up
+# to KTH_LONG_MAX: Quantile Balancing's per-expert thresholds over 16,384 tokens)
+KTH_UNROLL_MAX = 32
+KTH_LONG_MAX = 16384
 
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
@@ -180,14 +185,17 @@ def _router_topk_triton(logits, bias, k, renormalize, scale, write_scores: bool 
 
 def kth_largest(x: torch.Tensor, k: int, *, backend: str = "auto") -> torch.Tensor:
     """The k-th largest of ``x`` along its last dimension, in fp32 (Quantile Balancing's
-    per-token threshold: ``x`` the biased scores, ``openk3.train.balance.qb_margins``).
+    per-token threshold: ``x`` the biased scores, ``openk3.train.balance.qb_margins``; and its
+    per-expert one, the (q+1)-th largest margin over the batch's tokens, ``qb_update_exact``).
 
     Args:
         x: ``[..., E]``, any float dtype (e.g. several routers' biased scores side by side).
         k: ``1 <= k <= E``.
-        backend: ``"triton"`` (CUDA), ``"torch"`` the reference (``topk``), ``"auto"`` Triton
-            for CUDA inputs (unless ``OPENK3_REFERENCE=1``): ``torch.topk`` of `small`'s
-            23 x 16,384 rows of 64 took 1.15 ms of the training step on the H200.
+        backend: ``"triton"`` (CUDA; rows of at most ``KTH_LONG_MAX``), ``"torch"`` the
+            reference (``kthvalue``), ``"auto"`` Triton for CUDA inputs whose rows it takes
+            (unless ``OPENK3_REFERENCE=1``): ``torch.topk`` of `small`'s 23 x 16,384 rows of 64
+            took 1.15 ms of the training step on the H200, ``kthvalue`` of its 23 x 64 rows of
+            16,384 0.61 ms.
 
     Returns:
         ``[...]`` fp32; the same values as ``topk(k).values[..., k-1]`` (ties count; a NaN
@@ -198,9 +206,11 @@ def kth_largest(x: torch.Tensor, k: int, *, backend: str = "auto") -> torch.Tens
     if x.dim() < 1 or not 1 <= k <= x.shape[-1]:
         raise ValueError(f"kth_largest: k = {k} must be in 1..E for `x` [..., E], got {list(x.shape)}")
     if backend == "auto":
-        backend = "triton" if use_fast_path(x) and triton_available() else "torch"
-    if backend == "torch":
-        return x.float().topk(k, dim=-1).values[..., k - 1]
+        backend = "triton" if use_fast_path(x) and triton_available() and x.shape[-1] <= KTH_LONG_MAX else "torch"
+    if backend == "triton" and x.shape[-1] > KTH_LONG_MAX:
+        raise ValueError(f"kth_largest: backend='triton' takes rows of at most {KTH_LONG_MAX}, got {list(x.shape)}")
+    if backend == "torch":  # topk(k).values[..., k - 1], without sorting the k largest
+        return x.float().kthvalue(x.shape[-1] - k + 1, dim=-1).values
     return _kth_largest_triton(x.detach(), k)
 
 
@@ -208,14 +218,19 @@ def kth_largest(x: torch.Tensor, k: int, *, backend: str = "auto") -> torch.Tens
 def _kth_largest_triton(x: torch.Tensor, k: int) -> torch.Tensor:
     import triton
 
-    from openk3.ops.router_triton import kth_largest_kernel
+    from openk3.ops.router_triton import kth_largest_kernel, kth_largest_long_kernel
 
     E = x.shape[-1]
-    x = x.contiguous()
     out = torch.empty(x.shape[:-1], device=x.device, dtype=torch.float32)
     R = out.numel()
     block_e = triton.next_power_of_2(E)
+    if not R:
+        return out
+    if k > KTH_UNROLL_MAX or block_e > 4 * TOPK_TILE:
+        x = x.float().contiguous()
+        kth_largest_long_kernel[(R,)](x, out, E, k, BLOCK_E=block_e, num_warps=16 if block_e >= 8192 else 8)
+        return out
+    x = x.contiguous()
     rows = max(1, TOPK_TILE // block_e)
-    if R:
-        kth_largest_kernel[(triton.cdiv(R, rows),)](x, out, R, E, K=k, BLOCK_E=block_e, ROWS=rows)
+    kth_largest_kernel[(triton.cdiv(R, rows),)](x, out, R, E, K=k, BLOCK_E=block_e, ROWS=rows)
     return out

@@ -84,3 +84,28 @@ def kth_largest_kernel(x_ptr, out_ptr, R, E, K: tl.constexpr, BLOCK_E: tl.conste
         v = tl.where(e[None, :] == first[:, None], float("-inf"), v)
         best = tl.max(v, axis=1)
     tl.store(out_ptr + r, best, mask=r < R)
+
+
+@triton.jit
+def kth_largest_long_kernel(x_ptr, out_ptr, E, K, BLOCK_E: tl.constexpr):
+    """out[r] = the K-th largest of x[r, :] (fp32, E contiguous columns, E <= BLOCK_E: the row
+    stays in registers) by bisection on the values' ordered bits: from the top bit down, keep a
+    bit set where at least K values are >= the threshold so far. 32 counts over the row instead
+    of a sort; exact (ties count; a NaN counts as +inf, as in ``kth_largest_kernel``; -0.0 ranks
+    below +0.0)."""
+    r = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, BLOCK_E)
+    v = tl.load(x_ptr + r * E + e, mask=e < E, other=float("-inf"))
+    bits = tl.where(v != v, float("inf"), v).to(tl.int32, bitcast=True)
+    # a signed key that orders as the floats do: negative floats' magnitude bits flipped
+    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    key = tl.where(e < E, key, -2147483648)  # padding below every value (-inf's key is above it)
+    # the answer's unsigned form (key + 2^31) is built bit by bit in an int64
+    ans = tl.zeros([], dtype=tl.int64)
+    for i in tl.static_range(32):
+        cand = ans + (1 << (31 - i))
+        count = tl.sum((key.to(tl.int64) + 2147483648 >= cand).to(tl.int32), axis=0)
+        ans = tl.where(count >= K, cand, ans)
+    key = (ans - 2147483648).to(tl.int32)
+    bits = tl.where(key < 0, key ^ 0x7FFFFFFF, key)
+    tl.store(out_ptr + r, bits.to(tl.float32, bitcast=True))

@@ -136,12 +136,24 @@ for g, w in zip(got[2:], want[2:]):
 # Quantile Balancing's thresholds: the k-th largest of scores + bias, several routers side by
 # side, ties among the largest (they count), sizes that fill no tile
 from openk3.ops.router import kth_largest
-for shape, k in (((3, 37, 64), 5), ((2, 5, 10), 3), ((1, 1, 896), 17)):
+import openk3.ops.router as router_ops
+router_ops.KTH_LONG_MAX = 4096  # the long-row kernel at sizes the interpreter runs quickly
+for shape, k in (((3, 37, 64), 5), ((2, 5, 10), 3), ((1, 1, 896), 17), ((2, 3, 333), 40), ((1, 2, 4096), 1),
+                 ((1, 2, 4096), 4096), ((2, 1, 5000 // 2), 1001)):
     scores, bias = torch.rand(shape), 0.01 * torch.randn(shape[0], shape[2])
     scores[0, 0, :3] = 2.0
     got = kth_largest(scores + bias[:, None], k, backend="triton")
     want = (scores + bias[:, None]).topk(k, dim=-1).values[..., k - 1]
-    assert torch.equal(got, want), (got - want).abs().max()
+    assert torch.equal(got, want), (shape, k, (got - want).abs().max())
+from openk3.ops.router_triton import kth_largest_long_kernel
+# the long-row kernel's bisection on the ordered bits: negative values, -0.0 and +0.0, +-inf,
+# NaN (counts as +inf), ties across the threshold
+x = torch.tensor([[-3.5, -0.0, 0.0, 2.0, 2.0, float("inf"), float("-inf"), -1e-30, 7.0, float("nan")]])
+for k in range(1, 11):
+    want = torch.where(x.isnan(), float("inf"), x).topk(k).values[:, k - 1]
+    got = torch.empty(1)
+    kth_largest_long_kernel[(1,)](x, got, 10, k, BLOCK_E=16)
+    assert torch.equal(got, want), (k, got, want)  # -0.0 == 0.0: topk may name either
 # a bias of -inf on all but two experts: the kernel still names k distinct experts (the
 # reference's -inf ties may come in any order)
 bias = torch.full((8,), float("-inf"))
@@ -196,8 +208,11 @@ def test_kernel_matches_reference_gpu(N, E, k):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("L,N,E,k", [(23, 16384, 64, 5), (2, 100, 896, 17), (1, 3, 10, 1)])
+@pytest.mark.parametrize("L,N,E,k", [(23, 16384, 64, 5), (2, 100, 896, 17), (1, 3, 10, 1),
+                                     (23, 64, 16384, 1025), (2, 3, 9999, 33), (1, 2, 16384, 16384)])
 def test_kth_largest_matches_topk_gpu(L, N, E, k):
+    """Short rows (the per-token thresholds) and long ones (the per-expert thresholds over
+    `small`'s 16,384 tokens: the bisection kernel)."""
     scores, bias = torch.rand(L, N, E, device="cuda"), 0.01 * torch.randn(L, E, device="cuda")
     scores[0, :5, :2] = 0.5  # ties
     got = router_ops.kth_largest(scores + bias[:, None], k)
