@@ -30,7 +30,9 @@ case "${1:?phase}" in
   ;;
 3)  # after call 1: the backward as the unrounded derivative, its partial sums by a Triton kernel
   # (torch's sum over the programs cost 15.6 us a norm), tiles and programs per SM swept; QB's
-  # per-expert thresholds by a bisection kernel (torch's kthvalue: 0.61 ms)
+  # per-expert thresholds by a bisection kernel (torch's kthvalue: 0.61 ms); the routers' fp32
+  # logits and gradients by bf16 GEMMs on the weight's two bf16 halves (three fp32 GEMMs a layer:
+  # ~4 ms a step)
   curve_beside_tests 230 220 tests/ops/test_norm.py tests/ops/test_router.py tests/serve/test_engine_gpu.py
   timeout -k 10 90 python3 benchmarks/norm_speed.py --hidden 1024 > "$OUT/norm_speed_1024.log" 2>&1
   echo "== rc $?" >> "$OUT/norm_speed_1024.log"

@@ -11,7 +11,8 @@ from the unbiased ones.
   autograd the kernel picks the experts and the weights are gathered by autograd's ops.
 * ``router_logits``: the fp32 logits ``x W^T`` before it; without autograd on CUDA, for up to
   ``LOGITS_GEMV_MAX_TOKENS`` tokens, one Triton kernel reading x in its own dtype instead of a
-  cast and cuBLAS's two fp32 GEMV kernels.
+  cast and cuBLAS's two fp32 GEMV kernels; for more tokens of bf16 x, bf16 GEMMs on the fp32
+  weight split in two bf16 halves (``backend="split"``, below).
 """
 
 from __future__ import annotations
@@ -45,22 +46,33 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, *, backend: str = "auto
     Args:
         x: ``[N, d]`` activations, any float dtype.
         weight: ``[E, d]`` router weight (fp32 in K3).
-        backend: ``"triton"`` (CUDA), ``"torch"`` the reference, ``"auto"``: Triton for CUDA
-            inputs that need no gradient and at most ``LOGITS_GEMV_MAX_TOKENS`` tokens
-            (unless ``OPENK3_REFERENCE=1``).
+        backend: ``"triton"`` (CUDA), ``"split"`` (bf16 x, fp32 weight), ``"torch"`` the
+            reference, ``"auto"``: on CUDA (unless ``OPENK3_REFERENCE=1``) Triton for inputs
+            that need no gradient and at most ``LOGITS_GEMV_MAX_TOKENS`` tokens, "split" for
+            more tokens of bf16 x and an fp32 weight, else the reference.
 
     Returns:
         ``[N, E]`` fp32 (products and sums in fp32, under autocast too; the kernel sums in its
-        own order).
+        own order; "split" is within ~2^-16 of them, see ``_SplitLogits``).
     """
-    if backend not in ("auto", "torch", "triton"):
-        raise ValueError(f"`backend` must be 'auto', 'torch' or 'triton', got {backend!r}")
+    if backend not in ("auto", "torch", "triton", "split"):
+        raise ValueError(f"`backend` must be 'auto', 'torch', 'triton' or 'split', got {backend!r}")
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"router_logits: `x` must be [N, d] and `weight` [E, d], got "
                          f"{list(x.shape)} and {list(weight.shape)}")
     if backend == "auto":
-        backend = ("triton" if use_fast_path(x) and triton_available()
-                   and x.shape[0] <= LOGITS_GEMV_MAX_TOKENS and not needs_grad(x, weight) else "torch")
+        if not use_fast_path(x):
+            backend = "torch"
+        elif x.shape[0] <= LOGITS_GEMV_MAX_TOKENS and not needs_grad(x, weight) and triton_available():
+            backend = "triton"
+        else:
+            backend = "split" if x.dtype == torch.bfloat16 and weight.dtype == torch.float32 else "torch"
+    if backend == "split":
+        if x.dtype != torch.bfloat16 or weight.dtype != torch.float32:
+            raise ValueError(f"router_logits: backend='split' takes bf16 `x` and an fp32 `weight`, got "
+                             f"{x.dtype} and {weight.dtype}")
+        with torch.autocast(x.device.type, enabled=False):
+            return _SplitLogits.apply(x, weight)
     if backend == "torch":
         # autocast would run this linear in bf16 (training's step is under it): K3_SPEC §1.5
         # asks for fp32 logits, which bf16 rounds to 8 bits
@@ -69,6 +81,55 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, *, backend: str = "auto
     if needs_grad(x, weight):
         raise ValueError("router_logits: the Triton kernel has no backward (use backend='torch')")
     return _router_logits_triton(x, weight)
+
+
+def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` of bf16 matrices with fp32 products, sums and output: cuBLAS's bf16 GEMM
+    writing fp32 on CUDA; on the CPU (the tests) the same values from an fp32 matmul (bf16
+    values are exact in fp32)."""
+    if a.is_cuda:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return a.float() @ b.float()
+
+
+def _halves(t: torch.Tensor) -> torch.Tensor:
+    """An fp32 tensor as two bf16 ones side by side along dim 0, ``hi = bf16(t)`` then
+    ``lo = bf16(t - hi)``: ``hi + lo`` is t to ~2^-16 of |t| (16 of fp32's 24 bits)."""
+    hi = t.bfloat16()
+    return torch.cat([hi, (t - hi.float()).bfloat16()])
+
+
+class _SplitLogits(torch.autograd.Function):
+    """Training's router logits without fp32 GEMMs. ``x`` is bf16, so ``x W^T`` in fp32 is
+    ``x W_hi^T + x W_lo^T`` up to the ~2^-16 of W that the halves drop: one bf16 GEMM against
+    ``[W_hi; W_lo]`` (fp32 sums and output) and one add of its halves. Backward: the weight's
+    gradient ``g^T x`` with g (fp32) split the same way; x's gradient ``g W`` as one bf16 GEMM
+    of bf16(g) and ``W_hi`` (x's gradient is bf16: the halves' precision would be rounded away).
+    cuBLAS has no fp32 GEMM at tensor-core rate without TF32, whose 10-bit inputs would lose
+    more than the halves do; the three fp32 GEMMs per MoE layer took ~4 ms of `small`'s training
+    step on an H200 (docs/benchmarks.md, sixteenth session)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        E = weight.shape[0]
+        w2 = _halves(weight)  # [2E, d]
+        out = _mm_fp32(x, w2.t())  # [N, 2E]
+        ctx.save_for_backward(x, w2)
+        return out[:, :E] + out[:, E:]
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g: torch.Tensor):
+        x, w2 = ctx.saved_tensors
+        E = w2.shape[0] // 2
+        dx = dw = None
+        with torch.autocast(x.device.type, enabled=False):
+            if ctx.needs_input_grad[0]:
+                dx = g.bfloat16() @ w2[:E]
+            if ctx.needs_input_grad[1]:
+                halves = _mm_fp32(_halves(g.t().contiguous()), x)  # [2E, d]
+                dw = halves[:E] + halves[E:]
+        return dx, dw
 
 
 @compile_disabled("a Triton kernel launched as it is")

@@ -104,6 +104,34 @@ def test_logits_reference_is_an_fp32_linear_and_takes_gradients():
     assert x.grad is not None and w.grad is not None
 
 
+@pytest.mark.parametrize("N,D,E", [(40, 256, 16), (7, 100, 5)])
+def test_split_logits_are_fp32_logits_and_gradients(N, D, E):
+    """The weight in two bf16 halves: logits and the weight's gradient within 2^-15 of each
+    entry's sum of |products| (fp32 products keep 24 bits, the halves 16), x's gradient within
+    its bf16 rounding; under autocast as without it."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(N, D, generator=gen).bfloat16().requires_grad_()
+    w = (0.05 * torch.randn(E, D, generator=gen)).requires_grad_()
+    g = torch.randn(N, E, generator=gen)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = router_logits(x, w, backend="split")
+    assert out.dtype == torch.float32
+    out.backward(g)
+    x64, w64, g64 = x.detach().double(), w.detach().double(), g.double()
+    for got, want, scale, rel in ((out, x64 @ w64.T, x64.abs() @ w64.abs().T, 2 ** -15),
+                                  (w.grad, g64.T @ x64, g64.abs().T @ x64.abs(), 2 ** -15),
+                                  (x.grad, g64 @ w64, g64.abs() @ w64.abs(), 2 ** -7)):
+        assert got.dtype in (torch.float32, torch.bfloat16)
+        assert ((got.double() - want).abs() <= rel * scale).all(), ((got.double() - want).abs() / scale).max()
+    # and it is not the plain bf16 linear: its logits are ~2^-9 off
+    assert ((x64 @ w.detach().bfloat16().double().T - x64 @ w64.T).abs() > 2 ** -15 * (x64.abs() @ w64.abs().T)).any()
+
+
+def test_split_logits_reject_other_dtypes():
+    with pytest.raises(ValueError, match="bf16"):
+        router_logits(torch.randn(3, 8), torch.randn(4, 8), backend="split")
+
+
 def test_docstring_examples_run():
     run_doctests(router_ops)
 
@@ -244,7 +272,18 @@ def test_training_router_takes_the_kernels_choice_and_the_references_gradient():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("N,D,E", [(1, 1024, 64), (128, 1024, 64), (3, 7168, 896), (5, 300, 10)])
 def test_logits_kernel_matches_reference_gpu(N, D, E):
+    """The GEMV kernel (decode) and, with gradients, the split GEMMs (training and prefill)."""
     x, w = torch.randn(N, D, device="cuda", dtype=torch.bfloat16), torch.randn(E, D, device="cuda")
     got = router_logits(x, w, backend="triton")
     want = x.double() @ w.double().T  # fp32 sums of d products: error ~ sqrt(d) * 6e-8 * |terms|
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=2e-5 * D ** 0.5)
+    xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        split = router_logits(xs, ws)  # "auto" with gradients: the halves
+    g = torch.randn_like(split)
+    split.backward(g)
+    x64, w64, g64 = x.double(), w.double(), g.double()
+    for got, want, scale, rel in ((split, want, x64.abs() @ w64.abs().T, 2 ** -15),
+                                  (ws.grad, g64.T @ x64, g64.abs().T @ x64.abs(), 2 ** -15),
+                                  (xs.grad, g64 @ w64, g64.abs() @ w64.abs(), 2 ** -7)):
+        assert ((got.double() - want).abs() <= rel * scale).all(), ((got.double() - want).abs() / scale).max()
