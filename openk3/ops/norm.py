@@ -106,7 +106,8 @@ def _rms_norm_bwd_launch(x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tens
         if N:
             rms_norm_bwd_kernel[(programs,)](x, weight, rstd, dy, dx, partial, N, D, BLOCK_M=block_m,
                                              BLOCK_D=block_d, num_warps=_warps(block_m * block_d))
-        column_sum_kernel[(triton.cdiv(D, 256),)](partial, dw, programs, D, BLOCK_R=16, BLOCK_C=256)
+        # 32 columns a program: 32 programs for D = 1024 (256 columns made 4: 31.6 us in the step)
+        column_sum_kernel[(triton.cdiv(D, 32),)](partial, dw, programs, D, BLOCK_R=128, BLOCK_C=32)
     return dx, dw
 
 

@@ -100,11 +100,12 @@ def kth_largest_long_kernel(x_ptr, out_ptr, E, K, BLOCK_E: tl.constexpr):
     # a signed key that orders as the floats do: negative floats' magnitude bits flipped
     key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
     key = tl.where(e < E, key, -2147483648)  # padding below every value (-inf's key is above it)
-    # the answer's unsigned form (key + 2^31) is built bit by bit in an int64
+    # the answer's unsigned form (key + 2^31) is built bit by bit in an int64 scalar; each
+    # count compares the int32 keys with its signed form
     ans = tl.zeros([], dtype=tl.int64)
     for i in tl.static_range(32):
         cand = ans + (1 << (31 - i))
-        count = tl.sum((key.to(tl.int64) + 2147483648 >= cand).to(tl.int32), axis=0)
+        count = tl.sum((key >= (cand - 2147483648).to(tl.int32)).to(tl.int32), axis=0)
         ans = tl.where(count >= K, cand, ans)
     key = (ans - 2147483648).to(tl.int32)
     bits = tl.where(key < 0, key ^ 0x7FFFFFFF, key)
