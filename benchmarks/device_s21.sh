@@ -42,10 +42,10 @@ case "${1:?phase}" in
   ;;
 4)  # after call 3: the weight gradient's column sums 32 columns a program (4 programs of 256
   # took 31.6 us a norm), the bisection kernel's counts on int32 keys (282 us for 1,472 rows)
-  gpu_tests 120 tests/ops/test_norm.py tests/ops/test_router.py -k "triton or kth or split or logits"
   timeout -k 10 150 python3 benchmarks/train_throughput.py --batch 4 --seq 4096 --steps 10 --profile \
     > "$OUT/throughput.log" 2>&1
   echo "== rc $?" >> "$OUT/throughput.log"
+  gpu_tests 80 tests/ops/test_norm.py tests/ops/test_router.py -k "triton or kth or split or logits"
   ;;
 2)  # P8: the decode step against the peer and its census (device_s12.sh 1 without the speculative census)
   timeout -k 10 330 python3 benchmarks/serve_bench.py --parts decode peer > "$OUT/serve.log" 2>&1
