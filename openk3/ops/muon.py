@@ -11,6 +11,9 @@ head's rows, a head's columns, experts), any strides. Two passes per block and s
   orthogonalised update ``x`` in one pass; ``lr`` a float or a 0-dim tensor (the CUDA graphs
   read it on the device).
 
+And for Newton-Schulz (``openk3.train.optim.zeropower_via_newtonschulz``), ``scale_matrices_``:
+each matrix of a contiguous batch times its own factor, in place.
+
 The reference is plain PyTorch (a few ops a pass, each reading and writing its operands); on
 CUDA one Triton kernel a pass reads and writes each operand once (``muon_triton.py``): about
 24 bytes an element a step instead of 48 (fp32 gradient, momentum and weight, bf16 update).
@@ -82,3 +85,17 @@ def apply_update_(w: torch.Tensor, x: torch.Tensor, lr: float | torch.Tensor, wd
     from openk3.ops.muon_triton import launch_apply_update
 
     launch_apply_update(w, x, lr, float(wd), float(scale))
+
+
+def scale_matrices_(t: torch.Tensor, s: torch.Tensor) -> None:
+    """``t[n] *= s[n]`` in place for a contiguous batch t ``[N, r, c]`` and s ``[N]`` (any float
+    dtypes; products in fp32 on CUDA, rounded to t's dtype)."""
+    if t.dim() != 3 or s.shape != (t.shape[0],) or not t.is_contiguous():
+        raise ValueError(f"scale_matrices_: t must be a contiguous [N, r, c] and s [N], got "
+                         f"{list(t.shape)} (contiguous: {t.is_contiguous()}) and {list(s.shape)}")
+    if not _kernels(t):
+        t.mul_(s[:, None, None])
+        return
+    from openk3.ops.muon_triton import launch_scale
+
+    launch_scale(t, s.contiguous())

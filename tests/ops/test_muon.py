@@ -52,6 +52,15 @@ for name, g, m, w in blocks():
         muon.apply_update_ref(w2, x, lr, wd, 3.7)
         assert (w1 - w2).abs().max() <= 1e-6 * w2.abs().max(), (name, lr, wd, (w1 - w2).abs().max())
         assert not torch.equal(w1, w), name
+# Newton-Schulz's per-matrix factors: odd sizes against the block, one matrix and many
+from openk3.ops.muon_triton import launch_scale
+import openk3.ops.muon_triton as kernels
+kernels.SCALE_BLOCK = 64
+for shape in ((3, 7, 9), (1, 1, 5), (70, 8, 16)):
+    t, s = torch.randn(shape), torch.rand(shape[0]) + 0.5
+    want = t * s[:, None, None]
+    launch_scale(t, s)
+    assert torch.equal(t, want), shape
 print("ok")
 """
 
@@ -88,6 +97,17 @@ def test_bad_blocks_are_named(call, message):
         call(torch.zeros(2, 3, 5))
 
 
+def test_scale_matrices_reference_and_bad_arguments():
+    t, s = torch.randn(3, 4, 5), torch.rand(3)
+    want = t * s[:, None, None]
+    muon.scale_matrices_(t, s)
+    assert torch.equal(t, want)
+    for bad_t, bad_s in ((torch.randn(3, 4, 5).mT, torch.rand(3)), (torch.randn(3, 4, 5), torch.rand(2)),
+                         (torch.randn(4, 5), torch.rand(4))):
+        with pytest.raises(ValueError, match="scale_matrices_"):
+            muon.scale_matrices_(bad_t, bad_s)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_kernels_match_the_reference_on_cuda():
@@ -113,3 +133,8 @@ def test_kernels_match_the_reference_on_cuda():
             muon.apply_update_(w1, x, lr, 0.1, 3.7)
             muon.apply_update_ref(w2, x, lr, 0.1, 3.7)
             torch.testing.assert_close(w1, w2, rtol=1e-6, atol=1e-6, msg=name)
+    # Newton-Schulz's per-matrix factors on a bf16 batch: as torch's fp32 product rounded once
+    t, s = torch.randn(4416, 16, 33, device="cuda").bfloat16(), torch.rand(4416, device="cuda") + 0.5
+    want = (t.float() * s[:, None, None]).bfloat16()
+    muon.scale_matrices_(t, s)
+    assert torch.equal(t, want)
