@@ -5,7 +5,9 @@
 # at once to keep it warm.
 # 1 (nvidia-h200): P7 as committed: Newton-Schulz's per-matrix factors by the vectorised Triton
 #    pass (`scale_matrices_`, never run on a GPU; torch's broadcast multiplies took 3.0 ms of the
-#    last measured step, 176.7 ms): its GPU test and the optimiser's beside a 200-step curve, then
+#    last measured step, 176.7 ms): its GPU test and the optimiser's (bf16 Newton-Schulz against
+#    fp64, new), the norm and router tests as the review left them (explicit backends, the
+#    dispatch checked, fp16/bf16/fp32 only), beside a 200-step curve, then
 #    the step against the peer with its profile (expected ~174.5 ms, 19.4% MFU) and the census.
 # 2 (nvidia-h200): P8's decode step against the peer and its census (not run since the eleventh
 #    session; the norms outside compiled regions are openk3's Triton kernels now).
@@ -15,7 +17,8 @@
 source "$(dirname "$0")/device_common.sh"
 case "${1:?phase}" in
 1)
-  curve_beside_tests 230 200 tests/ops/test_muon.py tests/train/test_optim.py tests/train/test_graphed.py
+  curve_beside_tests 230 220 tests/ops/test_muon.py tests/train/test_optim.py tests/train/test_graphed.py \
+    tests/ops/test_norm.py tests/ops/test_router.py
   timeout -k 10 200 python3 benchmarks/train_throughput.py --batch 4 --seq 4096 --steps 10 --profile \
     > "$OUT/throughput.log" 2>&1
   echo "== rc $?" >> "$OUT/throughput.log"

@@ -92,7 +92,7 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: [N, d] -> (scores [N, E] fp32, topk_idx [N, k], topk_weight [N, k] fp32)."""
         cfg = self.cfg
-        logits = router_logits(x, self.weight)  # F.linear in fp32; one kernel when decoding on CUDA
+        logits = router_logits(x, self.weight)  # fp32 logits: one kernel when decoding on CUDA, bf16 halves past 32 tokens
         bias = self.e_score_correction_bias
         if cfg.num_expert_group > 1:  # group-limited routing: keep the best topk_group groups
             biased = torch.sigmoid(logits) + bias

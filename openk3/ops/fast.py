@@ -10,6 +10,7 @@ so the region's graph fuses them with their neighbours.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import os
@@ -24,6 +25,12 @@ import torch
 def use_fast_path(x: torch.Tensor) -> bool:
     """Fast paths run on CUDA unless ``OPENK3_REFERENCE=1`` forces the references everywhere."""
     return x.is_cuda and not _reference_forced()
+
+
+def launch_device(t: torch.Tensor):
+    """A context making ``t``'s CUDA device current for a Triton launch (Triton launches on the
+    current device); a no-op for CPU tensors (the tests run Triton's interpreter)."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
 def needs_grad(*tensors: torch.Tensor | None) -> bool:

@@ -12,11 +12,11 @@ round ``b * c`` first: half an ulp of the update term) are explicit ``fma`` call
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import triton
 import triton.language as tl
+
+from openk3.ops.fast import launch_device
 
 BR, BC = 32, 64
 SCALE_BLOCK = 4096
@@ -67,8 +67,8 @@ def scale_kernel(t_ptr, s_ptr, per, BLOCK: tl.constexpr):
     """t[n] *= s[n] for a contiguous [N, ...] t (``per`` elements a matrix), in fp32, rounded to
     t's dtype: a per-matrix factor as a vectorised pass (torch's broadcast of an [N, 1, 1]
     factor runs its non-vectorised kernel, at a third of the bandwidth or less)."""
-    n = tl.program_id(1).to(tl.int64)
-    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    n = tl.program_id(0).to(tl.int64)  # axis 0: up to 2^31 - 1 matrices (axis 1 stops at 65,535)
+    i = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = i < per
     p = t_ptr + n * per + i
     v = tl.load(p, mask=ok, other=0.0).to(tl.float32) * tl.load(s_ptr + n).to(tl.float32)
@@ -79,10 +79,8 @@ def launch_scale(t: torch.Tensor, s: torch.Tensor) -> None:
     N = t.shape[0]
     per = t.numel() // max(N, 1)
     if t.numel():
-        if N > 65535:
-            raise ValueError(f"scale_matrices_ takes at most 65535 matrices, got {list(t.shape)}")
-        with _on(t):
-            scale_kernel[(triton.cdiv(per, SCALE_BLOCK), N)](t, s, per, BLOCK=SCALE_BLOCK, num_warps=8)
+        with launch_device(t):
+            scale_kernel[(N, triton.cdiv(per, SCALE_BLOCK))](t, s, per, BLOCK=SCALE_BLOCK, num_warps=8)
 
 
 def _grid(t: torch.Tensor) -> tuple[int, int]:
@@ -92,15 +90,10 @@ def _grid(t: torch.Tensor) -> tuple[int, int]:
     return triton.cdiv(R, BR) * triton.cdiv(C, BC), n
 
 
-def _on(t: torch.Tensor):
-    """Triton launches on the current CUDA device: make it t's (the CPU tests run the interpreter)."""
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
-
-
 def launch_momentum(g: torch.Tensor, m: torch.Tensor, out: torch.Tensor, mu: float, nesterov: bool,
                     grad_scale: torch.Tensor | None = None) -> None:
     if g.numel():
-        with _on(g):
+        with launch_device(g):
             momentum_kernel[_grid(g)](g, m, out, g if grad_scale is None else grad_scale, g.shape[1], g.shape[2],
                                       *g.stride(), *m.stride(), *out.stride(), mu, NESTEROV=nesterov,
                                       SCALED=grad_scale is not None, BR=BR, BC=BC, enable_fp_fusion=False)
@@ -112,7 +105,7 @@ def launch_apply_update(w: torch.Tensor, x: torch.Tensor, lr: float | torch.Tens
     in_memory = isinstance(lr, torch.Tensor)
     # host floats: the factors computed in double as the reference's Python scalars are
     decay, factor = (1.0, 0.0) if in_memory else (1 - lr * wd, -lr * scale)
-    with _on(w):
+    with launch_device(w):
         apply_update_kernel[_grid(w)](w, x, lr if in_memory else w, decay, factor, wd, scale, w.shape[1],
                                       w.shape[2], *w.stride(), *x.stride(), LR_IN_MEMORY=in_memory,
                                       BR=BR, BC=BC, enable_fp_fusion=False)

@@ -29,7 +29,7 @@ import os
 
 import torch
 
-from openk3.ops.fast import compile_disabled, compiled, importable, use_fast_path
+from openk3.ops.fast import compile_disabled, compiled, importable, launch_device, use_fast_path
 
 # BLOCK_M x BLOCK_D per tile (rows per program by the row's padded width) and the backward's
 # programs per SM, from ``benchmarks/norm_speed.py`` on one H200 (docs/benchmarks.md)
@@ -65,8 +65,16 @@ def _warps(elements: int) -> int:
     return 8 if elements >= 4096 else 4
 
 
+_TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
 def _product_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, weight.dtype)
+
+
+def _round_product(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``w * xhat`` is rounded before the cast to y: when both are 16-bit floats."""
+    return _product_dtype(x, weight) in (torch.float16, torch.bfloat16)
 
 
 def _rms_norm_launch(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype):
@@ -81,9 +89,9 @@ def _rms_norm_launch(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtyp
     y = torch.empty(N, D, device=x.device, dtype=out_dtype)
     rstd = torch.empty(N, device=x.device, dtype=torch.float32)
     if N:
-        with _on(x):
+        with launch_device(x):
             rms_norm_fwd_kernel[(triton.cdiv(N, block_m),)](
-                x, weight, y, rstd, N, D, eps, ROUND_PRODUCT=_product_dtype(x, weight) != torch.float32,
+                x, weight, y, rstd, N, D, eps, ROUND_PRODUCT=_round_product(x, weight),
                 BLOCK_M=block_m, BLOCK_D=block_d, num_warps=_warps(block_m * block_d))
     return y, rstd
 
@@ -102,20 +110,13 @@ def _rms_norm_bwd_launch(x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tens
     dx = torch.empty_like(x)
     partial = (torch.empty if N else torch.zeros)(programs, D, device=x.device, dtype=torch.float32)
     dw = torch.empty(D, device=x.device, dtype=weight.dtype)
-    with _on(x):
+    with launch_device(x):
         if N:
             rms_norm_bwd_kernel[(programs,)](x, weight, rstd, dy, dx, partial, N, D, BLOCK_M=block_m,
                                              BLOCK_D=block_d, num_warps=_warps(block_m * block_d))
         # 32 columns a program: 32 programs for D = 1024 (256 columns made 4: 31.6 us in the step)
         column_sum_kernel[(triton.cdiv(D, 32),)](partial, dw, programs, D, BLOCK_R=128, BLOCK_C=32)
     return dx, dw
-
-
-def _on(t: torch.Tensor):
-    """Triton launches on the current CUDA device: make it t's (the CPU tests run the interpreter)."""
-    import contextlib
-
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
 class _RMSNormTriton(torch.autograd.Function):
@@ -148,10 +149,11 @@ def _rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtyp
 
 
 def _triton_shapes(x: torch.Tensor, weight: torch.Tensor | None) -> bool:
-    """What the Triton kernels take: a weight [D] of x's width D <= MAX_TRITON_WIDTH, floats."""
+    """What the Triton kernels take: a weight [D] of x's width D <= MAX_TRITON_WIDTH, x and the
+    weight fp16, bf16 or fp32 (they compute in fp32: fp64 stays on the reference)."""
     return (weight is not None and weight.dim() == 1 and x.dim() >= 1 and weight.shape[0] == x.shape[-1]
-            and 0 < x.shape[-1] <= MAX_TRITON_WIDTH and x.dtype.is_floating_point
-            and weight.dtype.is_floating_point)
+            and 0 < x.shape[-1] <= MAX_TRITON_WIDTH and x.dtype in _TRITON_DTYPES
+            and weight.dtype in _TRITON_DTYPES)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
@@ -167,7 +169,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
         if not _triton_shapes(x, weight):
             raise ValueError(f"rms_norm: backend='triton' needs a weight [D] of x's width (x {tuple(x.shape)}, "
                              f"weight {None if weight is None else tuple(weight.shape)}), D <= "
-                             f"{MAX_TRITON_WIDTH}, floating dtypes")
+                             f"{MAX_TRITON_WIDTH}, x and weight fp16, bf16 or fp32 (got {x.dtype} and "
+                             f"{None if weight is None else weight.dtype})")
         if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(f"rms_norm: backend='triton' needs CUDA tensors, got x on {x.device}")
         if not importable(_NORM_TRITON):

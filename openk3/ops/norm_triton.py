@@ -4,7 +4,7 @@ tests under Triton's interpreter).
 ``rms_norm_fwd_kernel``: one program per BLOCK_M rows of ``x [N, D]`` (a row whole in one
 tile). Per row ``rstd = rsqrt(mean(x^2) + eps)`` in fp32 (kept for the backward), then the
 reference's roundings: the normalised row rounded to x's dtype, times the weight rounded to the
-product's dtype (``ROUND_PRODUCT``: when x and the weight are both lower precision than fp32),
+product's dtype (``ROUND_PRODUCT``: when x and the weight are both 16-bit floats),
 stored in y's dtype.
 
 ``rms_norm_bwd_kernel``: the derivative of the norm without its roundings (what inductor's
@@ -12,8 +12,9 @@ fusion of the reference computes: the weight's gradient ~1e-7 from fp32's, where
 through the reference's rounded ``xhat`` is ~2e-3 from it at `small`'s shape), in one pass over
 x and dy. Each program walks row blocks ``pid, pid + P, ...`` and keeps its share of the
 weight's gradient (the column sums of ``dy * xhat``) in fp32 registers, written once as a row
-of ``dw_partial [P, D]``, which ``column_sum_kernel`` sums in a fixed order (deterministic, no
-atomics): the DRAM traffic is x and dy read and dx written.
+of ``dw_partial [P, D]``, which ``column_sum_kernel`` sums in a fixed order (no atomics: the
+same bits on every run on one GPU model; P follows the SM count, so another model may group the
+sums differently): the DRAM traffic is x and dy read and dx written.
 """
 
 from __future__ import annotations

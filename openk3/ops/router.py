@@ -94,7 +94,7 @@ def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def _halves(t: torch.Tensor) -> torch.Tensor:
     """An fp32 tensor as two bf16 ones side by side along dim 0, ``hi = bf16(t)`` then
-    ``lo = bf16(t - hi)``: ``hi + lo`` is t to ~2^-16 of |t| (16 of fp32's 24 bits)."""
+    ``lo = bf16(t - hi)``: ``hi + lo`` is t to within ~2^-17 of |t| (16 of fp32's 24 bits)."""
     hi = t.bfloat16()
     return torch.cat([hi, (t - hi.float()).bfloat16()])
 
@@ -104,7 +104,9 @@ class _SplitLogits(torch.autograd.Function):
     ``x W_hi^T + x W_lo^T`` up to the ~2^-16 of W that the halves drop: one bf16 GEMM against
     ``[W_hi; W_lo]`` (fp32 sums and output) and one add of its halves. Backward: the weight's
     gradient ``g^T x`` with g (fp32) split the same way; x's gradient ``g W`` as one bf16 GEMM
-    of bf16(g) and ``W_hi`` (x's gradient is bf16: the halves' precision would be rounded away).
+    of bf16(g) and ``W_hi``: x's gradient is bf16, and rounding g and W to bf16 first adds
+    ~2^-9 of ``sum |g W|`` per entry, about its own rounding unless the sum cancels (this is only
+    the router's share of x's gradient; the weight's gradient keeps the halves).
     cuBLAS has no fp32 GEMM at tensor-core rate without TF32, whose 10-bit inputs would lose
     more than the halves do; the three fp32 GEMMs per MoE layer took ~4 ms of `small`'s training
     step on an H200 (docs/benchmarks.md, sixteenth session)."""
@@ -114,18 +116,20 @@ class _SplitLogits(torch.autograd.Function):
         E = weight.shape[0]
         w2 = _halves(weight)  # [2E, d]
         out = _mm_fp32(x, w2.t())  # [N, 2E]
-        ctx.save_for_backward(x, w2)
+        # what the backward reads: x for the weight's gradient, W_hi for x's
+        ctx.save_for_backward(x if ctx.needs_input_grad[1] else None,
+                              w2[:E] if ctx.needs_input_grad[0] else None)
         return out[:, :E] + out[:, E:]
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, g: torch.Tensor):
-        x, w2 = ctx.saved_tensors
-        E = w2.shape[0] // 2
+        x, w_hi = ctx.saved_tensors
+        E = g.shape[1]
         dx = dw = None
-        with torch.autocast(x.device.type, enabled=False):
+        with torch.autocast(g.device.type, enabled=False):
             if ctx.needs_input_grad[0]:
-                dx = g.bfloat16() @ w2[:E]
+                dx = g.bfloat16() @ w_hi
             if ctx.needs_input_grad[1]:
                 halves = _mm_fp32(_halves(g.t().contiguous()), x)  # [2E, d]
                 dw = halves[:E] + halves[E:]

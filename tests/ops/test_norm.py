@@ -1,7 +1,11 @@
 """RMSNorm and gated RMSNorm against the spec's formulas; on GPU, the compiled fast paths."""
 
+from unittest import mock
+
 import pytest
 import torch
+
+import openk3.ops.norm as norm_ops
 
 from openk3.ops.norm import gated_rms_norm, gated_rms_norm_ref, rms_norm, rms_norm_ref
 
@@ -59,12 +63,14 @@ for shape, D, elements in [((3, 7), 70, 4096), ((3, 7), 70, 64), ((1,), 5, 4096)
     N.FWD_ELEMENTS = N.BWD_ELEMENTS = elements
     x, w = torch.randn(*shape, D + 3)[..., 1:D + 1], 1 + 0.1 * torch.randn(D)
     dy = torch.randn(D, *shape).movedim(0, -1)
-    got, want = [], []
-    for backend, dtype, out in (("triton", torch.float32, got), ("torch", torch.float64, want)):
-        xs, ws = (t.detach().to(dtype).requires_grad_() for t in (x, w))
-        y = rms_norm(xs, ws, 1e-5, backend=backend)
-        y.backward(dy.to(dtype))
-        out += [y, xs.grad, ws.grad]
+    xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y = rms_norm(xs, ws, 1e-5, backend="triton")
+    y.backward(dy)
+    got = [y, xs.grad, ws.grad]
+    x64, w64 = x.double().requires_grad_(), w.double().requires_grad_()  # the norm in fp64
+    y64 = w64 * x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-5)
+    y64.backward(dy.double())
+    want = [y64, x64.grad, w64.grad]
     for name, a, b in zip(("y", "dx", "dweight"), got, want):
         assert a.dtype == torch.float32 and a.shape == b.shape, (name, a.dtype, a.shape)
         err = ((a.double() - b).abs().max() / b.abs().max()).item()
@@ -75,11 +81,27 @@ print("ok")
 
 def test_triton_kernels_in_the_triton_interpreter():
     """Forward and backward (dx, dweight) on the CPU (TRITON_INTERPRET=1, fp32: the interpreter
-    truncates casts to bf16 where the GPU rounds to nearest) against the fp64 reference's
-    autograd, on widths and row counts that fill no tile."""
+    truncates casts to bf16 where the GPU rounds to nearest) against autograd of the norm in
+    fp64, on widths and row counts that fill no tile."""
     from tests.ops.checks import run_triton_interpreted
 
     run_triton_interpreted(_INTERPRETED)
+
+
+def test_auto_traces_the_reference_inside_a_compiled_region(monkeypatch):
+    """Where the kernels would run ("auto" on the fast path), a compiled region traces the
+    reference instead (one graph with its neighbours, no break at an opaque call); outside it
+    "auto" calls the kernels (stubbed here: the CPU has no Triton)."""
+    calls = []
+    monkeypatch.setattr(norm_ops, "use_fast_path", lambda x: True)
+    monkeypatch.setattr(norm_ops, "importable", lambda module: True)
+    monkeypatch.setattr(norm_ops, "_rms_norm_triton", lambda *args: calls.append(1) or rms_norm_ref(*args))
+    x, w = torch.randn(4, 8), torch.rand(8) + 0.5
+    region = torch.compile(lambda x, w: rms_norm(x, w, 1e-5) * 2, backend="eager", fullgraph=True)
+    torch.testing.assert_close(region(x, w), 2 * rms_norm_ref(x, w, 1e-5))
+    assert calls == []
+    rms_norm(x, w, 1e-5)
+    assert calls == [1]
 
 
 @pytest.mark.parametrize("kwargs,message", [
@@ -87,6 +109,7 @@ def test_triton_kernels_in_the_triton_interpreter():
     ({"backend": "triton"}, "CUDA"),
     ({"backend": "triton", "weight": torch.ones(8)}, "weight"),
     ({"backend": "triton", "weight": None}, "weight"),
+    ({"backend": "triton", "weight": torch.ones(16, dtype=torch.float64)}, "float64"),
 ])
 def test_rms_norm_rejects_bad_backends(kwargs, message):
     args = {"weight": torch.ones(16), **kwargs}
@@ -103,15 +126,18 @@ def test_rms_norm_rejects_bad_backends(kwargs, message):
     (torch.float32, torch.float32, None)], ids=["train", "serve", "bf16-to-fp32", "fp32"])
 @pytest.mark.parametrize("rows,D", [(1, 1024), (333, 1024), (16384, 512), (77, 7168), (5, 48)])
 def test_triton_norm_matches_reference_gpu(dtype, weight_dtype, out_dtype, rows, D):
-    """"auto" takes the kernels on CUDA. The output against the reference's: equal up to one
+    """"auto" takes the kernels on CUDA. Their output against the reference's: equal up to one
     rounding of each of its two bf16 roundings (rstd summed in another order). The gradients
     against fp64 autograd of the unrounded norm (what the backward computes): within the one
     rounding of dx to its dtype; the weight's within fp32 summation order (bf16: its rounding)."""
     torch.manual_seed(0)
     x = torch.randn(rows, D, device="cuda").to(dtype)
     w = (1 + 0.1 * torch.randn(D, device="cuda")).to(weight_dtype)
+    with mock.patch.object(norm_ops, "_rms_norm_triton", wraps=norm_ops._rms_norm_triton) as kernels:
+        rms_norm(x, w, 1e-6, out_dtype)
+    assert kernels.called  # "auto" takes the kernels on CUDA
     xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
-    y = rms_norm(xs, ws, 1e-6, out_dtype)
+    y = rms_norm(xs, ws, 1e-6, out_dtype, backend="triton")
     dy = torch.linspace(-1, 1, rows * D, device="cuda").view(rows, D).to(y.dtype)
     y.backward(dy)
     want = rms_norm(x, w, 1e-6, out_dtype, backend="torch")

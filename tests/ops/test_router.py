@@ -4,6 +4,8 @@ interpreter on the CPU, and on the GPU)."""
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 
@@ -165,9 +167,9 @@ for g, w in zip(got[2:], want[2:]):
 # side, ties among the largest (they count), sizes that fill no tile
 from openk3.ops.router import kth_largest
 import openk3.ops.router as router_ops
-router_ops.KTH_LONG_MAX = 4096  # the long-row kernel at sizes the interpreter runs quickly
-for shape, k in (((3, 37, 64), 5), ((2, 5, 10), 3), ((1, 1, 896), 17), ((2, 3, 333), 40), ((1, 2, 4096), 1),
-                 ((1, 2, 4096), 4096), ((2, 1, 5000 // 2), 1001)):
+router_ops.TOPK_TILE = 256  # rows past 1,024 take the long-row kernel for any k (sizes the interpreter runs quickly)
+for shape, k in (((3, 37, 64), 5), ((2, 5, 10), 3), ((1, 1, 896), 17), ((2, 3, 333), 40), ((1, 2, 1100), 1),
+                 ((1, 2, 1100), 3), ((1, 2, 4096), 4096), ((2, 1, 2500), 1001)):
     scores, bias = torch.rand(shape), 0.01 * torch.randn(shape[0], shape[2])
     scores[0, 0, :3] = 2.0
     got = kth_largest(scores + bias[:, None], k, backend="triton")
@@ -237,7 +239,8 @@ def test_kernel_matches_reference_gpu(N, E, k):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("L,N,E,k", [(23, 16384, 64, 5), (2, 100, 896, 17), (1, 3, 10, 1),
-                                     (23, 64, 16384, 1025), (2, 3, 9999, 33), (1, 2, 16384, 16384)])
+                                     (23, 64, 16384, 1025), (2, 3, 9999, 33), (1, 3, 9999, 5),
+                                     (1, 2, 16384, 16384)])
 def test_kth_largest_matches_topk_gpu(L, N, E, k):
     """Short rows (the per-token thresholds) and long ones (the per-expert thresholds over
     `small`'s 16,384 tokens: the bisection kernel)."""
@@ -278,8 +281,11 @@ def test_logits_kernel_matches_reference_gpu(N, D, E):
     want = x.double() @ w.double().T  # fp32 sums of d products: error ~ sqrt(d) * 6e-8 * |terms|
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=2e-5 * D ** 0.5)
     xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+    with mock.patch.object(router_ops._SplitLogits, "apply", wraps=router_ops._SplitLogits.apply) as halves:
+        router_logits(xs, ws)
+    assert halves.called  # "auto" with gradients takes the halves
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        split = router_logits(xs, ws)  # "auto" with gradients: the halves
+        split = router_logits(xs, ws, backend="split")
     g = torch.randn_like(split)
     split.backward(g)
     x64, w64, g64 = x.double(), w.double(), g.double()
