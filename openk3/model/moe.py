@@ -280,8 +280,11 @@ class MoE(nn.Module):
         else:  # training: the shared experts' own forward on x's shape, as the dense MLPs' (one
             # compiled graph for both: openk3.parallel.compile)
             down = self.routed_expert_down_proj(xf)
-            out = self.shared_experts(x, residual).view(xf.shape)
+            out = self.shared_experts(x, residual)
         u = self.experts(down, topk_idx, topk_weight)
         norm = self.routed_expert_norm  # in fp32 (u is), cast to x's dtype in the same kernel
         u = rms_norm(u, norm.weight, norm.eps, out_dtype=x.dtype)
-        return add_linear_(out, u, self.routed_expert_up_proj).view(shape)
+        out = add_linear_(out, u.view(*out.shape[:-1], u.shape[-1]), self.routed_expert_up_proj)
+        # training's sum is a tensor of x's shape, returned as it is: a view of it would make FSDP2
+        # warn that the layer returns a view (an in-place op on one would skip its all-gather)
+        return out if out.shape == shape else out.view(shape)

@@ -166,3 +166,21 @@ def test_k3_parameter_count():
 def test_kimi_linear_48b_matches_released_checkpoint_size():
     # the released checkpoint holds 49,122,681,728 values, of which 26*256 are router biases (buffers)
     assert count_parameters(preset("kimi-linear-48b"))["total"] + 26 * 256 == 49_122_681_728
+
+
+def test_layers_return_their_own_tensor_in_training():
+    """With autograd every decoder layer returns a tensor that is not a view (FSDP2 warns about a
+    view output: an in-place op on it would skip the pre-backward all-gather), and the MoE with
+    a residual is the MoE plus the residual."""
+    torch.manual_seed(0)
+    cfg = preset("debug")
+    model = _randomise(build_model(cfg))
+    x = torch.randn(2, 5, cfg.hidden_size, requires_grad=True)
+    bank = [torch.randn(2, 5, cfg.hidden_size)]
+    for layer in model.model.layers:
+        assert not layer(x, bank)._is_view(), layer.index
+    moe = next(layer.mlp for layer in model.model.layers if cfg.is_moe_layer(layer.index))
+    r = torch.randn(2, 5, cfg.hidden_size)
+    with_residual = moe(x, residual=r.clone())
+    assert not with_residual._is_view()
+    torch.testing.assert_close(with_residual, moe(x) + r, rtol=1e-6, atol=1e-6)
