@@ -51,6 +51,14 @@ curve_beside_tests() {  # SECONDS (curve) SECONDS (tests) TESTS...: `small`'s 20
   gpu_tests "$tests" "$@"
   wait
 }
+throughput_and_census() {  # `small`'s step against the peer with its profile, then the census
+  timeout -k 10 200 python3 benchmarks/train_throughput.py --batch 4 --seq 4096 --steps 10 --profile \
+    > "$OUT/throughput.log" 2>&1
+  echo "== rc $?" >> "$OUT/throughput.log"
+  timeout -k 10 100 python3 benchmarks/train_throughput.py --batch 4 --seq 4096 --steps 10 --no-peer \
+    --census > "$OUT/census.log" 2>&1
+  echo "== rc $?" >> "$OUT/census.log"
+}
 train_run() {  # train_run SECONDS NAME NPROC EXTRA...: `openk3 train` from the current directory's
   local limit=$1 name=$2 n=$3; shift 3  # package (python -m puts the directory first on sys.path)
   timeout -k 10 "$limit" torchrun --nproc-per-node "$n" -m openk3 train --out "/tmp/runs/$name" \

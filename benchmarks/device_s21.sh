@@ -11,14 +11,6 @@
 # 3 (nvidia-h200): call 1's follow-up (below), with the serving engine's GPU tests (its norms
 #    are the Triton kernels now too).
 source "$(dirname "$0")/device_common.sh"
-throughput_and_census() {
-  timeout -k 10 200 python3 benchmarks/train_throughput.py --batch 4 --seq 4096 --steps 10 --profile \
-    > "$OUT/throughput.log" 2>&1
-  echo "== rc $?" >> "$OUT/throughput.log"
-  timeout -k 10 100 python3 benchmarks/train_throughput.py --batch 4 --seq 4096 --steps 10 --no-peer \
-    --census > "$OUT/census.log" 2>&1
-  echo "== rc $?" >> "$OUT/census.log"
-}
 case "${1:?phase}" in
 1)
   curve_beside_tests 230 200 tests/ops/test_norm.py tests/train/test_optim.py

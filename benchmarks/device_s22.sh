@@ -19,12 +19,7 @@ case "${1:?phase}" in
 1)
   curve_beside_tests 230 220 tests/ops/test_muon.py tests/train/test_optim.py tests/train/test_graphed.py \
     tests/ops/test_norm.py tests/ops/test_router.py
-  timeout -k 10 200 python3 benchmarks/train_throughput.py --batch 4 --seq 4096 --steps 10 --profile \
-    > "$OUT/throughput.log" 2>&1
-  echo "== rc $?" >> "$OUT/throughput.log"
-  timeout -k 10 100 python3 benchmarks/train_throughput.py --batch 4 --seq 4096 --steps 10 --no-peer \
-    --census > "$OUT/census.log" 2>&1
-  echo "== rc $?" >> "$OUT/census.log"
+  throughput_and_census
   ;;
 2) bash benchmarks/device_s21.sh 2 ;;  # nested: shares this call's setup and saver
 3) gpu_tests 500 tests/parallel/test_compile.py ;;

@@ -179,8 +179,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
         backend = ("triton" if use_fast_path(x) and _triton_shapes(x, weight) and not torch.compiler.is_compiling()
                    and importable(_NORM_TRITON) else "torch")
     if backend == "triton":
-        out = out_dtype or (_product_dtype(x, weight) if weight is not None else x.dtype)
-        return _rms_norm_triton(x, weight, eps, out)
+        return _rms_norm_triton(x, weight, eps, out_dtype or _product_dtype(x, weight))
     return (_rms_norm_fast if use_fast_path(x) else rms_norm_ref)(x, weight, eps, out_dtype)
 
 

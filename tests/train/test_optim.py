@@ -67,19 +67,25 @@ def test_newton_schulz_singular_values(shape):
     assert ((X - U @ Vh).norm() / (U @ Vh).norm()) < 0.25
 
 
+def _newton_schulz_fp64(G: torch.Tensor) -> torch.Tensor:
+    """The quintic iteration as written, in fp64, on the wide form of G / ||G||_F."""
+    a, b, c = NS_COEFFS
+    tall = G.shape[-2] > G.shape[-1]
+    X = G.double().mT if tall else G.double()
+    X = X / (X.norm(dim=(-2, -1), keepdim=True) + 1e-7)
+    for _ in range(5):
+        A = X @ X.mT
+        X = a * X + (b * A + c * A @ A) @ X
+    return X.mT if tall else X
+
+
 def test_newton_schulz_is_the_quintic_iteration():
     """``(a I + b A + c A^2) X``, one product per step, is the quintic ``a X + (b A + c A^2) X``:
     in fp32 within rounding of the iteration run in fp64 (wide and tall inputs, a batch), the
     first iteration's input divided by its Frobenius norm (done through the Gram matrix)."""
-    a, b, c = NS_COEFFS
     for shape in [(48, 160), (160, 48), (3, 40, 96)]:
         G = torch.randn(shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-        X = G.mT if shape[-2] > shape[-1] else G
-        X = X / (X.norm(dim=(-2, -1), keepdim=True) + 1e-7)
-        for _ in range(5):
-            A = X @ X.mT
-            X = a * X + (b * A + c * A @ A) @ X
-        want = X.mT if shape[-2] > shape[-1] else X
+        want = _newton_schulz_fp64(G)
         got = zeropower_via_newtonschulz(G.float()).double()
         assert ((got - want).norm() / want.norm()) < 1e-5, shape
 
@@ -91,14 +97,8 @@ def test_newton_schulz_in_bf16_on_cuda_stays_near_the_fp64_iteration(shape):
     """The CUDA path (bf16 iterates, the normalisation through the first Gram matrix and the
     per-matrix scaling kernel) within 3% of the same iteration in fp64 for every matrix
     (docstring: ~2%), a tall batch included."""
-    a, b, c = NS_COEFFS
     G = torch.randn(shape, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
-    X = G.double().mT if shape[-2] > shape[-1] else G.double()
-    X = X / (X.norm(dim=(-2, -1), keepdim=True) + 1e-7)
-    for _ in range(5):
-        A = X @ X.mT
-        X = a * X + (b * A + c * A @ A) @ X
-    want = X.mT if shape[-2] > shape[-1] else X
+    want = _newton_schulz_fp64(G)
     got = zeropower_via_newtonschulz(G.bfloat16()).double()
     err = (got - want).norm(dim=(-2, -1)) / want.norm(dim=(-2, -1))
     assert err.max() < 0.03, err.max()
