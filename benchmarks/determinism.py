@@ -82,6 +82,37 @@ def model(backend: str) -> None:
             return t.model(inputs, labels=targets).loss
 
     print(f"model forward, router logits {backend}: {distinct(loss)} distinct of {REPEATS}", flush=True)
+
+    def grad_loss():
+        with t.autocast():
+            return t.model(inputs, labels=targets).loss.detach()
+
+    print(f"model forward with autograd, router logits {backend}: {distinct(grad_loss)} distinct of "
+          f"{REPEATS}", flush=True)
+    # fresh instances: every module's output in call order during a forward with autograd, to
+    # name the first module whose output differs between instances
+    traces = []
+    for i in range(3):
+        garbage(200 + i)
+        tr, _ = _gpu_training(grad_accum=1)
+        trace = []
+
+        def record(module, _args, out, name=None):
+            out = out[0] if isinstance(out, tuple) else out
+            if isinstance(out, torch.Tensor) and out.is_floating_point():
+                trace.append((name, out.detach().double().sum().item()))
+
+        handles = [m.register_forward_hook(functools.partial(record, name=n))
+                   for n, m in tr.model.named_modules() if n]
+        with tr.autocast():
+            tr.model(inputs, labels=targets).loss.backward()
+        for h in handles:
+            h.remove()
+        traces.append(trace)
+        del tr
+    first = next(((k, a[0]) for k, (a, b, c) in enumerate(zip(*traces)) if not a[1] == b[1] == c[1]), None)
+    print(f"fresh instances' forward, router logits {backend}: {len(traces[0])} module outputs, first "
+          f"differing: {first}", flush=True)
     # the failing test's first step (two micro-batches, backward, the balancer's update, no
     # optimiser step) on fresh instances of the same model
     from openk3.train.optim import set_lr

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The next session's device calls (written in the seventeenth):
+#   run(command="bash benchmarks/device_s24.sh N", kind=KIND, carry=[".whl", ".triton-cache", ".warm"], timeout_s=595)
+# 1 (nvidia-h200): where fresh instances of one model part with the split router logits
+#    (determinism.py model: a forward with autograd repeated on one instance, then every module's
+#    output in call order on three fresh instances, naming the first that differs), then
+#    tests/parallel/test_compile.py alone, which now logs dynamo's recompilation reasons (its
+#    bounded-graphs test counted 20 frames after a second training shape, 18 allowed).
+# 2 (nvidia-h200-x2): P7's two-GPU targets (device_s18.sh 4).
+source "$(dirname "$0")/device_common.sh"
+case "${1:?phase}" in
+1)
+  for b in auto torch; do
+    timeout -k 10 150 python3 benchmarks/determinism.py model $b > "$OUT/determinism_$b.log" 2>&1 &
+  done
+  wait
+  GPU_LOG=compile gpu_tests 400 tests/parallel/test_compile.py
+  ;;
+2) bash benchmarks/device_s18.sh 4 ;;
+*) echo "phase 1 or 2" >&2; exit 2 ;;
+esac
+summary
