@@ -7,6 +7,9 @@
 #    tests/parallel/test_compile.py alone, which now logs dynamo's recompilation reasons (its
 #    bounded-graphs test counted 20 frames after a second training shape, 18 allowed).
 # 2 (nvidia-h200-x2): P7's two-GPU targets (device_s18.sh 4).
+# 3 (nvidia-h200): P8's decode runs again, now with each prefill step's time
+#    (serve_bench.py's prefill_steps_ms): the batch-128 run's steps other than decode took ~0.62 s
+#    in the seventeenth session against ~0.39 s in the eleventh (16,384 prompt tokens).
 source "$(dirname "$0")/device_common.sh"
 case "${1:?phase}" in
 1)
@@ -17,6 +20,10 @@ case "${1:?phase}" in
   GPU_LOG=compile gpu_tests 400 tests/parallel/test_compile.py
   ;;
 2) bash benchmarks/device_s18.sh 4 ;;
-*) echo "phase 1 or 2" >&2; exit 2 ;;
+3)
+  timeout -k 10 400 python3 benchmarks/serve_bench.py --parts decode > "$OUT/serve.log" 2>&1
+  echo "== rc $?" >> "$OUT/serve.log"
+  ;;
+*) echo "phase 1 to 3" >&2; exit 2 ;;
 esac
 summary

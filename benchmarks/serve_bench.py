@@ -113,6 +113,7 @@ def decode_throughput(eng: LLMEngine, batch: int, prompt_len: int = 128, new: in
     for i in range(batch):
         eng.add_request(random_ids(prompt_len, vocab, 100 + i), params)
     decode_s, decode_tokens, t0 = 0.0, 0, time.perf_counter()
+    other = []  # the steps with prefill in them: (ms, tokens scheduled)
     while eng.has_unfinished():
         all_decode = eng.scheduler.num_waiting == 0 and all(
             s.num_uncomputed_tokens == 1 for s in eng.scheduler.running)
@@ -123,10 +124,12 @@ def decode_throughput(eng: LLMEngine, batch: int, prompt_len: int = 128, new: in
         if all_decode:
             decode_s += time.perf_counter() - t
             decode_tokens += len(outs)
+        else:
+            other.append(round(1e3 * (time.perf_counter() - t), 1))
     total = time.perf_counter() - t0
     return {"batch": batch, "decode_tok_s": decode_tokens / decode_s,
             "ms_per_step": 1e3 * decode_s / max(1, decode_tokens // batch),
-            "end_to_end_tok_s": batch * new / total}
+            "end_to_end_tok_s": batch * new / total, "prefill_steps_ms": other}
 
 
 def part_decode(model, name: str, batches=(1, 32, 128), modes=(True, False)) -> dict:
