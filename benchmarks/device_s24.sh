@@ -9,7 +9,9 @@
 # 2 (nvidia-h200-x2): P7's two-GPU targets (device_s18.sh 4).
 # 3 (nvidia-h200): P8's decode runs again, now with each prefill step's time
 #    (serve_bench.py's prefill_steps_ms): the batch-128 run's steps other than decode took ~0.62 s
-#    in the seventeenth session against ~0.39 s in the eleventh (16,384 prompt tokens).
+#    in the seventeenth session against ~0.39 s in the eleventh (16,384 prompt tokens); then the
+#    router's logits by GEMV, fp32 GEMM and split bf16 GEMM from 1 to 8,192 tokens without autograd
+#    (moe_decode_bench.py --router: whether serving's batches past 32 tokens should keep the fp32 GEMM).
 source "$(dirname "$0")/device_common.sh"
 case "${1:?phase}" in
 1)
@@ -23,6 +25,9 @@ case "${1:?phase}" in
 3)
   timeout -k 10 400 python3 benchmarks/serve_bench.py --parts decode > "$OUT/serve.log" 2>&1
   echo "== rc $?" >> "$OUT/serve.log"
+  timeout -k 10 120 python3 benchmarks/moe_decode_bench.py --router --presets small \
+    --tokens 1 8 32 33 64 128 512 2048 8192 > "$OUT/router.log" 2>&1
+  echo "== rc $?" >> "$OUT/router.log"
   ;;
 *) echo "phase 1 to 3" >&2; exit 2 ;;
 esac

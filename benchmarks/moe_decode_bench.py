@@ -10,8 +10,11 @@ GEMVs still win: where ``openk3.ops.moe.GEMV_MAX_PAIRS`` belongs.
 
 ``--router`` times the router of the same layers instead (``Router``'s logits and top-k on
 bf16 tokens): its logits by the Triton GEMV (``openk3.ops.router.router_logits``) against the
-cast and cuBLAS's fp32 GEMM, and prints the largest batch at which the GEMV still won: where
-``openk3.ops.router.LOGITS_GEMV_MAX_TOKENS`` belongs.
+cast and cuBLAS's fp32 GEMM, and against the split bf16 GEMM on the weight's two halves
+(``backend="split"``, what more than ``LOGITS_GEMV_MAX_TOKENS`` tokens take: seven kernels where
+the fp32 GEMM takes two); it prints the largest batch at which the GEMV still won (where
+``openk3.ops.router.LOGITS_GEMV_MAX_TOKENS`` belongs) and the smallest at which the split GEMM
+beat the fp32 one without autograd (serving's batches between the two could keep the fp32 GEMM).
 
 ``--rows R ...`` also times the GEMVs with ``R`` output rows per program
 (``openk3.ops.moe_kernels.ROWS``, 16 by default; fewer rows give more, shorter programs), one
@@ -96,7 +99,8 @@ def run(name: str, ex: RoutedExperts, N: int, rows_options: list[int]) -> dict:
 
 
 def run_router(name: str, N: int) -> dict:
-    """One MoE layer's router on N bf16 tokens: logits by the GEMV and by cuBLAS, then top-k."""
+    """One MoE layer's router on N bf16 tokens: logits by the GEMV, by cuBLAS's fp32 GEMM and by
+    the split bf16 GEMM, then top-k."""
     cfg = preset(name)
     E, d, k = cfg.num_experts, cfg.hidden_size, cfg.num_experts_per_token
     weight = torch.randn(E, d, device="cuda") * d ** -0.5  # fp32, as K3's router
@@ -104,14 +108,15 @@ def run_router(name: str, N: int) -> dict:
     x = torch.randn(N, d, device="cuda", dtype=torch.bfloat16)
     times = {}
     with torch.inference_mode():
-        for backend in ("triton", "torch"):
+        for backend in ("triton", "torch", "split"):
             times[backend] = graph_time(lambda: router_topk(
                 router_logits(x, weight, backend=backend), bias, k, cfg.moe_renormalize,
                 cfg.routed_scaling_factor))
     floor = E * d * 4 / BANDWIDTH  # the fp32 weight read once
     return {"layer": name, "tokens": N, "gemv_us": 1e6 * times["triton"],
-            "cublas_us": 1e6 * times["torch"], "floor_us": 1e6 * floor,
-            "cublas_over_gemv": times["torch"] / times["triton"]}
+            "cublas_us": 1e6 * times["torch"], "split_us": 1e6 * times["split"], "floor_us": 1e6 * floor,
+            "cublas_over_gemv": times["torch"] / times["triton"],
+            "cublas_over_split": times["torch"] / times["split"]}
 
 
 def main() -> None:
@@ -133,6 +138,10 @@ def main() -> None:
         for name in args.presets:
             won = [r["tokens"] for r in rows if r["layer"] == name and r["cublas_over_gemv"] > 1]
             print(f"  {name}: {max(won) if won else 'none'}")
+        print("the smallest batch where the split bf16 GEMM beat the fp32 one (no autograd):")
+        for name in args.presets:
+            won = [r["tokens"] for r in rows if r["layer"] == name and r["cublas_over_split"] > 1]
+            print(f"  {name}: {min(won) if won else 'none'}")
         return
     for name in args.presets:
         ex = experts_layer(name)
