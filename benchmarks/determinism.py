@@ -6,7 +6,10 @@ memory no op wrote would differ), and counts distinct results; the model case al
 first training step of fresh instances of one model (same seed and batches). Results:
 docs/benchmarks.md, seventeenth session.
 
-Usage: python benchmarks/determinism.py ops | model auto|torch   (CUDA)"""
+Usage: python benchmarks/determinism.py ops | model auto|torch   (CUDA)
+``ops`` also sums k = 4 rows per token with ``index_add_`` as the routed experts do: in the
+eighteenth session fresh instances first differed at the routed experts' output with either
+router logits."""
 
 from __future__ import annotations
 
@@ -60,6 +63,11 @@ def ops() -> None:
             dx, dw = torch.autograd.grad(y, (xg, wg), dy)
             return y, dx, dw
 
+        # the routed experts' sum over each token's k = 4 rows (RoutedExperts.forward_sorted):
+        # fp32 atomics, whose order of additions may vary
+        rows = torch.randn(n * 4, d, device="cuda", generator=g)
+        token = torch.randperm(n * 4, device="cuda", generator=g) // 4
+        cases["index_add_ of k=4 rows"] = lambda: torch.zeros(n, d, device="cuda").index_add_(0, token, rows)
         cases["split with grads"] = lambda: with_grad("split")
         cases["torch with grads"] = lambda: with_grad("torch")
         for name, fn in cases.items():

@@ -18,7 +18,7 @@ from openk3.model.kda import KDAttention
 from openk3.model.mla import MLAttention, RMSNorm
 from openk3.model.moe import MLP, MoE
 from openk3.model.mtp import MTPLayer, shift_for_mtp
-from openk3.ops.attnres import attn_res_agg
+from openk3.ops.attnres import attn_res_agg, seal
 from openk3.ops.loss import IGNORE_INDEX, linear_cross_entropy
 from openk3.vision.preprocess import PackedImages
 from openk3.vision.tower import MoonViT, Projector, splice_image_features
@@ -127,8 +127,8 @@ class KimiModel(nn.Module):
         bank: list[torch.Tensor] = []
         for i, layer in enumerate(self.layers):
             p_next = layer(p, bank, None if cache is None else cache.layers[i])
-            if layer.starts_block:
-                bank = bank + [p]
+            if layer.starts_block:  # sealed: later reads sum its gradient in their backward
+                bank = bank + [seal(p)]
             p = p_next
         if self.cfg.attn_res_block_size is not None:
             return self.output_attn_res(bank + [p], self.cfg.rms_norm_eps, self.norm), bank

@@ -41,7 +41,7 @@ from torch import nn
 from openk3.config import ModelConfig
 from openk3.model.moe import MoE, RoutedExperts
 from openk3.ops.fast import use_fast_path
-from openk3.ops.moe import GEMV_MAX_PAIRS, needs_grad
+from openk3.ops.moe import GEMV_MAX_PAIRS, combine_pairs, needs_grad
 from openk3.ops.mx import MX_BLOCK_SIZE
 from openk3.ops.mx_moe import (
     MXFP4Weight,
@@ -123,16 +123,14 @@ class PackedRoutedExperts(nn.Module):
                        topk_weight: torch.Tensor) -> torch.Tensor:
         """``forward`` with the pairs sorted by expert, as ``RoutedExperts.forward_sorted``, and
         ``mxfp4_grouped_experts`` in place of ``run_experts`` (no host sync on CUDA)."""
-        N, k = topk_idx.shape
+        k = topk_idx.shape[1]
         flat_idx = topk_idx.reshape(-1)
         order = flat_idx.argsort(stable=True)  # pairs sorted by expert
         token_of_pair = order // k
         counts = flat_idx.new_zeros(self.cfg.num_experts).scatter_add_(0, flat_idx, torch.ones_like(flat_idx))
         w1, w3, w2 = (self.weight(n) for n in PROJECTIONS)
         ys = mxfp4_grouped_experts(x[token_of_pair], counts, w1, w3, w2, **self._act())
-        ys = ys * topk_weight.reshape(-1)[order].unsqueeze(-1).float()
-        out = torch.zeros(N, x.shape[-1], dtype=torch.float32, device=x.device)
-        return out.index_add_(0, token_of_pair, ys)
+        return combine_pairs(ys, order, topk_weight)
 
 
 def pack_experts(model: nn.Module) -> nn.Module:

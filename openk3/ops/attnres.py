@@ -24,6 +24,19 @@ result: ``rms_norm(agg, out_norm_weight, eps)`` (``openk3.ops.norm``: normalised
 then weighted). Without autograd on CUDA fla's kernel applies it before its single cast (its
 ``output_rms_weight``: normalised and weighted in fp32, one rounding instead of two, and one
 kernel instead of two per read); otherwise the two ops run one after the other.
+
+Sealed bank entries (``seal``): a block's output is read by every later layer, twice, and autograd
+would sum the reads' gradients for it one add kernel at a time (with the live sums' adds, 253
+adds and 6.0 ms of `small`'s training step on an H200; 141 and 3.4 ms with sealing, eighteenth
+session, docs/benchmarks.md). ``seal(t)`` returns t behind an identity node and
+gives it an accumulator; a read with autograd then adds its gradient for each sealed source into
+that accumulator (on CUDA inside its backward kernel, ``attnres_triton.py``) and returns none for
+it, and the identity node's backward hands the sum on. Autograd runs that node only after every
+read of the entry: a read that returns no gradient for an input still counts as its consumer. A
+source that is not the sealed tensor itself (a copy, a cast) gets its gradient returned as usual.
+The accumulator has the entry's dtype (bf16 in training), as autograd's own sum has. A gradient
+asked of the sealed tensor itself (``torch.autograd.grad(..., inputs=[entry])``, a hook on it)
+sees only its consumers that are not reads; the tensor it was sealed from gets the whole sum.
 """
 
 from __future__ import annotations
@@ -33,7 +46,7 @@ from collections.abc import Sequence
 
 import torch
 
-from openk3.ops.fast import compile_disabled, importable, needs_grad, use_fast_path
+from openk3.ops.fast import compile_disabled, importable, launch_device, needs_grad, use_fast_path
 from openk3.ops.norm import rms_norm
 
 
@@ -55,6 +68,122 @@ def _attn_res_agg_fla(sources: Sequence[torch.Tensor], query: torch.Tensor, norm
     return fused_attnres(query, list(sources), norm_weight, output_rms_weight=out_norm_weight, rms_eps=eps)
 
 
+# rows per program of the backward kernel: its dqw leaves as N / BWD_ROWS partial sums [D] (fp32)
+BWD_ROWS = 8
+_BANK_GRAD = "_openk3_bank_grad"  # the attribute of a sealed tensor holding its accumulator
+
+
+class _BankGrad:
+    """The summed gradient of one sealed bank entry, filled by its reads' backwards."""
+
+    __slots__ = ("grad",)
+
+    def __init__(self):
+        self.grad: torch.Tensor | None = None
+
+
+class _Seal(torch.autograd.Function):
+    """Identity; its backward adds the accumulated reads' gradient to whatever else reached it."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, acc: _BankGrad) -> torch.Tensor:
+        ctx.acc = acc
+        ctx.set_materialize_grads(False)
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor | None):
+        acc, ctx.acc.grad = ctx.acc.grad, None
+        if acc is None:
+            return g, None
+        return (acc if g is None else acc + g), None
+
+
+def seal(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a sealed bank entry whose reads accumulate its gradient (module docstring); ``t``
+    itself when autograd would not record it (inference)."""
+    if not needs_grad(t):
+        return t
+    acc = _BankGrad()
+    out = _Seal.apply(t, acc)
+    setattr(out, _BANK_GRAD, acc)
+    return out
+
+
+class _AccumulatingRead(torch.autograd.Function):
+    """``attn_res_agg_ref`` (or fla's forward kernel); the backward adds the gradients of the
+    sources that have an accumulator (``accs[i]``) into it and returns None for them."""
+
+    @staticmethod
+    def forward(ctx, query, norm_weight, eps, fast, accs, *sources):
+        ctx.eps, ctx.fast, ctx.accs = eps, fast, accs
+        if not fast:
+            ctx.save_for_backward(query, norm_weight, *sources)
+            return attn_res_agg_ref(sources, query, norm_weight, eps)
+        from fla.ops.attnres.fused import _build_ptr_table, fused_attnres_fwd
+
+        flat = [s.reshape(-1, s.shape[-1]).contiguous() for s in sources]
+        o, _, rstd, logit, lse = fused_attnres_fwd(q=query, residuals=flat, res=_build_ptr_table(flat),
+                                                   w=norm_weight, ow=None, eps=eps, scale=1.0,
+                                                   checkpoint_level=1)
+        ctx.save_for_backward(query, norm_weight, rstd, logit, lse, *flat)
+        return o.view(sources[0].shape)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g):
+        if ctx.fast:
+            query, norm_weight, rstd, logit, lse, *sources = ctx.saved_tensors
+            grads = [torch.empty_like(s) if a is None or a.grad is None else a.grad
+                     for s, a in zip(sources, ctx.accs)]
+            accumulate = [a is not None and a.grad is not None for a in ctx.accs]
+            dq, dw = _bwd_triton(g, query, norm_weight, rstd, logit, lse, sources, grads, accumulate)
+            grads = [d.view(g.shape) for d in grads]
+        else:
+            query, norm_weight, *sources = ctx.saved_tensors
+            with torch.enable_grad():
+                leaves = [t.detach().requires_grad_() for t in (query, norm_weight, *sources)]
+                out = attn_res_agg_ref(leaves[2:], leaves[0], leaves[1], ctx.eps)
+                dq, dw, *grads = torch.autograd.grad(out, leaves, g)
+            for i, a in enumerate(ctx.accs):
+                if a is not None and a.grad is not None:
+                    grads[i] = a.grad.add_(grads[i])
+        for i, a in enumerate(ctx.accs):
+            if a is not None:
+                a.grad, grads[i] = grads[i], None
+        return (dq, dw, None, None, None, *grads)
+
+
+def _bwd_triton(g, query, norm_weight, rstd, logit, lse, sources, grads, accumulate):
+    """Launch ``attnres_bwd_kernel``: fills ``grads`` (flat [N, D], added into where
+    ``accumulate``); returns the query's and the norm weight's gradients."""
+    import triton
+
+    from openk3.ops.attnres_triton import attnres_bwd_kernel
+
+    N, D = sources[0].shape
+    rows = BWD_ROWS
+    partial = torch.empty(triton.cdiv(N, rows), D, device=g.device, dtype=torch.float32)
+    acc_mask = sum(1 << i for i, a in enumerate(accumulate) if a)
+    bd = triton.next_power_of_2(D)
+    with launch_device(g):
+        attnres_bwd_kernel[(partial.shape[0],)](
+            query, norm_weight, tuple(sources), tuple(grads), rstd, logit, lse,
+            g.reshape(N, D).contiguous(), partial, N, D=D, BD=bd, L=len(sources), ACC=acc_mask,
+            ROWS=rows, num_warps=4 if bd <= 1024 else 8)
+    dqw = partial.sum(0)
+    return (dqw * norm_weight.float()).to(query.dtype), (dqw * query.float()).to(norm_weight.dtype)
+
+
+@compile_disabled("a read of sealed bank entries accumulates their gradients in its backward")
+def _sealed_read(sources, query, norm_weight, eps, fast) -> torch.Tensor | None:
+    """The accumulating read when a source is sealed (``seal``), else None."""
+    accs = tuple(getattr(s, _BANK_GRAD, None) for s in sources)
+    if all(a is None for a in accs):
+        return None
+    return _AccumulatingRead.apply(query, norm_weight, eps, fast, accs, *sources)
+
+
 def attn_res_agg(sources: Sequence[torch.Tensor], query: torch.Tensor, norm_weight: torch.Tensor,
                  eps: float, out_norm_weight: torch.Tensor | None = None) -> torch.Tensor:
     """Aggregate ``S >= 1`` sources of equal shape ``[..., D]``; with ``out_norm_weight`` [D],
@@ -74,7 +203,10 @@ def attn_res_agg(sources: Sequence[torch.Tensor], query: torch.Tensor, norm_weig
                  else functools.reduce(torch.promote_types, (s.dtype for s in sources)))
         sources = [s.to(dtype) for s in sources]
     fast = use_fast_path(sources[0]) and importable("fla.ops.attnres")
-    if fast and out_norm_weight is not None and not needs_grad(*sources, query, norm_weight, out_norm_weight):
+    grad = needs_grad(*sources, query, norm_weight, out_norm_weight)
+    if fast and out_norm_weight is not None and not grad:
         return _attn_res_agg_fla(sources, query, norm_weight, eps, out_norm_weight)
-    agg = (_attn_res_agg_fla if fast else attn_res_agg_ref)(sources, query, norm_weight, eps)
+    agg = _sealed_read(sources, query, norm_weight, eps, fast) if grad else None
+    if agg is None:
+        agg = (_attn_res_agg_fla if fast else attn_res_agg_ref)(sources, query, norm_weight, eps)
     return agg if out_norm_weight is None else rms_norm(agg, out_norm_weight, eps)

@@ -60,6 +60,21 @@ GEMV_MAX_PAIRS = 512
 
 
 @functools.cache
+def combine_pairs(ys: torch.Tensor, order: torch.Tensor, topk_weight: torch.Tensor) -> torch.Tensor:
+    """Each token's weighted sum ``sum_j w_j y_j``, fp32 [N, D], of the experts' outputs
+    ``ys`` [N * k, D] for the (token, choice) pairs in ``order`` (``ys[i]`` is flat pair
+    ``order[i]``); ``topk_weight`` [N, k].
+
+    The rows go back to token order (a gather) and each token's k are summed in choice order: the
+    same sum at every run. ``index_add_`` onto the tokens summed them with fp32 atomics in a
+    different order from run to run (24 distinct results of 24 for k = 4 on the H200, eighteenth
+    session: ``benchmarks/determinism.py ops``)."""
+    N, k = topk_weight.shape
+    position = torch.empty_like(order)
+    position[order] = torch.arange(order.numel(), device=order.device)  # where each pair's row is
+    return (ys[position].view(N, k, -1).float() * topk_weight.unsqueeze(-1)).sum(1)
+
+
 def triton_available() -> bool:
     """Whether the Triton kernels import (CPU installs have no triton)."""
     try:

@@ -34,6 +34,7 @@ from torch import nn
 from torch.distributed.nn.functional import all_to_all_single
 
 from openk3.model.moe import MoE, RoutedExperts, run_experts
+from openk3.ops.moe import combine_pairs
 from openk3.parallel.moonep import plan as moonep_plan
 from openk3.parallel.moonep import plan_home
 
@@ -85,7 +86,7 @@ class MoonEPExperts(nn.Module):
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor) -> torch.Tensor:
         R, G, me, group = self.R, self.G, self.rank, self.group
         E = R * G
-        N, k = topk_idx.shape
+        k = topk_idx.shape[1]
         flat = topk_idx.reshape(-1)
         counts = torch.bincount(flat, minlength=E)
         counts_all = torch.empty(R, E, dtype=counts.dtype, device=counts.device)
@@ -114,9 +115,7 @@ class MoonEPExperts(nn.Module):
         e_recv = _a2a(flat[send_idx], send_sizes, recv_sizes, group)
         y_recv = self._run_local(x_recv, e_recv, p)
         y_send = _a2a(y_recv, recv_sizes, send_sizes, group)  # results back to their sources
-        y = y_send.float() * topk_weight.reshape(-1)[send_idx].unsqueeze(-1)
-        out = torch.zeros(N, x.shape[-1], dtype=torch.float32, device=x.device)
-        return out.index_add(0, send_idx // k, y)
+        return combine_pairs(y_send, send_idx, topk_weight)
 
     def _replica_weights(self, p) -> list[torch.Tensor]:
         """Weights of this step's replicas, [G, ...] per matrix (zeros in unused slots)."""

@@ -117,6 +117,31 @@ def test_backward_reaches_every_parameter():
                       "model.layers.0.self_attention_res.proj.weight"]
 
 
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "checkpointed"])
+def test_sealed_bank_gives_autograds_gradients(monkeypatch, checkpointed):
+    """The bank's entries are sealed (their reads sum their gradients, ``openk3.ops.attnres``):
+    every parameter's gradient is autograd's own sum's, also with recomputed layers."""
+    from openk3.parallel.compile import checkpoint_layers
+
+    cfg = preset("debug")
+    ids = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+
+    def grads():
+        model = _randomise(build_model(cfg, seed=0))
+        if checkpointed:
+            checkpoint_layers(model)
+        out = model(ids)
+        torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), ids.flatten()).backward()
+        return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+    sealed = grads()
+    monkeypatch.setattr(model_mod, "seal", lambda t: t)
+    plain = grads()
+    assert sealed.keys() == plain.keys()
+    for name, g in plain.items():
+        assert ((sealed[name] - g).norm() / g.norm()) < 1e-5, name
+
+
 def test_autocast_bank_holds_one_dtype(monkeypatch):
     """Under autocast (training: fp32 weights) the embedding enters the AttnRes bank in the
     autocast dtype, beside the layers' bf16 outputs: cast once, not at every read; the values

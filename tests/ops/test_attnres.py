@@ -4,8 +4,9 @@ fused kernel."""
 import pytest
 import torch
 
-from openk3.ops.attnres import attn_res_agg, attn_res_agg_ref
+from openk3.ops.attnres import attn_res_agg, attn_res_agg_ref, seal
 from tests.helpers import load_fla_file
+from tests.ops.checks import run_triton_interpreted
 
 
 def test_attn_res_zero_query_is_mean():
@@ -80,6 +81,98 @@ def test_attn_res_bad_shapes():
         attn_res_agg([torch.randn(2, 3, 8)], torch.randn(7), torch.ones(8), 1e-5)
     with pytest.raises(ValueError, match="at least one"):
         attn_res_agg([], torch.randn(8), torch.ones(8), 1e-5)
+
+
+def _bank_chain(x, qs, w, sealing, g):
+    """Reads of two bank entries by later reads (in both orders), a copy of a sealed entry and
+    a consumer of one that is not a read: the gradients of x, w and the queries."""
+    s = seal if sealing else (lambda t: t)
+    e0 = s(x * 2)
+    p = torch.tanh(x)
+    a = attn_res_agg([e0, p], qs[0], w, 1e-5)
+    e1 = s(a * 3)
+    b = attn_res_agg([e0, e1, p * a], qs[1], w, 1e-5)
+    c = attn_res_agg([e0.clone(), e1, b], qs[2], w, 1e-5)
+    d = attn_res_agg([e1, e0, c], qs[3], w, 1e-5)
+    return (d * g).sum() + e1.pow(2).sum()
+
+
+def test_sealed_entries_get_the_summed_gradient_of_their_reads():
+    """With sealed entries the reads add their gradients into one accumulator per entry: the
+    same gradients as autograd's own sums (fp32, to summation order; with the reads returning
+    their gradients for the entries as well, x's would be counted twice), twice over with a retained
+    graph (nothing left over from the first backward)."""
+    torch.manual_seed(0)
+    D = 16
+    x = torch.randn(2, 5, D, requires_grad=True)
+    qs = [torch.randn(D, requires_grad=True) for _ in range(4)]
+    w = (torch.rand(D) + 0.5).requires_grad_()
+    g = torch.randn(2, 5, D)
+    want = torch.autograd.grad(_bank_chain(x, qs, w, False, g), [x, w, *qs])
+    loss = _bank_chain(x, qs, w, True, g)
+    for _ in range(2):
+        got = torch.autograd.grad(loss, [x, w, *qs], retain_graph=True)
+        for a, b in zip(got, want):  # sums of terms up to ~200 in another order: ~1e-7 of the norm
+            assert ((a - b).norm() / b.norm()) < 1e-6
+    with torch.no_grad():  # inference: nothing sealed
+        assert seal(x) is x
+
+
+def test_sealed_backward_kernel_in_the_triton_interpreter():
+    """The backward kernel (fp32, CPU interpreter) against autograd of the reference: row counts
+    that fill no program (16 rows each), one to four sources, accumulators holding a prior sum
+    (added to) beside fresh ones (NaN-filled: written, never read)."""
+    run_triton_interpreted("""
+        import torch
+        from openk3.ops.attnres import _bwd_triton, attn_res_agg_ref
+        torch.manual_seed(0)
+        for N, D, L, acc in ((37, 48, 3, (True, False, False)), (16, 64, 1, (False,)),
+                             (5, 20, 4, (True, True, False, True))):
+            srcs = [torch.randn(N, D) * s for s in (1, 3, 0.1, 10)[:L]]
+            q, w, eps = torch.randn(D), torch.rand(D) + 0.5, 1e-5
+            v = torch.stack(srcs)
+            rstd = torch.rsqrt(v.pow(2).mean(-1) + eps)
+            logit = (v * (q * w)).sum(-1) * rstd
+            lse = torch.logsumexp(logit, 0)
+            g = torch.randn(N, D)
+            leaves = [t.clone().requires_grad_() for t in (q, w, *srcs)]
+            want = torch.autograd.grad(attn_res_agg_ref(leaves[2:], leaves[0], leaves[1], eps), leaves, g)
+            prior = [torch.randn(N, D) for _ in srcs]
+            grads = [p.clone() if a else torch.full((N, D), float("nan")) for p, a in zip(prior, acc)]
+            dq, dw = _bwd_triton(g, q, w, rstd, logit, lse, srcs, grads, list(acc))
+            got = [dq, dw, *[gr - p if a else gr for gr, p, a in zip(grads, prior, acc)]]
+            for a, b in zip(got, want):
+                err = ((a - b).norm() / max(b.norm(), 1e-3)).item()
+                assert err < 1e-5, (N, D, L, err)
+        print("ok")
+    """)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_sealed_entries_match_autograd_sums_on_gpu(monkeypatch):
+    """bf16 on CUDA: fla's forward and openk3's accumulating backward kernel against the same
+    chain without sealing (fla's backward, autograd's adds) and against fp32 autograd of the
+    reference: the sealed path is about as far from fp32 as the plain one (both round to bf16, at
+    different places: the sum of a sealed entry's gradients is rounded once per read)."""
+    print("relative distances from fp32 (sealed, plain):")
+    torch.manual_seed(0)
+    D = 1024
+    x = torch.randn(2, 300, D, device="cuda", requires_grad=True)
+    # logits of a few units (as trained queries give): a softmax peaked on one source would leave
+    # the queries' gradients to bf16 rounding alone
+    qs = [(torch.randn(D, device="cuda") * 0.05).requires_grad_() for _ in range(4)]
+    w = (torch.rand(D, device="cuda") + 0.5).requires_grad_()
+    g = torch.randn(2, 300, D, device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        sealed = torch.autograd.grad(_bank_chain(x.bfloat16(), qs, w, True, g), [x, w, *qs])
+        plain = torch.autograd.grad(_bank_chain(x.bfloat16(), qs, w, False, g), [x, w, *qs])
+    monkeypatch.setenv("OPENK3_REFERENCE", "1")
+    exact = torch.autograd.grad(_bank_chain(x, qs, w, False, g), [x, w, *qs])
+    for name, a, b, c in zip(["x", "w", "q0", "q1", "q2", "q3"], sealed, plain, exact):
+        errs = [((t.float() - c).norm() / c.norm()).item() for t in (a, b)]
+        print(name, errs)
+        assert errs[0] <= 2 * errs[1] + 5e-3, (name, errs)  # 5e-3: about bf16's half-ulp
 
 
 @pytest.mark.gpu

@@ -338,14 +338,12 @@ def test_compiled_step_matches_eager_on_gpu(checkpointed):
 def test_graphs_stay_bounded_across_training_and_evaluation_shapes_on_gpu():
     """Graph breaks only around fla's kernels; a second step at the training shape compiles
     nothing; evaluation (no autograd) runs eagerly at any shape; training at a second shape
-    compiles one set of graphs with symbolic sizes, which a third shape reuses."""
+    compiles one set of graphs with symbolic sizes, which a third shape and the first reuse."""
     model = _small8()
     counter = CompileCounterWithBackend("inductor")
     compile_layers(model, backend=counter)
     frames = {}
-    # dynamo logs why it recompiles (shown under the failure's captured log): the seventeenth
-    # session's run (its first to finish on the device) counted 20 frames after the second
-    # training shape against 9 after the first, and said nothing about which
+    # dynamo logs why it recompiles (shown under a failure's captured log)
     torch._logging.set_logs(recompiles=True)
     try:
         with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
@@ -366,6 +364,10 @@ def test_graphs_stay_bounded_across_training_and_evaluation_shapes_on_gpu():
     assert breaks and all("disable" in reason for reason in breaks), breaks
     n = frames["train"]
     assert frames["train again"] == frames["eval, other shape"] == n, f"{frames}"
-    assert n < frames["train, other shape"] <= 2 * n, f"{frames}"
+    # at the second shape each frame recompiles once with symbolic sizes, and frames that had no
+    # graph at the first (only a call to fla's kernels and size arithmetic, which is a graph once
+    # sizes are symbolic) get one: 9 -> 20 on the H200 (eighteenth session; the log named only
+    # size and rank guards). 3n still fails if anything specialised per layer (8 of them).
+    assert n < frames["train, other shape"] <= 3 * n, f"{frames}"
     assert frames["train, first shape"] == frames["train, third shape"] == \
         frames["train, other shape"], f"{frames}"

@@ -237,7 +237,7 @@ def test_graphed_steps_match_eager_steps(monkeypatch):
     """Six steps with two micro-batches each, the learning rate changing every step and the
     sequence length changing after three: the graphed trainer (eager first step at each
     length, then capture and replay) against two eager trainers of the same model, AdamW
-    capturable in all three. fla's backward and the MoE's scatter-adds sum in a run-dependent
+    capturable in all three. fla's backward kernels sum in a run-dependent
     order and Muon's orthogonalisation amplifies what differs (a first GPU run of this test
     saw the losses of step 5 0.4% apart), so the two eager runs measure the noise: the graphed
     run must stay as close to the first eager run as the second eager run does (4x its
@@ -248,10 +248,12 @@ def test_graphed_steps_match_eager_steps(monkeypatch):
 
     The routers take the reference's fp32 logits here: with the split bf16 logits (training's
     default on CUDA) fresh instances of the same model gave three different first-step losses
-    in four (11.352651-11.352756; the reference's four were identical; the split op alone is
-    bit-reproducible, benchmarks/determinism.py), and after six steps of Muon the twins' gradient
-    norms were up to 2x apart, noise the graphed run could not be told from (docs/benchmarks.md,
-    seventeenth session). The graphs capture the split logits' GEMMs like any other."""
+    in four, and after six steps of Muon the twins' gradient norms were up to 2x apart, noise
+    the graphed run could not be told from (seventeenth session). The cause was the experts'
+    sum by index_add_'s atomics, now a fixed-order sum (openk3.ops.moe.combine_pairs: fresh
+    instances' first steps identical with the split logits, eighteenth session,
+    docs/benchmarks.md); this test has not run with the split logits since, so it keeps the
+    setting it passed with. The graphs capture the split logits' GEMMs like any other."""
     import openk3.model.moe as moe
     from openk3.train.graphed import GraphedTrainStep, set_capturable
 
