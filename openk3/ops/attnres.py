@@ -42,6 +42,7 @@ sees only its consumers that are not reads; the tensor it was sealed from gets t
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -120,10 +121,9 @@ class _AccumulatingRead(torch.autograd.Function):
         if not fast:
             ctx.save_for_backward(query, norm_weight, *sources)
             return attn_res_agg_ref(sources, query, norm_weight, eps)
-        from fla.ops.attnres.fused import _build_ptr_table, fused_attnres_fwd
-
+        build_ptr_table, fused_attnres_fwd = _fla_forward()
         flat = [s.reshape(-1, s.shape[-1]).contiguous() for s in sources]
-        o, _, rstd, logit, lse = fused_attnres_fwd(q=query, residuals=flat, res=_build_ptr_table(flat),
+        o, _, rstd, logit, lse = fused_attnres_fwd(q=query, residuals=flat, res=build_ptr_table(flat),
                                                    w=norm_weight, ow=None, eps=eps, scale=1.0,
                                                    checkpoint_level=1)
         ctx.save_for_backward(query, norm_weight, rstd, logit, lse, *flat)
@@ -175,11 +175,25 @@ def _bwd_triton(g, query, norm_weight, rstd, logit, lse, sources, grads, accumul
     return (dqw * norm_weight.float()).to(query.dtype), (dqw * query.float()).to(norm_weight.dtype)
 
 
+@functools.cache
+def _fla_forward():
+    """fla-core's forward kernel wrapper and pointer table (module-level functions of
+    ``fla.ops.attnres.fused`` in fla-core 0.6.0, not its public API), or None where a later
+    fla-core moved them: the sealed reads then give way to the plain ones, with a warning."""
+    try:
+        from fla.ops.attnres.fused import _build_ptr_table, fused_attnres_fwd
+    except ImportError as e:
+        warnings.warn(f"openk3: fla-core's AttnRes forward internals are missing ({e}); the bank's "
+                      "gradients are summed by autograd (slower)", stacklevel=2)
+        return None
+    return _build_ptr_table, fused_attnres_fwd
+
+
 @compile_disabled("a read of sealed bank entries accumulates their gradients in its backward")
 def _sealed_read(sources, query, norm_weight, eps, fast) -> torch.Tensor | None:
     """The accumulating read when a source is sealed (``seal``), else None."""
     accs = tuple(getattr(s, _BANK_GRAD, None) for s in sources)
-    if all(a is None for a in accs):
+    if all(a is None for a in accs) or fast and _fla_forward() is None:
         return None
     return _AccumulatingRead.apply(query, norm_weight, eps, fast, accs, *sources)
 

@@ -118,6 +118,19 @@ def test_sealed_entries_get_the_summed_gradient_of_their_reads():
         assert seal(x) is x
 
 
+def test_sealed_reads_give_way_without_fla_internals(monkeypatch):
+    """The fast sealed read uses two module-level functions of fla-core 0.6.0 that are not its
+    public API: without them the read is the plain one (its gradients reach the entry through
+    the identity node as autograd's own sum)."""
+    import openk3.ops.attnres as attnres
+
+    x = torch.randn(2, 3, 8, requires_grad=True)
+    sources = [seal(x * 2), torch.tanh(x)]
+    monkeypatch.setattr(attnres, "_fla_forward", lambda: None)
+    assert attnres._sealed_read(sources, torch.randn(8), torch.ones(8), 1e-5, True) is None
+    assert attnres._sealed_read(sources, torch.randn(8), torch.ones(8), 1e-5, False) is not None
+
+
 def test_sealed_backward_kernel_in_the_triton_interpreter():
     """The backward kernel (fp32, CPU interpreter) against autograd of the reference: row counts
     that fill no program (16 rows each), one to four sources, accumulators holding a prior sum
