@@ -134,9 +134,8 @@ class _AccumulatingRead(torch.autograd.Function):
     def backward(ctx, g):
         if ctx.fast:
             query, norm_weight, rstd, logit, lse, *sources = ctx.saved_tensors
-            grads = [torch.empty_like(s) if a is None or a.grad is None else a.grad
-                     for s, a in zip(sources, ctx.accs)]
             accumulate = [a is not None and a.grad is not None for a in ctx.accs]
+            grads = [a.grad if add else torch.empty_like(s) for s, a, add in zip(sources, ctx.accs, accumulate)]
             dq, dw = _bwd_triton(g, query, norm_weight, rstd, logit, lse, sources, grads, accumulate)
             grads = [d.view(g.shape) for d in grads]
         else:
@@ -162,15 +161,14 @@ def _bwd_triton(g, query, norm_weight, rstd, logit, lse, sources, grads, accumul
     from openk3.ops.attnres_triton import attnres_bwd_kernel
 
     N, D = sources[0].shape
-    rows = BWD_ROWS
-    partial = torch.empty(triton.cdiv(N, rows), D, device=g.device, dtype=torch.float32)
+    partial = torch.empty(triton.cdiv(N, BWD_ROWS), D, device=g.device, dtype=torch.float32)
     acc_mask = sum(1 << i for i, a in enumerate(accumulate) if a)
     bd = triton.next_power_of_2(D)
     with launch_device(g):
         attnres_bwd_kernel[(partial.shape[0],)](
             query, norm_weight, tuple(sources), tuple(grads), rstd, logit, lse,
             g.reshape(N, D).contiguous(), partial, N, D=D, BD=bd, L=len(sources), ACC=acc_mask,
-            ROWS=rows, num_warps=4 if bd <= 1024 else 8)
+            ROWS=BWD_ROWS, num_warps=4 if bd <= 1024 else 8)
     dqw = partial.sum(0)
     return (dqw * norm_weight.float()).to(query.dtype), (dqw * query.float()).to(norm_weight.dtype)
 
