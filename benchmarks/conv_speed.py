@@ -7,8 +7,11 @@ and the training router's expert choice, ``torch.topk`` against the Triton kerne
 Defaults: one of `small`'s three convolutions (q, k or v: 8 heads x 128) at batch 4 x 4096, bf16
 activations, fp32 weights (autocast training). GPU kernel time from the profiler (the host's
 launch time left out, as the graphed training step does). Floor at the copy bandwidth
-(~4.3 TB/s): forward x read + y written, backward x and dy read + dx written (the weight and its
-per-block sums are under 1%). The router: 16,384 tokens x 64 experts, k = 4; floor: the fp32
+(~4.3 TB/s): forward x read + y written, backward x and dy read + dx written (left out: the
+backward's per-block dw sums, fp32 [B * T / 16, 4, C] at 16 positions a block, written and
+reduced: a third of the floor's bytes more). "bwd" is forward + backward less forward: besides
+the kernel it holds dw's reduction and the adds into x.grad and w.grad (the training step's
+profile gives the kernel alone). The router: 16,384 tokens x 64 experts, k = 4; floor: the fp32
 logits read once.
 """
 
@@ -53,30 +56,25 @@ def main() -> None:
         return [x.grad.clone(), w.grad.clone()]  # later steps accumulate into .grad
 
     want = grads("fla")
+    floor = {"fwd_us": 2 * size / BANDWIDTH * 1e6, "bwd_us": 3 * size / BANDWIDTH * 1e6}
     rows = []
 
     def measure(variant: str, backend: str) -> None:
         fwd, both = gpu_us(step(backend, False))["total"], gpu_us(step(backend, True))["total"]
         got = grads(backend)
-        rows.append({"variant": variant, "fwd_us": fwd, "bwd_us": both - fwd, "fwd_bwd_us": both,
-                     "dx_rel_err_vs_fla": rel_err(got[0], want[0]), "dw_rel_err_vs_fla": rel_err(got[1], want[1])})
+        r = {"variant": variant, "fwd_us": fwd, "bwd_us": both - fwd, "fwd_bwd_us": both,
+             "dx_rel_err_vs_fla": rel_err(got[0], want[0]), "dw_rel_err_vs_fla": rel_err(got[1], want[1])}
+        rows.append(r)
+        print(f"{r['variant']:56s} fwd {r['fwd_us']:7.1f} us  bwd {r['bwd_us']:7.1f} us  "
+              f"(floors {floor['fwd_us']:.1f} / {floor['bwd_us']:.1f})  "
+              f"dx {r['dx_rel_err_vs_fla']:.1e} dw {r['dw_rel_err_vs_fla']:.1e} vs fla", flush=True)
 
     measure("fla causal_conv1d", "fla")
     defaults = conv_ops.FWD_BLOCKS, conv_ops.BWD_BLOCKS
-    # (positions, channels, warps) of the forward and (positions, channels, warps, blocks per
-    # program) of the backward, side by side: the fifteenth session measured ITERS = 1 only
-    for fwd, bwd in [defaults, ((32, 128, 4), (16, 64, 2, 1)), ((16, 32, 1), (16, 32, 1, 4)),
-                     ((32, 64, 2), (16, 32, 1, 16)), ((16, 128, 2), (16, 64, 2, 8)),
-                     ((16, 128, 2), (32, 64, 4, 8)), ((16, 128, 2), (8, 128, 1, 16)),
-                     ((16, 128, 2), (32, 128, 4, 4))]:
-        conv_ops.FWD_BLOCKS, conv_ops.BWD_BLOCKS = fwd, bwd
-        measure(f"openk3 triton fwd {fwd} bwd {bwd}", "triton")
+    # the backward's (positions, channels, warps) per program
+    for conv_ops.BWD_BLOCKS in [(16, 128, 1), (16, 64, 1), (32, 64, 1), (8, 128, 1), (16, 256, 1)]:
+        measure(f"openk3 triton fwd {conv_ops.FWD_BLOCKS} bwd {conv_ops.BWD_BLOCKS}", "triton")
     conv_ops.FWD_BLOCKS, conv_ops.BWD_BLOCKS = defaults
-    floor = {"fwd_us": 2 * size / BANDWIDTH * 1e6, "bwd_us": 3 * size / BANDWIDTH * 1e6}
-    for r in rows:
-        print(f"{r['variant']:56s} fwd {r['fwd_us']:7.1f} us  bwd {r['bwd_us']:7.1f} us  "
-              f"(floors {floor['fwd_us']:.1f} / {floor['bwd_us']:.1f})  "
-              f"dx {r['dx_rel_err_vs_fla']:.1e} dw {r['dw_rel_err_vs_fla']:.1e} vs fla")
 
     N, E, k = B * T, 64, 4
     logits = torch.randn(N, E, device="cuda", requires_grad=True)

@@ -69,8 +69,11 @@ def _attn_res_agg_fla(sources: Sequence[torch.Tensor], query: torch.Tensor, norm
     return fused_attnres(query, list(sources), norm_weight, output_rms_weight=out_norm_weight, rms_eps=eps)
 
 
-# rows per program of the backward kernel: its dqw leaves as N / BWD_ROWS partial sums [D] (fp32)
+# the backward kernel (attnres_triton.py): rows per program (its dqw leaves as N / BWD_ROWS
+# partial sums [D], fp32), the most elements of one tile of sources, warps per program
 BWD_ROWS = 8
+BWD_TILE = 8192
+BWD_WARPS = 4
 _BANK_GRAD = "_openk3_bank_grad"  # the attribute of a sealed tensor holding its accumulator
 
 
@@ -164,11 +167,13 @@ def _bwd_triton(g, query, norm_weight, rstd, logit, lse, sources, grads, accumul
     partial = torch.empty(triton.cdiv(N, BWD_ROWS), D, device=g.device, dtype=torch.float32)
     acc_mask = sum(1 << i for i, a in enumerate(accumulate) if a)
     bd = triton.next_power_of_2(D)
+    # all sources in one tile (read once) while it stays within BWD_TILE elements
+    bl = max(1, min(triton.next_power_of_2(len(sources)), BWD_TILE // bd))
     with launch_device(g):
         attnres_bwd_kernel[(partial.shape[0],)](
             query, norm_weight, tuple(sources), tuple(grads), rstd, logit, lse,
-            g.reshape(N, D).contiguous(), partial, N, D=D, BD=bd, L=len(sources), ACC=acc_mask,
-            ROWS=BWD_ROWS, num_warps=4 if bd <= 1024 else 8)
+            g.reshape(N, D).contiguous(), partial, N, D=D, BD=bd, L=len(sources), BL=bl,
+            ACC=acc_mask, ROWS=BWD_ROWS, num_warps=BWD_WARPS)
     dqw = partial.sum(0)
     return (dqw * norm_weight.float()).to(query.dtype), (dqw * query.float()).to(norm_weight.dtype)
 
@@ -189,11 +194,16 @@ def _fla_forward():
 
 @compile_disabled("a read of sealed bank entries accumulates their gradients in its backward")
 def _sealed_read(sources, query, norm_weight, eps, fast) -> torch.Tensor | None:
-    """The accumulating read when a source is sealed (``seal``), else None."""
-    accs = tuple(getattr(s, _BANK_GRAD, None) for s in sources)
+    """The accumulating read when a source is sealed (``seal``), else None. An entry given twice
+    accumulates through its first place only (the other's gradient is returned as usual)."""
+    accs, seen = [], set()
+    for s in sources:
+        a = getattr(s, _BANK_GRAD, None)
+        accs.append(None if id(a) in seen else a)
+        seen.add(id(a))
     if all(a is None for a in accs) or fast and _fla_forward() is None:
         return None
-    return _AccumulatingRead.apply(query, norm_weight, eps, fast, accs, *sources)
+    return _AccumulatingRead.apply(query, norm_weight, eps, fast, tuple(accs), *sources)
 
 
 def attn_res_agg(sources: Sequence[torch.Tensor], query: torch.Tensor, norm_weight: torch.Tensor,

@@ -115,11 +115,11 @@ def causal_conv1d_ref(x: torch.Tensor, weight: torch.Tensor,
 
 _FLA_CONV = "fla.modules.causal_conv1d"
 _CONV_TRITON = "openk3.ops.conv_triton"
-# (positions, channels, warps) per program of the training kernels (``conv_triton.py``), and
-# for the backward the blocks of positions each program walks; chosen by
-# ``benchmarks/conv_speed.py`` on one H200 at `small`'s shape (docs/benchmarks.md).
+# (positions, channels, warps) per program of the training kernels (``conv_triton.py``): the
+# forward's tiles and the walking backward's blocks, chosen by ``benchmarks/conv_speed.py`` on one
+# H200 at `small`'s shape (docs/benchmarks.md)
 FWD_BLOCKS = (16, 128, 2)
-BWD_BLOCKS = (16, 32, 1, 1)
+BWD_BLOCKS = (16, 128, 1)
 TRITON_WIDTH = 4  # the taps the backward kernel is written for (K3's linear_conv_kernel_size)
 
 
@@ -127,7 +127,7 @@ def _conv_launch(x: torch.Tensor, weight: torch.Tensor, dy: torch.Tensor | None 
     """The forward (dy None: y) or backward (dx, dweight) Triton kernel over x [B, T, C]."""
     import triton
 
-    from openk3.ops.conv_triton import conv_bwd_kernel, conv_fwd_kernel
+    from openk3.ops.conv_triton import conv_bwd_walk_kernel, conv_fwd_kernel
 
     B, T, C = x.shape
     W = weight.shape[-1]
@@ -142,13 +142,13 @@ def _conv_launch(x: torch.Tensor, weight: torch.Tensor, dy: torch.Tensor | None 
         return y
     if dy.stride(-1) != 1:
         dy = dy.contiguous()
-    bt, bc, warps, iters = BWD_BLOCKS
-    programs = triton.cdiv(T, bt * iters)
+    bt, bc, warps = BWD_BLOCKS
+    programs = triton.cdiv(T, bt)
     dx = torch.empty(B, T, C, device=x.device, dtype=x.dtype)
     dw = torch.empty(B * programs, W, C, device=x.device, dtype=torch.float32)
-    conv_bwd_kernel[(programs, triton.cdiv(C, bc), B)](
+    conv_bwd_walk_kernel[(programs, triton.cdiv(C, bc), B)](
         x, w, dy, dx, dw, T, C, x.stride(0), x.stride(1), dy.stride(0), dy.stride(1),
-        BLOCK_T=bt, BLOCK_C=bc, ITERS=iters, num_warps=warps)
+        BLOCK_T=bt, BLOCK_C=bc, num_warps=warps)
     return dx, dw.sum(0).T.reshape(C, 1, W).to(weight.dtype)
 
 

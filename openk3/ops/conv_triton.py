@@ -1,6 +1,6 @@
 """The Triton kernels behind ``openk3.ops.conv`` (imported only on CUDA).
 
-``conv_fwd_kernel`` / ``conv_bwd_kernel``: training's convolution (``causal_conv1d`` without a
+``conv_fwd_kernel`` / ``conv_bwd_walk_kernel``: training's convolution (``causal_conv1d`` without a
 state or ``cu_seqlens``), described above them.
 
 ``conv_update_kernel`` (``causal_conv1d_update_``): one program per (row b, block of BLOCK_C
@@ -40,20 +40,16 @@ def conv_update_kernel(x_ptr, w_ptr, pool_ptr, slots_ptr, y_ptr, B, C, part, str
     tl.store(y_ptr + (c // part) * B * part + b * part + c % part, y.to(y_ptr.dtype.element_ty), mask=ok)
 
 
-# The short convolution of training (no state in, one sequence per batch row): a forward, and a
-# backward in one pass that recomputes the pre-activation at the four positions whose outputs
-# read x[t]; one program per (block of BLOCK_T positions, block of BLOCK_C channels, row b). A
-# position's taps are loads of the same tile shifted by one row, which the caches serve: the
-# DRAM traffic is x read and y written (forward), x and dy read and dx written (backward).
-# Measured at `small`'s shape on the H200 (docs/benchmarks.md, fifteenth session): forward
-# ~28 us (floor 15.6); backward 115 us in the training step with 16x64 tiles, 137 against 154 us
-# for 16x32 and 16x64 tiles in `benchmarks/conv_speed.py` (floor 23.4); fla's backward ~148 us
-# plus its ~25 us forward recomputation. A two-pass backward (da written in fp32, then dx)
-# measured slower: its first pass alone took ~129 us, so the per-block dw sums (four reductions
-# across positions) look like the bound, not the four sigmoids. Hence ITERS: a program walks
-# ITERS blocks and accumulates dw elementwise, reducing once (ITERS = 1 keeps the measured
-# kernel's per-block sums; larger ones are for ``conv_speed.py`` to measure: not run on a GPU
-# yet). The backward is written for K3's W = 4 taps (``causal_conv1d`` sends other widths to fla).
+# The short convolution of training (no state in, one sequence per batch row). Forward: one
+# program per (block of BLOCK_T positions, block of BLOCK_C channels, row b); a position's taps
+# are loads of the same tile shifted by one row, which the caches serve, so the DRAM traffic is x
+# read and y written. Backward (``conv_bwd_walk_kernel``): a program walks its positions in
+# order. Measured at `small`'s shape on the H200 (`benchmarks/conv_speed.py`, docs/benchmarks.md,
+# nineteenth session; floors at ~4.3 TB/s: forward 15.6 us, backward 23.4 us): forward ~31 us;
+# backward 77.8 us (16 positions x 128 channels, 1 warp; 40 us a call in the graphed training
+# step) where the tiled backward it replaced, which recomputed the pre-activation at the four
+# positions whose outputs read x[t], took 138 us, and fla's 206 us. Written for K3's W = 4 taps
+# (``causal_conv1d`` sends other widths to fla).
 
 
 @triton.jit
@@ -94,58 +90,66 @@ def _dsilu(a, dy):
 
 
 @triton.jit
-def conv_bwd_kernel(x_ptr, w_ptr, dy_ptr, dx_ptr, dw_ptr, T, C, stride_xb, stride_xt,
-                    stride_dyb, stride_dyt, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
-                    ITERS: tl.constexpr):
-    """W = 4 taps, ITERS consecutive blocks of BLOCK_T positions per program. dx[t] = sum_s
-    w[3-s] da[t+s], da = dy silu'(a), from the seven tiles x[t-3 .. t+3] each loaded once; the
-    program's share of dw[c, j] = sum_t da[t] x[t-3+j], accumulated elementwise over its blocks
-    and summed over positions once, goes to row (b, program) of dw_ptr ``[B * programs, 4, C]``
-    fp32."""
+def _row(ptr, t, stride_t, c_ok, T):
+    """Position t's row (zeros outside 0 .. T-1) of ``ptr`` (already at the row's channels), fp32."""
+    return tl.load(ptr + t.to(tl.int64) * stride_t, mask=c_ok & (t >= 0) & (t < T), other=0.0).to(tl.float32)
+
+
+@triton.jit
+def conv_bwd_walk_kernel(x_ptr, w_ptr, dy_ptr, dx_ptr, dw_ptr, T, C, stride_xb, stride_xt,
+                         stride_dyb, stride_dyt, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    """W = 4 taps. A program walks its BLOCK_T positions in order, one row of BLOCK_C channels at a
+    time, keeping the last three inputs and the last three da = dy silu'(a) in registers: each
+    input and each dy is loaded once (plus a three-row halo), each da computed once, and
+    dx[t-3] = w3 da[t-3] + w2 da[t-2] + w1 da[t-1] + w0 da[t] leaves as soon as da[t] exists. The
+    program's dw[c, j] = sum_t da[t] x[t-3+j] accumulates per channel (no reduction across
+    threads) and goes to row (b, program) of dw_ptr ``[B * programs, 4, C]`` fp32."""
     b = tl.program_id(2).to(tl.int64)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     c_ok = c < C
-    xb, dyb = x_ptr + b * stride_xb, dy_ptr + b * stride_dyb
-    w0 = tl.load(w_ptr + c * 4, mask=c_ok, other=0.0).to(tl.float32)[None, :]
-    w1 = tl.load(w_ptr + c * 4 + 1, mask=c_ok, other=0.0).to(tl.float32)[None, :]
-    w2 = tl.load(w_ptr + c * 4 + 2, mask=c_ok, other=0.0).to(tl.float32)[None, :]
-    w3 = tl.load(w_ptr + c * 4 + 3, mask=c_ok, other=0.0).to(tl.float32)[None, :]
-    part = dw_ptr + (b * tl.num_programs(0) + tl.program_id(0)) * 4 * C + c
-    dw0 = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
-    dw1 = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
-    dw2 = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
-    dw3 = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
-    for it in range(ITERS):
-        t = (tl.program_id(0) * ITERS + it) * BLOCK_T + tl.arange(0, BLOCK_T)
-        x0 = _tap(xb, t - 3, c, c_ok, T, stride_xt)
-        x1 = _tap(xb, t - 2, c, c_ok, T, stride_xt)
-        x2 = _tap(xb, t - 1, c, c_ok, T, stride_xt)
-        x3 = _tap(xb, t, c, c_ok, T, stride_xt)
-        da = _dsilu(w0 * x0 + w1 * x1 + w2 * x2 + w3 * x3, _tap(dyb, t, c, c_ok, T, stride_dyt))
-        if ITERS == 1:  # the measured kernel: the block's sums at once, no accumulator registers
-            tl.store(part, tl.sum(da * x0, axis=0), mask=c_ok)
-            tl.store(part + C, tl.sum(da * x1, axis=0), mask=c_ok)
-            tl.store(part + 2 * C, tl.sum(da * x2, axis=0), mask=c_ok)
-            tl.store(part + 3 * C, tl.sum(da * x3, axis=0), mask=c_ok)
+    t0 = tl.program_id(0) * BLOCK_T
+    xb, dyb = x_ptr + b * stride_xb + c, dy_ptr + b * stride_dyb + c
+    w0 = tl.load(w_ptr + c * 4, mask=c_ok, other=0.0).to(tl.float32)
+    w1 = tl.load(w_ptr + c * 4 + 1, mask=c_ok, other=0.0).to(tl.float32)
+    w2 = tl.load(w_ptr + c * 4 + 2, mask=c_ok, other=0.0).to(tl.float32)
+    w3 = tl.load(w_ptr + c * 4 + 3, mask=c_ok, other=0.0).to(tl.float32)
+    # x[t-3], x[t-2], x[t-1] and da[t-3], da[t-2], da[t-1] for t = t0 (the da before t0 are
+    # never used: dx is stored from t0 on)
+    x1 = _row(xb, t0 - 3, stride_xt, c_ok, T)
+    x2 = _row(xb, t0 - 2, stride_xt, c_ok, T)
+    x3 = _row(xb, t0 - 1, stride_xt, c_ok, T)
+    d1 = tl.zeros([BLOCK_C], dtype=tl.float32)
+    d2 = tl.zeros([BLOCK_C], dtype=tl.float32)
+    d3 = tl.zeros([BLOCK_C], dtype=tl.float32)
+    dw0 = tl.zeros([BLOCK_C], dtype=tl.float32)
+    dw1 = tl.zeros([BLOCK_C], dtype=tl.float32)
+    dw2 = tl.zeros([BLOCK_C], dtype=tl.float32)
+    dw3 = tl.zeros([BLOCK_C], dtype=tl.float32)
+    # the rows of positions t, t+1, t+2: each row is loaded three steps before it is used, so
+    # its load is in flight while the steps between run (their dx stores included)
+    xa, xn, xm = _row(xb, t0, stride_xt, c_ok, T), _row(xb, t0 + 1, stride_xt, c_ok, T), _row(xb, t0 + 2, stride_xt, c_ok, T)
+    ga, gn, gm = _row(dyb, t0, stride_dyt, c_ok, T), _row(dyb, t0 + 1, stride_dyt, c_ok, T), _row(dyb, t0 + 2, stride_dyt, c_ok, T)
+    for i in tl.static_range(BLOCK_T + 3):
+        t = t0 + i
+        x4, dy = xa, ga
+        if i < BLOCK_T:
+            xa, xn, xm = xn, xm, _row(xb, t + 3, stride_xt, c_ok, T)
+            ga, gn, gm = gn, gm, _row(dyb, t + 3, stride_dyt, c_ok, T)
         else:
-            dw0 += da * x0
-            dw1 += da * x1
-            dw2 += da * x2
-            dw3 += da * x3
-        dx = w3 * da
-        x4 = _tap(xb, t + 1, c, c_ok, T, stride_xt)
-        dx += w2 * _dsilu(w0 * x1 + w1 * x2 + w2 * x3 + w3 * x4, _tap(dyb, t + 1, c, c_ok, T, stride_dyt))
-        x5 = _tap(xb, t + 2, c, c_ok, T, stride_xt)
-        dx += w1 * _dsilu(w0 * x2 + w1 * x3 + w2 * x4 + w3 * x5, _tap(dyb, t + 2, c, c_ok, T, stride_dyt))
-        x6 = _tap(xb, t + 3, c, c_ok, T, stride_xt)
-        dx += w0 * _dsilu(w0 * x3 + w1 * x4 + w2 * x5 + w3 * x6, _tap(dyb, t + 3, c, c_ok, T, stride_dyt))
-        rows = (b * T + t).to(tl.int64)
-        tl.store(dx_ptr + rows[:, None] * C + c[None, :], dx.to(dx_ptr.dtype.element_ty),
-                 mask=(t < T)[:, None] & c_ok[None, :])
-    if ITERS > 1:
-        tl.store(part, tl.sum(dw0, axis=0), mask=c_ok)
-        tl.store(part + C, tl.sum(dw1, axis=0), mask=c_ok)
-        tl.store(part + 2 * C, tl.sum(dw2, axis=0), mask=c_ok)
-        tl.store(part + 3 * C, tl.sum(dw3, axis=0), mask=c_ok)
-
-
+            xa, xn, ga, gn = xn, xm, gn, gm
+        da = _dsilu(w0 * x1 + w1 * x2 + w2 * x3 + w3 * x4, dy)
+        if i < BLOCK_T:
+            dw0 += da * x1
+            dw1 += da * x2
+            dw2 += da * x3
+            dw3 += da * x4
+        if i >= 3:
+            dx = w3 * d1 + w2 * d2 + w1 * d3 + w0 * da
+            tl.store(dx_ptr + (b * T + t - 3) * C + c, dx.to(dx_ptr.dtype.element_ty), mask=c_ok & (t - 3 < T))
+        x1, x2, x3 = x2, x3, x4
+        d1, d2, d3 = d2, d3, da
+    part = dw_ptr + (b * tl.num_programs(0) + tl.program_id(0)) * 4 * C + c
+    tl.store(part, dw0, mask=c_ok)
+    tl.store(part + C, dw1, mask=c_ok)
+    tl.store(part + 2 * C, dw2, mask=c_ok)
+    tl.store(part + 3 * C, dw3, mask=c_ok)

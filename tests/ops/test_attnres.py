@@ -84,8 +84,9 @@ def test_attn_res_bad_shapes():
 
 
 def _bank_chain(x, qs, w, sealing, g):
-    """Reads of two bank entries by later reads (in both orders), a copy of a sealed entry and
-    a consumer of one that is not a read: the gradients of x, w and the queries."""
+    """Reads of two bank entries by later reads (in both orders), a copy of a sealed entry, an
+    entry given twice to one read and a consumer of one that is not a read: the gradients of x,
+    w and the queries."""
     s = seal if sealing else (lambda t: t)
     e0 = s(x * 2)
     p = torch.tanh(x)
@@ -93,7 +94,7 @@ def _bank_chain(x, qs, w, sealing, g):
     e1 = s(a * 3)
     b = attn_res_agg([e0, e1, p * a], qs[1], w, 1e-5)
     c = attn_res_agg([e0.clone(), e1, b], qs[2], w, 1e-5)
-    d = attn_res_agg([e1, e0, c], qs[3], w, 1e-5)
+    d = attn_res_agg([e1, e0, c, e0], qs[3], w, 1e-5)
     return (d * g).sum() + e1.pow(2).sum()
 
 
@@ -133,14 +134,18 @@ def test_sealed_reads_give_way_without_fla_internals(monkeypatch):
 
 def test_sealed_backward_kernel_in_the_triton_interpreter():
     """The backward kernel (fp32, CPU interpreter) against autograd of the reference: row counts
-    that fill no program (16 rows each), one to four sources, accumulators holding a prior sum
-    (added to) beside fresh ones (NaN-filled: written, never read)."""
+    that fill no program (8 rows each), one to four sources, accumulators holding a prior sum
+    (added to) beside fresh ones (NaN-filled: written, never read); all sources in one tile (read
+    once) and, with smaller tiles, in tiles of two (the last one part-filled) and of one."""
     run_triton_interpreted("""
+        import itertools
         import torch
+        import openk3.ops.attnres as attnres
         from openk3.ops.attnres import _bwd_triton, attn_res_agg_ref
         torch.manual_seed(0)
-        for N, D, L, acc in ((37, 48, 3, (True, False, False)), (16, 64, 1, (False,)),
-                             (5, 20, 4, (True, True, False, True))):
+        cases = ((37, 48, 3, (True, False, False)), (16, 64, 1, (False,)), (5, 20, 4, (True, True, False, True)))
+        for tile, (N, D, L, acc) in itertools.product((8192, 128, 64), cases):
+            attnres.BWD_TILE = tile
             srcs = [torch.randn(N, D) * s for s in (1, 3, 0.1, 10)[:L]]
             q, w, eps = torch.randn(D), torch.rand(D) + 0.5, 1e-5
             v = torch.stack(srcs)
@@ -156,18 +161,23 @@ def test_sealed_backward_kernel_in_the_triton_interpreter():
             got = [dq, dw, *[gr - p if a else gr for gr, p, a in zip(grads, prior, acc)]]
             for a, b in zip(got, want):
                 err = ((a - b).norm() / max(b.norm(), 1e-3)).item()
-                assert err < 1e-5, (N, D, L, err)
+                assert err < 1e-5, (tile, N, D, L, err)
         print("ok")
     """)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_sealed_entries_match_autograd_sums_on_gpu(monkeypatch):
+@pytest.mark.parametrize("tile", [8192, 1024], ids=["sources-in-one-tile", "one-source-tiles"])
+def test_sealed_entries_match_autograd_sums_on_gpu(monkeypatch, tile):
     """bf16 on CUDA: fla's forward and openk3's accumulating backward kernel against the same
     chain without sealing (fla's backward, autograd's adds) and against fp32 autograd of the
     reference: the sealed path is about as far from fp32 as the plain one (both round to bf16, at
-    different places: the sum of a sealed entry's gradients is rounded once per read)."""
+    different places: the sum of a sealed entry's gradients is rounded once per read). Tiles of
+    one source: the two-pass kernel wider models take."""
+    import openk3.ops.attnres as attnres
+
+    monkeypatch.setattr(attnres, "BWD_TILE", tile)
     print("relative distances from fp32 (sealed, plain):")
     torch.manual_seed(0)
     D = 1024
