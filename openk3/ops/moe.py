@@ -59,7 +59,6 @@ from openk3.ops.situ import situ_glu_ref, swiglu_ref
 GEMV_MAX_PAIRS = 512
 
 
-@functools.cache
 def combine_pairs(ys: torch.Tensor, order: torch.Tensor, topk_weight: torch.Tensor) -> torch.Tensor:
     """Each token's weighted sum ``sum_j w_j y_j``, fp32 [N, D], of the experts' outputs
     ``ys`` [N * k, D] for the (token, choice) pairs in ``order`` (``ys[i]`` is flat pair
@@ -75,6 +74,7 @@ def combine_pairs(ys: torch.Tensor, order: torch.Tensor, topk_weight: torch.Tens
     return (ys[position].view(N, k, -1).float() * topk_weight.unsqueeze(-1)).sum(1)
 
 
+@functools.cache
 def triton_available() -> bool:
     """Whether the Triton kernels import (CPU installs have no triton)."""
     try:

@@ -6,6 +6,7 @@ change of sequence length, and no update after a non-finite loss."""
 from __future__ import annotations
 
 import functools
+import gc
 from contextlib import nullcontext
 
 import pytest
@@ -41,6 +42,31 @@ def _cpu_training(**run) -> tuple[Training, RunConfig]:
 def _batch(seed: int, b: int = 2, t: int = 16, vocab: int = 300) -> tuple[torch.Tensor, torch.Tensor]:
     ids = torch.randint(0, vocab, (b, t + 1), generator=torch.Generator().manual_seed(seed))
     return ids[:, :-1], ids[:, 1:]
+
+
+def _autograd_objects() -> dict[int, object]:
+    """The autograd nodes Python can see (custom Functions' contexts, tensors with a grad_fn)."""
+    gc.collect()
+    def is_node(o):  # type(), not isinstance(): some objects warn when their __class__ is read
+        kind = type(o)
+        return (issubclass(kind, torch.autograd.function.BackwardCFunction)
+                or issubclass(kind, torch.Tensor) and o.grad_fn is not None)
+
+    return {id(o): o for o in gc.get_objects() if is_node(o)}
+
+
+def test_a_step_leaves_no_autograd_graph_alive():
+    """Nothing of a step's autograd graph outlives it: a graph kept alive keeps its parameters'
+    gradient accumulators, whose stream (the eager step's) breaks the capture of the next
+    step's backward on the CUDA device ("operation would make the legacy stream depend on a
+    capturing blocking stream"), and its activations are leaked memory. The nineteenth session
+    found `combine_pairs` memoised by a stray `functools.cache`: every MoE layer's output and
+    graph stayed alive."""
+    t, cfg = _cpu_training(grad_accum=2)
+    before = _autograd_objects()
+    train_step(t, [_batch(0), _batch(1)], cfg)
+    left = [o for i, o in _autograd_objects().items() if i not in before]
+    assert not left, [type(o).__name__ if not isinstance(o, torch.Tensor) else o.grad_fn for o in left[:5]]
 
 
 @pytest.mark.parametrize("wd", [0.0, 0.1])
