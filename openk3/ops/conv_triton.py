@@ -127,8 +127,12 @@ def conv_bwd_walk_kernel(x_ptr, w_ptr, dy_ptr, dx_ptr, dw_ptr, T, C, stride_xb, 
     dw3 = tl.zeros([BLOCK_C], dtype=tl.float32)
     # the rows of positions t, t+1, t+2: each row is loaded three steps before it is used, so
     # its load is in flight while the steps between run (their dx stores included)
-    xa, xn, xm = _row(xb, t0, stride_xt, c_ok, T), _row(xb, t0 + 1, stride_xt, c_ok, T), _row(xb, t0 + 2, stride_xt, c_ok, T)
-    ga, gn, gm = _row(dyb, t0, stride_dyt, c_ok, T), _row(dyb, t0 + 1, stride_dyt, c_ok, T), _row(dyb, t0 + 2, stride_dyt, c_ok, T)
+    xa = _row(xb, t0, stride_xt, c_ok, T)
+    xn = _row(xb, t0 + 1, stride_xt, c_ok, T)
+    xm = _row(xb, t0 + 2, stride_xt, c_ok, T)
+    ga = _row(dyb, t0, stride_dyt, c_ok, T)
+    gn = _row(dyb, t0 + 1, stride_dyt, c_ok, T)
+    gm = _row(dyb, t0 + 2, stride_dyt, c_ok, T)
     for i in tl.static_range(BLOCK_T + 3):
         t = t0 + i
         x4, dy = xa, ga
