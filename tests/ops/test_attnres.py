@@ -138,13 +138,16 @@ def test_sealed_backward_kernel_in_the_triton_interpreter():
     (added to) beside fresh ones (NaN-filled: written, never read); all sources in one tile (read
     once) and, with smaller tiles, in tiles of two (the last one part-filled) and of one."""
     run_triton_interpreted("""
-        import itertools
         import torch
         import openk3.ops.attnres as attnres
         from openk3.ops.attnres import _bwd_triton, attn_res_agg_ref
         torch.manual_seed(0)
-        cases = ((37, 48, 3, (True, False, False)), (16, 64, 1, (False,)), (5, 20, 4, (True, True, False, True)))
-        for tile, (N, D, L, acc) in itertools.product((8192, 128, 64), cases):
+        # D = 48 and 20 pad to 64 and 32 features: tile 8192 holds all sources, 128 (D = 48) two
+        # a tile, the last part-filled, 64 (D = 20) two, 64 (D = 48) and 32 (D = 20) one
+        for tile, N, D, L, acc in ((8192, 37, 48, 3, (True, False, False)), (8192, 16, 64, 1, (False,)),
+                                   (8192, 5, 20, 4, (True, True, False, True)),
+                                   (128, 37, 48, 3, (True, False, False)), (64, 5, 20, 4, (True, True, False, True)),
+                                   (64, 37, 48, 3, (False, True, True)), (32, 5, 20, 4, (False, True, False, True))):
             attnres.BWD_TILE = tile
             srcs = [torch.randn(N, D) * s for s in (1, 3, 0.1, 10)[:L]]
             q, w, eps = torch.randn(D), torch.rand(D) + 0.5, 1e-5
