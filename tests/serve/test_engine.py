@@ -4,6 +4,7 @@ prefixes, preemption), sampling options, bad input, and no leaks under random wo
 
 from __future__ import annotations
 
+import gc
 import inspect
 
 import pytest
@@ -52,6 +53,26 @@ def assert_free(eng: LLMEngine) -> None:
     assert not eng.requests and not eng.scheduler.has_unfinished()
     assert not bm.pending_checkpoints
     assert len(bm.free_checkpoint_ids) + len(bm.checkpoints) == bm.config.num_kda_checkpoints
+
+
+def _live_tensors() -> int:
+    gc.collect()
+    return sum(1 for o in gc.get_objects() if issubclass(type(o), torch.Tensor))
+
+
+def test_requests_leave_no_tensors_behind(model):
+    """After a first round of requests (which builds what the engine keeps: caches, buffers),
+    more rounds leave the number of live tensors as it was: nothing of a step is kept by a
+    cache keyed on its tensors (the nineteenth session found the experts' sum memoised, so every
+    prefill's MoE outputs stayed alive)."""
+    eng = make_engine(model)
+    rounds = [[tokens(10 * r + i, n) for i, n in enumerate((40, 9, 25))] for r in range(3)]
+    eng.generate(rounds[0], GREEDY)
+    live = _live_tensors()
+    for prompts in rounds[1:]:
+        eng.generate(prompts, GREEDY)
+        assert _live_tensors() == live
+    assert_free(eng)
 
 
 def test_matches_generate_with_chunked_prefill(model):
