@@ -24,7 +24,7 @@ from openk3.config import ModelConfig
 from openk3.model.fuse import add_linear_, fuse_weights, is_fused, project
 from openk3.model.mla import RMSNorm
 from openk3.ops.fast import use_fast_path
-from openk3.ops.moe import combine_pairs, moe_gemv, needs_grad, use_moe_gemv
+from openk3.ops.moe import combine_pairs, moe_gemv, needs_grad, sort_pairs, use_moe_gemv
 from openk3.ops.mx import (
     MX_BLOCK_SIZE,
     QAT_MODES,
@@ -186,12 +186,7 @@ class RoutedExperts(nn.Module):
                        topk_weight: torch.Tensor) -> torch.Tensor:
         """``forward`` with the pairs sorted by expert and one grouped matmul per projection
         (``run_experts``): training, and batches too large for the GEMVs."""
-        k = topk_idx.shape[1]
-        flat_idx = topk_idx.reshape(-1)
-        order = flat_idx.argsort(stable=True)  # pairs sorted by expert
-        token_of_pair = order // k
-        # scatter_add rather than bincount: no host sync (CUDA graphs of decode steps)
-        counts = flat_idx.new_zeros(self.cfg.num_experts).scatter_add_(0, flat_idx, torch.ones_like(flat_idx))
+        order, token_of_pair, counts = sort_pairs(topk_idx, self.cfg.num_experts)
         ys = run_experts(self.cfg, self.w1, self.w3, self.w2, x[token_of_pair], counts, self.qat)
         return combine_pairs(ys, order, topk_weight)
 

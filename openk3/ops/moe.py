@@ -59,6 +59,16 @@ from openk3.ops.situ import situ_glu_ref, swiglu_ref
 GEMV_MAX_PAIRS = 512
 
 
+def sort_pairs(topk_idx: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The (token, choice) pairs of ``topk_idx`` [N, k] sorted by expert: ``order`` (flat pair
+    indices, stable), each sorted pair's token, and the pairs per expert [num_experts] (a
+    ``scatter_add_``, not ``bincount``: no host sync, so decode steps can be CUDA graphs)."""
+    flat_idx = topk_idx.reshape(-1)
+    order = flat_idx.argsort(stable=True)
+    counts = flat_idx.new_zeros(num_experts).scatter_add_(0, flat_idx, torch.ones_like(flat_idx))
+    return order, order // topk_idx.shape[1], counts
+
+
 def combine_pairs(ys: torch.Tensor, order: torch.Tensor, topk_weight: torch.Tensor) -> torch.Tensor:
     """Each token's weighted sum ``sum_j w_j y_j``, fp32 [N, D], of the experts' outputs
     ``ys`` [N * k, D] for the (token, choice) pairs in ``order`` (``ys[i]`` is flat pair
