@@ -70,11 +70,11 @@ def main() -> None:
               f"dx {r['dx_rel_err_vs_fla']:.1e} dw {r['dw_rel_err_vs_fla']:.1e} vs fla", flush=True)
 
     measure("fla causal_conv1d", "fla")
-    defaults = conv_ops.FWD_BLOCKS, conv_ops.BWD_BLOCKS
+    default = conv_ops.BWD_BLOCKS
     # the backward's (positions, channels, warps) per program
     for conv_ops.BWD_BLOCKS in [(16, 128, 1), (16, 64, 1), (32, 64, 1), (8, 128, 1), (16, 256, 1)]:
         measure(f"openk3 triton fwd {conv_ops.FWD_BLOCKS} bwd {conv_ops.BWD_BLOCKS}", "triton")
-    conv_ops.FWD_BLOCKS, conv_ops.BWD_BLOCKS = defaults
+    conv_ops.BWD_BLOCKS = default
 
     N, E, k = B * T, 64, 4
     logits = torch.randn(N, E, device="cuda", requires_grad=True)
