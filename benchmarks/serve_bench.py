@@ -88,6 +88,10 @@ def part_ttft(model) -> None:
                                 random_ids(prompt_len, vocab, s)) for s in (1, 2))
         record({"part": "ttft", "case": f"cold, chunks of {budget}", "prompt": prompt_len,
                 "ttft_ms": 1e3 * cold[budget]})
+    # where a cold request's time goes (the whole prompt in one chunk; no cache: one engine serves every run)
+    cold_eng, cold_prompt = engine(model, enable_prefix_caching=False, **kw, max_num_batched_tokens=prompt_len), \
+        random_ids(prompt_len, vocab, 1)
+    record(profile(lambda: ttft(cold_eng, cold_prompt), f"cold request, {prompt_len} tokens in one chunk"))
     for prefix, where in ((31744, "inside block"), (30720, "block edge")):
         times, hit = [], 0
         for rep in range(2):  # the first run meets new chunk shapes (autotuning): keep the best

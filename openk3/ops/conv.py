@@ -13,7 +13,9 @@ result as one call per part.
   (training: one sequence per batch row), openk3's Triton kernels (``conv_triton.py``): a
   forward, and a backward that recomputes the pre-activation and writes dx and per-block shares
   of dweight in one pass (fla's forward and backward took ~235 us of GPU time per `small` call,
-  ~6x the bytes they move; these ~165: issue P7, ``benchmarks/conv_speed.py``). Otherwise
+  ~6x the bytes they move; these ~165: issue P7, ``benchmarks/conv_speed.py``). Without
+  autograd, with a state or ``cu_seqlens`` (the serving prefill), openk3's varlen kernels
+  (``conv_varlen_*``: fla's took ~5x the floor's time at 32K tokens, issue P8). Otherwise
   fla-core's Triton kernels: ``causal_conv1d`` (variable length, initial and final state,
   autograd) and, for one decode token without autograd, ``causal_conv1d_update``. ``torch.compile`` calls both as they are (a graph break around
   them) instead of tracing them.
@@ -34,7 +36,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from openk3.ops.fast import compile_disabled, importable, use_fast_path
+from openk3.ops.fast import compile_disabled, importable, needs_grad, use_fast_path
 
 
 def _validate(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor | None,
@@ -171,6 +173,41 @@ def _conv_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return _ConvTriton.apply(x, weight)
 
 
+VARLEN_BLOCKS = (32, 128, 4)  # (positions, channels, warps) per program of the varlen forward
+
+
+@compile_disabled("openk3's Triton conv kernels run as they are")
+def _conv_varlen_triton(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor | None,
+                        cu_seqlens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inference with a state or packed sequences (the serving prefill): ``conv_varlen_*`` kernels."""
+    import triton
+
+    from openk3.ops.conv_triton import conv_varlen_fwd_kernel, conv_varlen_state_kernel
+
+    B, T, C = x.shape
+    W = weight.shape[-1]
+    if cu_seqlens is None:  # B rows of T tokens: B packed sequences
+        cu_seqlens = torch.arange(B + 1, device=x.device) * T
+    rows = x.reshape(B * T, C)  # a view for the usual layouts (the projection's columns)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    N = cu_seqlens.numel() - 1
+    cu = cu_seqlens.to(torch.int32)
+    seq = torch.repeat_interleave(torch.arange(N, device=x.device, dtype=torch.int32), cu.diff(),
+                                  output_size=B * T)
+    state = None if conv_state is None else conv_state.contiguous()
+    w = weight.reshape(C, W).contiguous()
+    y = torch.empty(B * T, C, device=x.device, dtype=x.dtype)
+    bt, bc, warps = VARLEN_BLOCKS
+    conv_varlen_fwd_kernel[(triton.cdiv(B * T, bt), triton.cdiv(C, bc))](
+        rows, w, y, state, seq, cu, B * T, C, rows.stride(0), HAS_STATE=state is not None, W=W,
+        BLOCK_T=bt, BLOCK_C=bc, num_warps=warps)
+    new = torch.empty(N, C, W - 1, device=x.device, dtype=x.dtype)
+    conv_varlen_state_kernel[(N, triton.cdiv(C, 1024))](
+        rows, state, new, cu, C, rows.stride(0), HAS_STATE=state is not None, W=W, BLOCK_C=1024)
+    return y.view(B, T, C), new
+
+
 @compile_disabled("fla-core's Triton conv kernels run as they are")
 def _conv_fla(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor | None,
               cu_seqlens: torch.Tensor | None,
@@ -210,8 +247,9 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tenso
             sequences at ``[cu_seqlens[i], cu_seqlens[i+1])``; conv_state is then ``[N, C, W-1]``.
         cu_seqlens_cpu: the same offsets on the host, if the caller has them: fla then reads
             the sequence lengths without waiting for the GPU.
-        backend: ``"fla"`` runs fla-core's Triton kernels, ``"triton"`` openk3's (no state, no
-            cu_seqlens, 4 taps: training's case), ``"torch"`` the reference; ``"auto"`` picks
+        backend: ``"fla"`` runs fla-core's Triton kernels, ``"triton"`` openk3's (training's
+            case: no state, no cu_seqlens, 4 taps; or, without autograd, a state or
+            cu_seqlens: the serving prefill), ``"torch"`` the reference; ``"auto"`` picks
             openk3's for such CUDA inputs, else fla when it imports (unless
             ``OPENK3_REFERENCE=1``).
 
@@ -229,21 +267,25 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tenso
     if backend not in ("auto", "torch", "fla", "triton"):
         raise ValueError(f"`backend` must be 'auto', 'torch', 'fla' or 'triton', got {backend!r}")
     _validate(x, weight, conv_state, cu_seqlens)
+    varlen = conv_state is not None or cu_seqlens is not None
+    grad = needs_grad(x, weight, conv_state)
     if backend == "auto":
-        if (use_fast_path(x) and conv_state is None and cu_seqlens is None
-                and weight.shape[-1] == TRITON_WIDTH and importable(_CONV_TRITON)):
+        if (use_fast_path(x) and importable(_CONV_TRITON)
+                and (not grad if varlen else weight.shape[-1] == TRITON_WIDTH)):
             backend = "triton"
         else:
             backend = "fla" if use_fast_path(x) and importable(_FLA_CONV) else "torch"
     if backend == "triton":
-        if conv_state is not None or cu_seqlens is not None:
-            raise ValueError("backend='triton' takes neither `conv_state` nor `cu_seqlens` (training's "
-                             "case); use 'fla' or 'auto'")
-        if weight.shape[-1] != TRITON_WIDTH:
+        if varlen and grad:
+            raise ValueError("backend='triton' with `conv_state` or `cu_seqlens` has no backward (the "
+                             "serving prefill's case); use 'fla' or 'auto'")
+        if not varlen and weight.shape[-1] != TRITON_WIDTH:
             raise ValueError(f"backend='triton' is written for {TRITON_WIDTH} taps, `weight` has "
                              f"{weight.shape[-1]}; use 'fla' or 'auto'")
         if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(f"backend='triton' needs CUDA tensors, got x on {x.device}")
+        if varlen:
+            return _conv_varlen_triton(x, weight, conv_state, cu_seqlens)
         y = _conv_triton(x, weight)
         # the state after x: its last W-1 inputs (zeros in front of a shorter x), copied: a view
         # would keep all of x (a layer's whole projection output) alive as long as the state

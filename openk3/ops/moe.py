@@ -77,10 +77,18 @@ def combine_pairs(ys: torch.Tensor, order: torch.Tensor, topk_weight: torch.Tens
     The rows go back to token order (a gather) and each token's k are summed in choice order: the
     same sum at every run. ``index_add_`` onto the tokens summed them with fp32 atomics in a
     different order from run to run (24 distinct results of 24 for k = 4 on the H200, eighteenth
-    session: ``benchmarks/determinism.py ops``)."""
+    session: ``benchmarks/determinism.py ops``).
+
+    Without autograd on CUDA one Triton kernel (``combine_pairs_triton``) gathers, weighs and
+    sums in fp32 in the same order, reading ``ys`` once: the gather, cast, product and sum were
+    ~0.4 ms of a 32K-token prefill's MoE layer (issue P8)."""
     N, k = topk_weight.shape
     position = torch.empty_like(order)
     position[order] = torch.arange(order.numel(), device=order.device)  # where each pair's row is
+    if use_fast_path(ys) and triton_available() and not needs_grad(ys, topk_weight) and ys.stride(-1) == 1:
+        from openk3.ops.moe_kernels import combine_pairs_triton
+
+        return combine_pairs_triton(ys, position, topk_weight)
     return (ys[position].view(N, k, -1).float() * topk_weight.unsqueeze(-1)).sum(1)
 
 

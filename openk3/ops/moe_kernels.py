@@ -108,3 +108,39 @@ def moe_gemv_triton(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: tor
         h, w2, experts, weights, y_pairs, F, D, *w2.stride(),
         ROWS=ROWS, COLS=COLS, num_warps=NUM_WARPS)
     return y_pairs.view(N, k, D).sum(1)
+
+
+# ``combine_pairs`` without autograd (prefill): tokens per program and the widest column tile
+COMBINE_TOKENS = 8
+COMBINE_COLS = 512
+
+
+@triton.jit
+def _combine_kernel(ys_ptr, position_ptr, weight_ptr, out_ptr, N, D, stride_ys, stride_out,
+                    K: tl.constexpr, TOKENS: tl.constexpr, COLS: tl.constexpr):
+    t = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)             # [TOKENS]
+    d = tl.program_id(1) * COLS + tl.arange(0, COLS)                 # [COLS]
+    t_ok = t < N
+    mask = t_ok[:, None] & (d[None, :] < D)
+    acc = tl.zeros([TOKENS, COLS], dtype=tl.float32)
+    for j in tl.static_range(K):  # the token's k slots in choice order: the reference's sum
+        pair = t.to(tl.int64) * K + j
+        row = tl.load(position_ptr + pair, mask=t_ok, other=0).to(tl.int64)
+        w = tl.load(weight_ptr + pair, mask=t_ok, other=0.0).to(tl.float32)
+        y = tl.load(ys_ptr + row[:, None] * stride_ys + d[None, :], mask=mask, other=0.0)
+        acc += y.to(tl.float32) * w[:, None]
+    tl.store(out_ptr + t[:, None].to(tl.int64) * stride_out + d[None, :], acc, mask=mask)
+
+
+def combine_pairs_triton(ys: torch.Tensor, position: torch.Tensor, topk_weight: torch.Tensor) -> torch.Tensor:
+    """``openk3.ops.moe.combine_pairs`` in one kernel: ys [N k, D] (rows in expert order, unit
+    column stride), ``position`` [N k] the row of each flat (token, choice) pair, topk_weight
+    [N, k]. Returns [N, D] fp32."""
+    N, k = topk_weight.shape
+    D = ys.shape[1]
+    out = torch.empty(N, D, device=ys.device, dtype=torch.float32)
+    cols = min(COMBINE_COLS, triton.next_power_of_2(D))
+    _combine_kernel[(triton.cdiv(N, COMBINE_TOKENS), triton.cdiv(D, cols))](
+        ys, position.contiguous(), topk_weight.contiguous(), out, N, D, ys.stride(0), out.stride(0),
+        K=k, TOKENS=COMBINE_TOKENS, COLS=cols, num_warps=4)
+    return out

@@ -264,9 +264,11 @@ def test_fla_decode_steps_match_reference(dtype, with_state):
 
 # ---- openk3's Triton kernels: training's convolution (no state, no cu_seqlens) ----
 
-def test_triton_backend_rejects_state_and_cpu():
+def test_triton_backend_rejects_state_with_autograd_and_cpu():
     x = conv_inputs(2, 5, 6)
-    with pytest.raises(ValueError, match="neither `conv_state` nor `cu_seqlens`"):
+    with pytest.raises(ValueError, match="has no backward"):
+        causal_conv1d(x["x"].clone().requires_grad_(), x["weight"], x["conv_state"], backend="triton")
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
         causal_conv1d(**x, backend="triton")
     with pytest.raises(ValueError, match="needs CUDA tensors"):
         causal_conv1d(x["x"], x["weight"], backend="triton")
@@ -411,3 +413,59 @@ def test_pooled_update_kernel_matches_reference_gpu(dtype):
     want = conv_ops.causal_conv1d_update_(**{**x, "pool": pool}, parts=3, backend="torch")
     assert_all_close({"y": got, "state": x["pool"]}, {"y": want, "state": pool},
                      {"y": FLA_TOLS[dtype], "state": 0.0})
+
+
+# ---- openk3's Triton kernels: the serving prefill's convolution (a state, packed sequences) ----
+
+_INTERPRETED_VARLEN = """
+import torch
+from openk3.ops.conv import causal_conv1d
+torch.manual_seed(0)
+# packed sequences shorter than the state, at its edge and longer than a block of positions; x a
+# column slice of a wider projection (row stride != C); B rows with a state and no cu_seqlens
+for W, lengths, C in ((4, (1, 2, 7, 63, 3), 70), (2, (5, 1, 40), 9), (4, (3,), 33)):
+    cu = torch.tensor((0, *lengths)).cumsum(0)
+    x, w = torch.randn(1, int(cu[-1]), C + 5)[..., 2:C + 2], torch.randn(C, 1, W)
+    for state in (None, torch.randn(len(lengths), C, W - 1)):
+        y, new = causal_conv1d(x, w, state, cu, backend="triton")
+        y_ref, new_ref = causal_conv1d(x.double(), w.double(), None if state is None else state.double(),
+                                       cu, backend="torch")
+        assert ((y.double() - y_ref).abs().max() / y_ref.abs().max()).item() < 1e-5, (W, lengths, "y")
+        assert torch.equal(new.double(), new_ref), (W, lengths, "state")
+x, w, state = torch.randn(3, 6, 10), torch.randn(10, 1, 4), torch.randn(3, 10, 3)
+with torch.no_grad():
+    y, new = causal_conv1d(x, w, state, backend="triton")
+y_ref, new_ref = causal_conv1d(x, w, state, backend="torch")
+assert (y - y_ref).abs().max().item() < 1e-5 and torch.equal(new, new_ref)
+print("ok")
+"""
+
+
+def test_varlen_kernels_in_the_triton_interpreter():
+    """The prefill's kernels on the CPU (TRITON_INTERPRET=1, fp32) against the fp64 reference:
+    packed sequences with and without a state, 2 and 4 taps, and rows with a state; the new
+    state is a copy of inputs, so exact."""
+    from tests.ops.checks import run_triton_interpreted
+
+    run_triton_interpreted(_INTERPRETED_VARLEN)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("lengths", [(1,), (1000,), (*LENGTHS, 200, 64, 65)], ids=["T1", "T1000", "packed"])
+@pytest.mark.parametrize("with_state", [False, True], ids=["no_state", "state"])
+def test_varlen_triton_matches_reference(dtype, lengths, with_state):
+    """Without autograd, ``auto`` takes openk3's varlen kernels for a state or packed input (the
+    serving prefill): against the fp32 reference, x a column slice as the fused projection's."""
+    C = 384
+    x = conv_inputs(1, sum(lengths), C, num_states=len(lengths), device="cuda", with_state=with_state)
+    x["x"] = torch.randn(1, sum(lengths), 3 * C, device="cuda")[..., C:2 * C]
+    cu = cu_seqlens_of(lengths, device="cuda")
+    low = {n: t.to(dtype) for n, t in x.items()}
+    with torch.no_grad(), nan_poisoned_empty():
+        got = dict(zip(("y", "state"), causal_conv1d(**low, cu_seqlens=cu)))
+    want = dict(zip(("y", "state"), causal_conv1d(**{n: t.float() for n, t in low.items()}, cu_seqlens=cu,
+                                                  backend="torch")))
+    assert got["y"].dtype == got["state"].dtype == dtype
+    assert_all_close(got, want, tolerances(want, FLA_TOLS[dtype]))

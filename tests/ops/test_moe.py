@@ -253,3 +253,50 @@ def test_routed_experts_take_the_gemvs_for_few_pairs_and_are_closer_to_fp32():
         else:
             assert torch.equal(out, gemv), N
         assert rel_err(gemv, exact) <= rel_err(grouped, exact) + 1e-4, N
+
+
+def combine_case(N: int, k: int, D: int, E: int, device: str = "cpu", dtype=torch.float32, seed: int = 0):
+    """Expert outputs in expert order with the sort that produced them: (ys, order, topk_weight)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    topk_idx = torch.rand(N, E, device=device, generator=g).topk(k).indices
+    order, _, _ = openk3.ops.moe.sort_pairs(topk_idx, E)
+    ys = torch.randn(N * k, D, device=device, generator=g).to(dtype)
+    return ys, order, torch.rand(N, k, device=device, generator=g)
+
+
+_COMBINE_INTERPRETED = """
+import torch
+from openk3.ops.moe import combine_pairs
+from openk3.ops.moe_kernels import combine_pairs_triton
+from tests.ops.test_moe import combine_case
+for N, k, D, E in ((1, 4, 40, 6), (9, 2, 136, 5), (13, 3, 600, 7)):  # partial tiles, two column tiles
+    ys, order, w = combine_case(N, k, D, E, seed=N)
+    position = torch.empty_like(order)
+    position[order] = torch.arange(order.numel())
+    fast, ref = combine_pairs_triton(ys, position, w), combine_pairs(ys, order, w)  # CPU: the torch path
+    assert fast.dtype == torch.float32 and fast.shape == (N, D)
+    assert (fast - ref).abs().max().item() <= 1e-6 * ref.abs().max().item(), (N, k, D)
+print("ok")
+"""
+
+
+def test_combine_kernel_in_the_triton_interpreter():
+    """The experts' weighted sum in one kernel (prefill, no autograd) on the CPU against the
+    gather/product/sum of ``combine_pairs``: same fp32 products summed in choice order, so equal
+    up to a fused multiply-add's rounding."""
+    run_triton_interpreted(_COMBINE_INTERPRETED)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_combine_kernel_matches_the_autograd_path(dtype):
+    """``combine_pairs`` without autograd (the kernel) against itself with autograd (the torch
+    ops), at `small`'s layer (k = 4, D = 512) and K3's (k = 16, D = 3584: several column tiles)."""
+    for N, k, D, E in ((1, 4, 512, 64), (4099, 4, 512, 64), (37, 16, 3584, 896)):
+        ys, order, w = combine_case(N, k, D, E, "cuda", dtype, seed=N)
+        with torch.no_grad(), nan_poisoned_empty():
+            fast = openk3.ops.moe.combine_pairs(ys, order, w)
+        ref = openk3.ops.moe.combine_pairs(ys.requires_grad_(), order, w).detach()
+        assert fast.dtype == torch.float32
+        assert (fast - ref).abs().max().item() <= 1e-6 * ref.abs().max().item(), (N, k, D)

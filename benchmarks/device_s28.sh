@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The twentieth session's device calls:
+#   run(command="bash benchmarks/device_s28.sh N", carry=[".whl", ".triton-cache", ".warm"], timeout_s=595)
+# 1: the graphed and compiled-step tests after the combine_pairs fix (device_s27.sh 5), then P8
+#    as committed: cold and warm time to first token with both requests' profiles, the decode
+#    steps, the Kimi Linear peer (first serving measurement since the leak fix).
+# 2: where a prefill step's host time goes (prefill_host.py) and the MLA prefill attention by
+#    kernel, FlashAttention-2 against cuDNN (mla_prefill_attention.py); the experts' sum in one
+#    kernel (combine_pairs_triton) and the prefill's convolution (conv_varlen_*): their GPU
+#    tests and the time to first token with them.
+source "$(dirname "$0")/device_common.sh"
+case "${1:?phase}" in
+1)
+  gpu_tests 100 tests/train/test_graphed.py -k graphed_steps_match
+  gpu_tests 80 tests/parallel/test_compile.py -k compiled_step
+  timeout -k 10 380 python3 benchmarks/serve_bench.py --parts ttft decode peer > "$OUT/serve.log" 2>&1
+  echo "== rc $?" >> "$OUT/serve.log"
+  ;;
+2)
+  timeout -k 10 120 python3 benchmarks/mla_prefill_attention.py > "$OUT/attention.log" 2>&1
+  echo "== rc $?" >> "$OUT/attention.log"
+  gpu_tests 100 tests/ops/test_moe.py tests/ops/test_conv.py -k "combine or varlen_triton or triton_matches"
+  timeout -k 10 200 python3 benchmarks/prefill_host.py > "$OUT/prefill_host.log" 2>&1
+  echo "== rc $?" >> "$OUT/prefill_host.log"
+  timeout -k 10 150 python3 benchmarks/serve_bench.py --parts ttft > "$OUT/serve.log" 2>&1
+  echo "== rc $?" >> "$OUT/serve.log"
+  ;;
+*) echo "phase 1 or 2" >&2; exit 2 ;;
+esac
+summary
