@@ -6,8 +6,8 @@
 #    steps, the Kimi Linear peer (first serving measurement since the leak fix).
 # 2: where a prefill step's host time goes (prefill_host.py) and the MLA prefill attention by
 #    kernel, FlashAttention-2 against cuDNN (mla_prefill_attention.py); the experts' sum in one
-#    kernel (combine_pairs_triton) and the prefill's convolution (conv_varlen_*): their GPU
-#    tests and the time to first token with them.
+#    kernel (combine_pairs_triton), the prefill's convolution (conv_varlen_*) and the prefill
+#    passes as piecewise CUDA graphs: their GPU tests, time to first token and decode runs.
 source "$(dirname "$0")/device_common.sh"
 case "${1:?phase}" in
 1)
@@ -17,12 +17,13 @@ case "${1:?phase}" in
   echo "== rc $?" >> "$OUT/serve.log"
   ;;
 2)
-  timeout -k 10 120 python3 benchmarks/mla_prefill_attention.py > "$OUT/attention.log" 2>&1
+  gpu_tests 170 tests/ops/test_moe.py tests/ops/test_conv.py tests/serve/test_engine_gpu.py \
+    -k "combine or varlen_triton or triton_matches or logprobs_match"
+  timeout -k 10 60 python3 benchmarks/mla_prefill_attention.py > "$OUT/attention.log" 2>&1
   echo "== rc $?" >> "$OUT/attention.log"
-  gpu_tests 100 tests/ops/test_moe.py tests/ops/test_conv.py -k "combine or varlen_triton or triton_matches"
-  timeout -k 10 200 python3 benchmarks/prefill_host.py > "$OUT/prefill_host.log" 2>&1
+  timeout -k 10 120 python3 benchmarks/prefill_host.py > "$OUT/prefill_host.log" 2>&1
   echo "== rc $?" >> "$OUT/prefill_host.log"
-  timeout -k 10 150 python3 benchmarks/serve_bench.py --parts ttft > "$OUT/serve.log" 2>&1
+  timeout -k 10 200 python3 benchmarks/serve_bench.py --parts ttft decode > "$OUT/serve.log" 2>&1
   echo "== rc $?" >> "$OUT/serve.log"
   ;;
 *) echo "phase 1 or 2" >&2; exit 2 ;;

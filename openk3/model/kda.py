@@ -103,6 +103,7 @@ class KDAttention(nn.Module):
                 q, k, v, f, beta, self.A_log, self.dt_bias, lower_bound=self.cfg.kda_gate_lower_bound,
                 initial_state=st.recurrent, output_final_state=state is not None,
                 cu_seqlens=st.cu_seqlens, cu_seqlens_cpu=st.cu_seqlens_cpu,
+                static_varlen=getattr(st, "static_varlen", False),
             )
             if state is not None:
                 state.recurrent = final

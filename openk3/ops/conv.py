@@ -61,8 +61,13 @@ def _validate(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor | 
 
 def _conv_packed(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor | None,
                  cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The reference on N sequences packed in x [1, T, C]; returns y [1, T, C], state [N, C, W-1]."""
-    T, C = x.shape[1:]
+    """The reference on N sequences packed in x [1, T, C]; returns y [1, T, C], state [N, C, W-1].
+    Positions past ``cu_seqlens[-1]`` (a CUDA graph's padding) give zeros."""
+    T_all, C = x.shape[1:]
+    T = int(cu_seqlens[-1])
+    if T < T_all:
+        y, state = _conv_packed(x[:, :T], weight, conv_state, cu_seqlens)
+        return F.pad(y, (0, 0, 0, T_all - T)), state
     W = weight.shape[-1]
     N = cu_seqlens.numel() - 1
     cu = cu_seqlens.long()
@@ -193,8 +198,10 @@ def _conv_varlen_triton(x: torch.Tensor, weight: torch.Tensor, conv_state: torch
         rows = rows.contiguous()
     N = cu_seqlens.numel() - 1
     cu = cu_seqlens.to(torch.int32)
-    seq = torch.repeat_interleave(torch.arange(N, device=x.device, dtype=torch.int32), cu.diff(),
-                                  output_size=B * T)
+    # each position's sequence; positions past cu[-1] (a CUDA graph's padding: cu_seqlens padded
+    # with empty sequences) go to the last, reading only memory that exists
+    seq = torch.searchsorted(cu[1:], torch.arange(B * T, device=x.device, dtype=torch.int32),
+                             right=True).clamp_(max=N - 1).to(torch.int32)
     state = None if conv_state is None else conv_state.contiguous()
     w = weight.reshape(C, W).contiguous()
     y = torch.empty(B * T, C, device=x.device, dtype=x.dtype)

@@ -52,6 +52,74 @@ class CapturedGraph:
         return self.outputs
 
 
+class PiecewiseGraph:
+    """``fn(self, *inputs)`` captured as a sequence of CUDA graphs with eager parts between them: the
+    code ``fn`` runs marks each part that cannot be captured (shapes that change from call to
+    call) by calling ``eager(part, shape, dtype)`` (vLLM's piecewise graphs, done by hand).
+
+    During the capture ``eager`` ends the current graph, runs ``part()`` and copies its result
+    into a tensor of the graph pool allocated just before, then starts the next graph, which
+    reads that tensor (a result with fewer positions, dim 1, than ``shape`` fills its first
+    ones: the rest are padding). ``run`` replays the graphs in order and, between them, calls each part
+    again and copies its new result into the same tensor: a part must read its inputs from
+    tensors the graphs wrote (or state its owner updates before ``run``), never from values
+    captured as constants. Warm-up, capture and replay are on one side stream in turn, as in
+    ``CapturedGraph``; outside a capture (the warm-up runs, or with no GPU) ``eager`` just calls
+    ``part``."""
+
+    def __init__(self, fn: Callable, inputs: Sequence[torch.Tensor], pool):
+        """``fn(pieces, *inputs)``: ``pieces`` is this object, whose ``eager`` the pass calls."""
+        self.inputs, self.pool = list(inputs), pool
+        self.pieces: list = []  # CUDAGraph, or (part, its static result)
+        self._graph: torch.cuda.CUDAGraph | None = None  # the graph being captured
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                fn(self, *self.inputs)
+            torch.cuda.synchronize()
+            self._begin()
+            try:
+                self.outputs = fn(self, *self.inputs)
+            finally:
+                self._end()
+        torch.cuda.current_stream().wait_stream(stream)
+
+    def _begin(self) -> None:
+        self._graph = torch.cuda.CUDAGraph()
+        self._graph.capture_begin(pool=self.pool)
+
+    def _end(self) -> None:
+        graph, self._graph = self._graph, None
+        if graph is not None:
+            graph.capture_end()
+            self.pieces.append(graph)
+
+    def eager(self, part: Callable[[], torch.Tensor], shape, dtype: torch.dtype, device) -> torch.Tensor:
+        """``part()`` run eagerly at this point of the pass (see the class docstring)."""
+        if self._graph is None:
+            return part()
+        out = torch.empty(shape, dtype=dtype, device=device)  # in the pool: the next graph reads it
+        self._end()
+        out.narrow(1, 0, (result := part()).shape[1]).copy_(result)
+        self.pieces.append((part, out))
+        self._begin()
+        return out
+
+    def run(self, *values: torch.Tensor | None):
+        for static, value in zip(self.inputs, values):
+            if value is not None:
+                static.copy_(value, non_blocking=True)
+        for piece in self.pieces:
+            if isinstance(piece, tuple):
+                part, out = piece
+                result = part()
+                out.narrow(1, 0, result.shape[1]).copy_(result)
+            else:
+                piece.replay()
+        return self.outputs
+
+
 class Graphs(dict):
     """Graphs by key (a batch bucket), captured on first use into one memory pool; ``enabled``
     False (or a capture that failed, after one warning) means the caller runs eagerly."""

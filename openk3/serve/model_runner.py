@@ -56,7 +56,7 @@ import torch
 from openk3.model.fuse import fuse_projections
 from openk3.ops.fast import use_fast_path
 from openk3.serve.config import EngineConfig
-from openk3.serve.graphs import CapturedGraph, Graphs, bucket
+from openk3.serve.graphs import CapturedGraph, Graphs, PiecewiseGraph, bucket
 from openk3.serve.paged_views import DecodeBatch, KDAPool, PagedKDAView, PagedMLAView, PrefillBatch
 from openk3.serve.scheduler import SchedulerOutput
 from openk3.serve.sequence import Sequence
@@ -167,6 +167,49 @@ def _in_prefill_group(seq: Sequence, n: int) -> bool:
     return n > 1 or bool(seq.image_keys(seq.num_computed_tokens - 1, seq.num_computed_tokens))
 
 
+PREFILL_GRAPH_MIN_TOKENS = 64  # the smallest padded prefill (one chunk of fla's KDA kernels)
+
+
+class _EagerPieces:
+    """``PiecewiseGraph.eager`` outside a graph: the padded prefill run eagerly."""
+
+    @staticmethod
+    def eager(part, shape, dtype, device) -> torch.Tensor:
+        result = part()
+        out = torch.zeros(shape, dtype=dtype, device=device)  # the padding's rows: zeros
+        out.narrow(1, 0, result.shape[1]).copy_(result)
+        return out
+
+
+_EAGER_PIECES = _EagerPieces()
+
+
+class _PaddedPrefill:
+    """A prefill pass of ``Tb`` padded tokens (``ModelRunner._padded_prefill``): its static inputs
+    (token ids [1, Tb], chunk offsets [max_num_seqs + 1], state slots [max_num_seqs]) and the one
+    ``PrefillBatch`` its MLA attention parts read, updated in place before each run. Until the
+    first run they describe one chunk of Tb tokens in the scratch slot and block (the capture's
+    warm-up runs touch nothing else)."""
+
+    def __init__(self, runner: ModelRunner, Tb: int):
+        dev, Nmax, bs = runner.device, runner.config.max_num_seqs, runner.block_size
+        self.runner = runner
+        self.ids = torch.zeros(1, Tb, dtype=torch.long, device=dev)
+        self.cu = torch.full((Nmax + 1,), Tb, dtype=torch.long, device=dev)
+        self.cu[0] = 0
+        self.slots = torch.full((Nmax,), runner.scratch_slot, dtype=torch.long, device=dev)
+        scratch_rows = runner.scratch_block * bs + torch.arange(Tb, device=dev) % bs
+        cu = torch.tensor([0, Tb])
+        self.batch = PrefillBatch(scratch_rows, scratch_rows, cu.to(dev), cu.to(dev), cu, cu)
+
+    def forward(self, pieces, ids: torch.Tensor, cu: torch.Tensor, slots: torch.Tensor):
+        r = self.runner
+        layers = [PagedMLAView(r.mla_cache[i], self.batch, pieces) if i in r.mla_cache else
+                  PagedKDAView(r.kda_state, r.kda_index[i], slots, cu, None, static_varlen=True)
+                  for i in range(r.cfg.num_hidden_layers)]
+        return r.model.model.hidden_and_blocks(ids, _Views(layers))
+
+
 class _Views:
     """What ``KimiModel.forward`` takes as ``cache``: one view per layer."""
 
@@ -209,6 +252,11 @@ class ModelRunner:
         # graphs serve the fast paths: the references sync and gather whole block tables
         graphs = config.cuda_graphs and use_fast_path(p)
         self._graphs = Graphs(graphs)  # the decode pass, by batch bucket
+        # prefill passes of up to ``prefill_graph_tokens`` tokens, by padded size: a pool of their
+        # own (a step's prefill replays after its decode pass, whose logits are still to be read)
+        self.pad_prefill = graphs and config.prefill_graph_tokens > 0
+        self._prefill_graphs = Graphs(graphs)
+        self._prefill_passes: dict[int, _PaddedPrefill] = {}
         # the verify pass has a memory pool of its own: it replays in the same step as a decode
         self.verifier = (VerifyStep(self, config.num_speculative_tokens, Graphs(graphs))
                          if config.num_speculative_tokens else None)
@@ -476,6 +524,8 @@ class ModelRunner:
             cu_k.append(cu_k[-1] + start + len(token_ids))  # the segment attends over its whole prefix
             starts.append(start)
             slots.append(slot)
+        if self.pad_prefill and image_features is None and cu_q[-1] <= self.config.prefill_graph_tokens:
+            return self._padded_prefill(ids, cu_q, cu_k, starts, slots, rows)
         ids, cu_q_dev, cu_k_dev, starts, slots, rows, image_rows = self._upload(
             ids, cu_q, cu_k, starts, slots, rows, list(image_rows))
         batch = self._prefill_batch(cu_q_dev, cu_k_dev, starts, slots, torch.tensor(cu_q), torch.tensor(cu_k))
@@ -485,6 +535,34 @@ class ModelRunner:
             embeds[0, image_rows] = image_features.to(embeds.dtype)
         hidden, bank = self._forward(ids[None], batch, slots, batch.cu_seqlens_q, batch.cu_seqlens_q_cpu, embeds)
         return hidden[0], rows, cu_q, bank
+
+    def _padded_prefill(self, ids: list[int], cu_q: list[int], cu_k: list[int], starts: list[int],
+                        slots: list[int], rows: list[int],
+                        ) -> tuple[torch.Tensor, torch.Tensor, list[int], list[torch.Tensor]]:
+        """``_forward_segments`` as a piecewise CUDA graph (``pad_prefill``): the T tokens padded to
+        the bucket of their count, the N chunks to ``max_num_seqs`` with empty ones in the scratch
+        slot (fla's graph mode), the padding's latents written to the scratch block; the MLA
+        attention runs eagerly between the pieces on this step's ``PrefillBatch``. Without CUDA
+        graphs (a CPU test) the same padded pass runs eagerly."""
+        T, N = cu_q[-1], len(slots)
+        Tb, Nmax = max(PREFILL_GRAPH_MIN_TOKENS, bucket(T)), self.config.max_num_seqs
+        ids_pad, cu_pad, slots_pad, cu_q_dev, cu_k_dev, starts, slots, rows = self._upload(
+            ids + [0] * (Tb - T), cu_q + [T] * (Nmax - N), slots + [self.scratch_slot] * (Nmax - N),
+            cu_q, cu_k, starts, slots, rows)
+        batch = self._prefill_batch(cu_q_dev, cu_k_dev, starts, slots, torch.tensor(cu_q), torch.tensor(cu_k))
+        batch.slot_mapping = torch.nn.functional.pad(batch.slot_mapping, (0, Tb - T),
+                                                     value=self.scratch_block * self.block_size)
+        pass_ = self._prefill_passes.get(Tb)
+        if pass_ is None:
+            pass_ = self._prefill_passes[Tb] = _PaddedPrefill(self, Tb)
+        graph = self._prefill_graphs.get_or_capture(Tb, lambda pool: PiecewiseGraph(
+            pass_.forward, [pass_.ids, pass_.cu, pass_.slots], pool))
+        vars(pass_.batch).update(vars(batch))  # what the eager attention parts read
+        if graph is None:
+            hidden, bank = pass_.forward(_EAGER_PIECES, ids_pad[None], cu_pad, slots_pad)
+        else:
+            hidden, bank = graph.run(ids_pad[None], cu_pad, slots_pad)
+        return hidden[0, :T], rows, cu_q, [b[:, :T] for b in bank]
 
     def _prefill_batch(self, cu_q: torch.Tensor, cu_k: torch.Tensor, starts: torch.Tensor,
                        slots: torch.Tensor, cu_q_cpu: torch.Tensor, cu_k_cpu: torch.Tensor) -> PrefillBatch:

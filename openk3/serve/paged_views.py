@@ -67,9 +67,11 @@ class PagedKDAView:
     ``decode_pools`` hands a decode step the pools themselves, to update in place."""
 
     def __init__(self, pool: KDAPool, layer: int, slots: torch.Tensor, cu_seqlens: torch.Tensor | None,
-                 cu_seqlens_cpu: torch.Tensor | None):
+                 cu_seqlens_cpu: torch.Tensor | None, static_varlen: bool = False):
         self._pool, self._layer, self._slots = pool, layer, slots
         self.cu_seqlens, self.cu_seqlens_cpu = cu_seqlens, cu_seqlens_cpu
+        # a graphed prefill: cu_seqlens padded with empty sequences, no host copy (``kda``)
+        self.static_varlen = static_varlen
 
     def __getattr__(self, name):
         if name in KDAPool.NAMES:
@@ -123,11 +125,22 @@ class PrefillBatch:
 
 
 class PagedMLAView:
-    def __init__(self, cache: torch.Tensor, batch: DecodeBatch | PrefillBatch):
-        self.cache, self.batch = cache, batch
+    """``pieces`` (a graphed prefill, ``openk3.serve.graphs.PiecewiseGraph``): ``attend`` is an
+    eager part of it, which reads ``batch`` when it runs (the runner sets it before each replay);
+    the queries beyond ``batch``'s tokens are the graph's padding (their rows of the result are
+    left undefined)."""
+
+    def __init__(self, cache: torch.Tensor, batch: DecodeBatch | PrefillBatch, pieces=None):
+        self.cache, self.batch, self.pieces = cache, batch, pieces
 
     def attend(self, layer, q: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor) -> torch.Tensor:
         """q [B, T, H, qk_head_dim], latent [B, T, R], k_rope [B, T, P] -> [B, T, H, v_head_dim]."""
+        if self.pieces is not None:
+            return self.pieces.eager(lambda: self._attend(layer, q, latent, k_rope),
+                                     (*q.shape[:3], layer.v_dim), q.dtype, q.device)
+        return self._attend(layer, q, latent, k_rope)
+
+    def _attend(self, layer, q: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor) -> torch.Tensor:
         rows = torch.cat([latent, k_rope], dim=-1).flatten(0, 1).to(self.cache.dtype)
         self.cache.index_copy_(0, self.batch.slot_mapping, rows)
         if isinstance(self.batch, DecodeBatch):
@@ -154,6 +167,7 @@ class PagedMLAView:
         k_nope, v = layer.kv_b_proj(c).view(K, H, layer.nope + layer.v_dim).split(
             [layer.nope, layer.v_dim], dim=-1)
         k = torch.cat([k_nope, k_r[:, None].expand(K, H, layer.rope)], dim=-1)  # [K, H, 192]
-        o = varlen_causal_attention(q[0], k, v, b.cu_seqlens_q, b.cu_seqlens_k,
+        T = int(b.cu_seqlens_q_cpu[-1])  # q's rows past T are a graph's padding
+        o = varlen_causal_attention(q[0, :T], k, v, b.cu_seqlens_q, b.cu_seqlens_k,
                                     b.cu_seqlens_q_cpu, b.cu_seqlens_k_cpu, layer.scale)
         return o[None]  # [1, T, H, 128]

@@ -322,3 +322,22 @@ def test_async_stream_merges_outputs_a_slow_consumer_left_queued(model):
     assert "".join(o.delta_text for o in outs) == want.text == outs[-1].text
     assert outs[-1].finished and [o.finished for o in outs[:-1]] == [False] * (len(outs) - 1)
     assert [lp.token_id for lp in outs[-1].logprobs] == want.token_ids
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_padded_prefill_matches_the_packed_pass(model, prefix_caching):
+    """The graphed prefill's layout run eagerly (``ModelRunner.pad_prefill``, as on a GPU with
+    CUDA graphs: tokens padded to a power of two, chunks padded with empty ones in the scratch
+    slot, the padding's latents in the scratch block) gives the unpadded pass's tokens and
+    log-probabilities, with chunked prefill, several prompts per step and prefix-cache hits;
+    and the padding touches no block or slot the requests own."""
+    prompts = [tokens(i, n) for i, n in enumerate((5, 23, 70, 17, 1))] + [tokens(0, 5) + tokens(9, 30)]
+    results = {}
+    for pad in (False, True):
+        eng = make_engine(model, enable_prefix_caching=prefix_caching)
+        eng.runner.pad_prefill = pad
+        results[pad] = [eng.generate(prompts[:3], GREEDY), eng.generate(prompts[3:], GREEDY)]
+        assert_free(eng)
+        if pad:  # every pass was padded: 64 tokens at least, 4 chunk slots
+            assert set(eng.runner._prefill_passes) <= {64, 128}
+    _assert_same({True: results[True], False: results[False]})

@@ -42,13 +42,15 @@ def make_engine(graphs: bool, num_speculative_tokens: int = 0) -> LLMEngine:
 
 @pytest.mark.parametrize("graphs,num_speculative_tokens", [(True, 0), (False, 0), (True, 3)])
 def test_engine_logprobs_match_full_forward(graphs, num_speculative_tokens):
-    """With speculation (K = 3) too: verify steps and their commits, the draft model's loop and
+    """With graphs, the prefill passes (up to 96 tokens here) replay as piecewise CUDA graphs
+    around the MLA attention. With speculation (K = 3) too: verify steps and their commits, the draft model's loop and
     its rollback, and plain decodes, all as CUDA graphs."""
     eng = make_engine(graphs, num_speculative_tokens)
     model = eng.model
     prompts = [torch.randint(3, 4000, (n,)).tolist() for n in (7, 33, 150, 64, 1)]
     outs = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=24, logprobs=1))
     assert bool(eng.runner._graphs) == graphs
+    assert bool(eng.runner._prefill_graphs) == graphs  # prefill passes as piecewise graphs too
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
     if num_speculative_tokens:
         s = eng.stats

@@ -57,7 +57,8 @@ def kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor,
         lower_bound: float | None = SAFE_LOWER_BOUND, scale: float | None = None,
         initial_state: torch.Tensor | None = None, output_final_state: bool = False,
         use_qk_l2norm: bool = True, cu_seqlens: torch.Tensor | None = None,
-        cu_seqlens_cpu: torch.Tensor | None = None, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor | None]:
+        cu_seqlens_cpu: torch.Tensor | None = None, static_varlen: bool = False,
+        backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor | None]:
     """Kimi Delta Attention with the decay gate fused in: the one entry point layers call.
 
     Args:
@@ -73,6 +74,10 @@ def kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor,
             states are ``[N, H, K, V]``. fla runs it as one kernel; the reference loops.
         cu_seqlens_cpu: the same offsets on the host, if the caller has them: fla then reads
             the sequence lengths without waiting for the GPU.
+        static_varlen: the packed batch of a CUDA graph (the serving engine's graphed prefill):
+            ``cu_seqlens`` may hold empty sequences and end before T (the positions after it are
+            padding, their outputs undefined), and nothing reads it on the host (fla's
+            ``use_graph`` mode; ``cu_seqlens_cpu`` is not used).
         backend: ``"fla"`` runs fla-core's Triton kernels (``chunk_kda``; ``fused_recurrent_kda``
             for a T == 1 step without autograd), ``"torch"`` the chunkwise reference,
             ``"auto"`` picks fla for CUDA inputs when it imports (unless ``OPENK3_REFERENCE=1``).
@@ -101,13 +106,18 @@ def kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor,
     if backend == "auto":
         backend = "fla" if use_fast_path(q) and fla_available() else "torch"
     if cu_seqlens is not None and backend == "torch":
-        bounds = (cu_seqlens if cu_seqlens_cpu is None else cu_seqlens_cpu).tolist()
-        outs = [kda(*(t[:, a:b] for t in (q, k, v, f, beta)), A_log, dt_bias,
-                    lower_bound=lower_bound, scale=scale, use_qk_l2norm=use_qk_l2norm,
-                    initial_state=None if initial_state is None else initial_state[i:i + 1],
-                    output_final_state=output_final_state, backend="torch")
-                for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:]))]
-        o = torch.cat([o for o, _ in outs], dim=1)
+        bounds = (cu_seqlens if cu_seqlens_cpu is None or static_varlen else cu_seqlens_cpu).tolist()
+        outs = []
+        for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+            S0 = None if initial_state is None else initial_state[i:i + 1]
+            if a == b:  # an empty sequence (a graph's padding): its state passes through
+                S = (q.new_zeros(1, H, K, v.shape[-1], dtype=torch.float32) if S0 is None else S0.float())
+                outs.append((v[:, a:b], S if output_final_state else None))
+                continue
+            outs.append(kda(*(t[:, a:b] for t in (q, k, v, f, beta)), A_log, dt_bias,
+                            lower_bound=lower_bound, scale=scale, use_qk_l2norm=use_qk_l2norm,
+                            initial_state=S0, output_final_state=output_final_state, backend="torch"))
+        o = torch.cat([o for o, _ in outs] + [torch.zeros_like(v[:, bounds[-1]:])], dim=1)  # + padding
         return o, (torch.cat([S for _, S in outs]) if output_final_state else None)
     if backend == "fla":
         if not q.is_cuda:
@@ -115,7 +125,7 @@ def kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor,
         if not fla_available():
             raise ValueError("backend='fla' needs fla-core and triton: pip install 'openk3[gpu]'")
         return kda_fla(q, k, v, f, beta, A_log, dt_bias, lower_bound, scale, initial_state,
-                       output_final_state, use_qk_l2norm, cu_seqlens, cu_seqlens_cpu)
+                       output_final_state, use_qk_l2norm, cu_seqlens, cu_seqlens_cpu, static_varlen)
 
     g = kda_gate(f, A_log, dt_bias, lower_bound)
     if T == 1 and initial_state is not None:

@@ -19,7 +19,7 @@ def fla_available() -> bool:
 
 @compile_disabled("fla-core's Triton KDA kernels run as they are")
 def kda_fla(q, k, v, f, beta, A_log, dt_bias, lower_bound, scale, initial_state,
-            output_final_state, use_qk_l2norm, cu_seqlens=None, cu_seqlens_cpu=None):
+            output_final_state, use_qk_l2norm, cu_seqlens=None, cu_seqlens_cpu=None, static_varlen=False):
     """``kda`` on fla's kernels; arguments as ``kda``'s, already validated, ``f`` [B, T, H, K]."""
     from fla.ops.kda import chunk_kda, fused_recurrent_kda
 
@@ -41,9 +41,10 @@ def kda_fla(q, k, v, f, beta, A_log, dt_bias, lower_bound, scale, initial_state,
     if T == 1 and not needs_grad and cu_seqlens is None:
         return fused_recurrent_kda(q, k, v, f, beta, scale=scale, initial_state=initial_state,
                                    output_final_state=output_final_state, **gate_args)
+    graph = dict(use_graph=True, max_num_seqs=cu_seqlens.numel() - 1) if static_varlen else {}
     return chunk_kda(q, k, v, f, beta, scale=scale, initial_state=initial_state,
                      output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                     cu_seqlens_cpu=cu_seqlens_cpu,
+                     cu_seqlens_cpu=None if static_varlen else cu_seqlens_cpu, **graph,
                      # fla's dense tensor-core path exists only for bounds in [-5, 0)
                      safe_gate=lower_bound is not None and lower_bound >= SAFE_LOWER_BOUND,
                      **gate_args)
