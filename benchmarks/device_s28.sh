@@ -4,10 +4,11 @@
 # 1: the graphed and compiled-step tests after the combine_pairs fix (device_s27.sh 5), then P8
 #    as committed: cold and warm time to first token with both requests' profiles, the decode
 #    steps, the Kimi Linear peer (first serving measurement since the leak fix).
-# 2: where a prefill step's host time goes (prefill_host.py) and the MLA prefill attention by
-#    kernel, FlashAttention-2 against cuDNN (mla_prefill_attention.py); the experts' sum in one
-#    kernel (combine_pairs_triton), the prefill's convolution (conv_varlen_*) and the prefill
-#    passes as piecewise CUDA graphs: their GPU tests, time to first token and decode runs.
+# 2: the experts' sum in one kernel (combine_pairs_triton), the prefill's convolution
+#    (conv_varlen_*), cuDNN's attention for cold batches and the prefill passes as piecewise CUDA
+#    graphs: their GPU tests, then time to first token, decode runs and the peer; the MLA prefill
+#    attention by kernel (mla_prefill_attention.py) and where a prefill step's host time goes
+#    now (prefill_host.py).
 source "$(dirname "$0")/device_common.sh"
 case "${1:?phase}" in
 1)
@@ -17,14 +18,14 @@ case "${1:?phase}" in
   echo "== rc $?" >> "$OUT/serve.log"
   ;;
 2)
-  gpu_tests 170 tests/ops/test_moe.py tests/ops/test_conv.py tests/serve/test_engine_gpu.py \
-    -k "combine or varlen_triton or triton_matches or logprobs_match"
-  timeout -k 10 60 python3 benchmarks/mla_prefill_attention.py > "$OUT/attention.log" 2>&1
-  echo "== rc $?" >> "$OUT/attention.log"
-  timeout -k 10 120 python3 benchmarks/prefill_host.py > "$OUT/prefill_host.log" 2>&1
-  echo "== rc $?" >> "$OUT/prefill_host.log"
-  timeout -k 10 200 python3 benchmarks/serve_bench.py --parts ttft decode > "$OUT/serve.log" 2>&1
+  gpu_tests 140 tests/ops/test_moe.py tests/ops/test_conv.py tests/ops/test_varlen_attention.py \
+    tests/serve/test_engine_gpu.py -k "combine or varlen_triton or triton_matches or cudnn or logprobs_match"
+  timeout -k 10 230 python3 benchmarks/serve_bench.py --parts ttft decode peer > "$OUT/serve.log" 2>&1
   echo "== rc $?" >> "$OUT/serve.log"
+  timeout -k 10 40 python3 benchmarks/mla_prefill_attention.py > "$OUT/attention.log" 2>&1
+  echo "== rc $?" >> "$OUT/attention.log"
+  timeout -k 10 90 python3 benchmarks/prefill_host.py > "$OUT/prefill_host.log" 2>&1
+  echo "== rc $?" >> "$OUT/prefill_host.log"
   ;;
 *) echo "phase 1 or 2" >&2; exit 2 ;;
 esac
