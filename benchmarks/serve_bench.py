@@ -88,13 +88,6 @@ def part_ttft(model) -> None:
                                 random_ids(prompt_len, vocab, s)) for s in (1, 2))
         record({"part": "ttft", "case": f"cold, chunks of {budget}", "prompt": prompt_len,
                 "ttft_ms": 1e3 * cold[budget]})
-    import openk3.ops.varlen_attention as varlen  # the cold prompt's attention by FlashAttention-2 too
-    varlen.CUDNN_COLD, cudnn = False, varlen.CUDNN_COLD
-    flash = min(ttft(engine(model, enable_prefix_caching=False, **kw, max_num_batched_tokens=prompt_len),
-                     random_ids(prompt_len, vocab, s)) for s in (1, 2))
-    varlen.CUDNN_COLD = cudnn
-    record({"part": "ttft", "case": f"cold, chunks of {prompt_len}, FlashAttention-2", "prompt": prompt_len,
-            "ttft_ms": 1e3 * flash})
     # where a cold request's time goes (the whole prompt in one chunk; no cache: one engine serves every run)
     cold_eng, cold_prompt = engine(model, enable_prefix_caching=False, **kw, max_num_batched_tokens=prompt_len), \
         random_ids(prompt_len, vocab, 1)

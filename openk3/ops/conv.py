@@ -61,13 +61,9 @@ def _validate(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor | 
 
 def _conv_packed(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor | None,
                  cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The reference on N sequences packed in x [1, T, C]; returns y [1, T, C], state [N, C, W-1].
-    Positions past ``cu_seqlens[-1]`` (a CUDA graph's padding) give zeros."""
-    T_all, C = x.shape[1:]
-    T = int(cu_seqlens[-1])
-    if T < T_all:
-        y, state = _conv_packed(x[:, :T], weight, conv_state, cu_seqlens)
-        return F.pad(y, (0, 0, 0, T_all - T)), state
+    """The reference on N sequences packed in x [1, T, C] (cu_seqlens ending at T); returns y
+    [1, T, C], state [N, C, W-1]."""
+    T, C = x.shape[1:]
     W = weight.shape[-1]
     N = cu_seqlens.numel() - 1
     cu = cu_seqlens.long()
@@ -94,6 +90,10 @@ def _conv_packed(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor
 def _conv_torch(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor | None,
                 cu_seqlens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     if cu_seqlens is not None:
+        T, T_all = int(cu_seqlens[-1]), x.shape[1]  # positions past the offsets' end: a CUDA
+        if T < T_all:  # graph's padding, zeros here (a host read: serving only, never compiled)
+            y, state = _conv_packed(x[:, :T], weight, conv_state, cu_seqlens)
+            return F.pad(y, (0, 0, 0, T_all - T)), state
         return _conv_packed(x, weight, conv_state, cu_seqlens)
     B, T, C = x.shape
     # a batch of B rows is B packed sequences of T tokens each

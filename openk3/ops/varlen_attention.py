@@ -11,12 +11,10 @@ every query sees all keys of its own sequence (the vision tower: the patches of 
 * ``varlen_causal_attention``: the entry point. On CUDA in bf16 / fp16 one FlashAttention-2
   varlen call for the whole batch (PyTorch's own kernel; its causal mask is bottom-right
   aligned). FlashAttention-2 needs one head dim (a multiple of 8, at most 256) for q, k and v,
-  so v is zero-padded to q's and the padding columns are dropped from the output. A batch whose
-  sequences have no keys before their queries (a cold prefill: top-left and bottom-right masks
-  agree) takes cuDNN's fused attention instead when ``CUDNN_COLD`` is set (varlen through
-  ``torch.ops.aten._cudnn_attention_forward``, V at its own head dim; an error falls back to
-  FlashAttention for the rest of the process). Which is faster at MLA's head dims is measured by
-  ``benchmarks/mla_prefill_attention.py`` (docs/benchmarks.md).
+  so v is zero-padded to q's and the padding columns are dropped from the output. (cuDNN's
+  fused attention, which takes V at its own head dim, ran its kernels faster on a cold 32K
+  prefill but spent ~50 ms of host time per varlen call: ``benchmarks/mla_prefill_attention.py``,
+  docs/benchmarks.md, twentieth session.)
 """
 
 from __future__ import annotations
@@ -89,32 +87,9 @@ def varlen_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, cu_seqlens_q_cpu, cu_seqlens_k_cpu)
     D, Dv = q.shape[-1], v.shape[-1]
     if use_fast_path(q) and q.dtype in (torch.bfloat16, torch.float16) and Dv <= D <= 256 and D % 8 == 0:
-        if CUDNN_COLD and causal and torch.equal(cu_seqlens_q_cpu, cu_seqlens_k_cpu):
-            out = _cudnn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, cu_seqlens_q_cpu, scale)
-            if out is not None:
-                return out
         return _flash_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, cu_seqlens_q_cpu, cu_seqlens_k_cpu,
                              scale, causal)
     return varlen_causal_attention_ref(q, k, v, cu_seqlens_q_cpu, cu_seqlens_k_cpu, scale, causal)
-
-
-CUDNN_COLD = True  # a batch without prefixes takes cuDNN's attention (module docstring)
-
-
-def _cudnn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, cu_seqlens_q_cpu, scale) -> torch.Tensor | None:
-    """Causal varlen attention by cuDNN where each sequence's queries are its keys; None (and
-    ``CUDNN_COLD`` off from then on) where cuDNN refuses the call."""
-    global CUDNN_COLD
-    longest = int(cu_seqlens_q_cpu.diff().max())
-    try:
-        return torch.ops.aten._cudnn_attention_forward(
-            q.contiguous(), k.contiguous(), v.contiguous(), None, cu_seqlens_q.int(), cu_seqlens_k.int(),
-            longest, longest, False, 0.0, True, False, scale=scale)[0]
-    except RuntimeError as e:  # not built with cuDNN attention, or these shapes unsupported
-        import warnings
-        warnings.warn(f"cuDNN varlen attention failed ({e}); FlashAttention-2 from now on")
-        CUDNN_COLD = False
-        return None
 
 
 def _flash_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, cu_seqlens_q_cpu, cu_seqlens_k_cpu, scale,

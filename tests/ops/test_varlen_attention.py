@@ -80,18 +80,3 @@ def test_flash_varlen_matches_reference(D, Dv, H):
     assert rel_err(got.cpu(), want) < 1e-2, rel_err(got.cpu(), want)
     assert rel_err(ref.cpu(), want) < 1e-2
 
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("D, Dv, H", [(192, 128, 8), (48, 32, 2)])
-def test_cold_batches_take_cudnn_and_match_reference(D, Dv, H):
-    """Sequences without a prefix (queries = keys) go to cuDNN's attention (``CUDNN_COLD``): it
-    must be taken, not fall back, and match the loop like FlashAttention does."""
-    lengths = [1, 7, 64, 300, 513, 2048]
-    x = make_inputs([(n, n) for n in lengths], H=H, D=D, Dv=Dv, dtype=torch.bfloat16, device="cuda")
-    assert varlen_module.CUDNN_COLD
-    got = varlen_causal_attention(**x)
-    assert varlen_module.CUDNN_COLD, "cuDNN refused the call (a warning says why)"
-    want = loop(**{k: t.cpu() if torch.is_tensor(t) else t for k, t in x.items()})
-    assert got.shape == (x["q"].shape[0], H, Dv) and got.dtype == torch.bfloat16
-    assert rel_err(got.cpu(), want) < 1e-2, rel_err(got.cpu(), want)
