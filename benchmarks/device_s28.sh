@@ -8,7 +8,9 @@
 #    (conv_varlen_*), cuDNN's attention for cold batches and the prefill passes as piecewise CUDA
 #    graphs: their GPU tests, then time to first token, decode runs and the peer; the MLA prefill
 #    attention by kernel (mla_prefill_attention.py) and where a prefill step's host time goes
-#    now (prefill_host.py).
+#    now (prefill_host.py). Then (the machine still warm) serve_bench.py --parts ttft decode peer
+#    again with cuDNN's attention off.
+# 3: tests/model/test_gpu.py, the rest of test_moe.py, test_varlen_attention.py.
 source "$(dirname "$0")/device_common.sh"
 case "${1:?phase}" in
 1)
@@ -27,6 +29,9 @@ case "${1:?phase}" in
   timeout -k 10 90 python3 benchmarks/prefill_host.py > "$OUT/prefill_host.log" 2>&1
   echo "== rc $?" >> "$OUT/prefill_host.log"
   ;;
-*) echo "phase 1 or 2" >&2; exit 2 ;;
+3)  # whole models on the fast path (the generate path's convolution with a state is openk3's now)
+  gpu_tests 120 tests/model/test_gpu.py tests/ops/test_moe.py tests/ops/test_varlen_attention.py
+  ;;
+*) echo "phase 1 to 3" >&2; exit 2 ;;
 esac
 summary
