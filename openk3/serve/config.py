@@ -19,8 +19,9 @@ class EngineConfig:
     Scheduling and requests:
         max_num_seqs: sequences running at once (also the number of KDA state slots).
         max_num_batched_tokens: tokens per step, decodes plus prefill chunks (the chunked-prefill
-            budget). 16384: every prefill pass pays a fixed host cost (~0.1 s measured for
-            ``small``), so fewer, larger chunks cut time to first token (a 32K prompt in 2 passes
+            budget). 16384: every eager prefill pass (one longer than ``prefill_graph_tokens``)
+            pays a fixed host cost (~0.1 s measured for ``small``), so fewer, larger chunks cut
+            time to first token (a 32K prompt in 2 passes
             instead of 8 at 4096); activations of 16K tokens fit an H200 easily, while a larger
             budget would stall the decodes sharing a step for longer. With prefix caching
             chunks still end at every ``kda_checkpoint_interval``.
