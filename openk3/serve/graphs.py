@@ -1,6 +1,8 @@
 """CUDA graphs of the serving engine's fixed-shape passes: the decode step of each batch bucket
 and, with speculative decoding, the verify step and its rollback (``openk3/serve/verify.py``) and
-the drafts' steps (``openk3/serve/draft.py``, ``openk3/serve/eagle.py``).
+the drafts' steps (``openk3/serve/draft.py``, ``openk3/serve/eagle.py``); and, as piecewise
+graphs (``PiecewiseGraph``: eager parts between the captured pieces), the prefill passes of up to
+``EngineConfig.prefill_graph_tokens`` tokens, whose MLA attention has no fixed shape.
 
 A pass is captured once per shape and replayed with new inputs: its launches cost one
 ``cudaGraphLaunch`` instead of one host round of Python, dispatch and launch per kernel, which is
