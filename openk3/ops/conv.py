@@ -202,7 +202,7 @@ def _conv_varlen_triton(x: torch.Tensor, weight: torch.Tensor, conv_state: torch
     # with empty sequences) go to the last, reading only memory that exists
     seq = torch.searchsorted(cu[1:], torch.arange(B * T, device=x.device, dtype=torch.int32),
                              right=True).clamp_(max=N - 1).to(torch.int32)
-    state = None if conv_state is None else conv_state.contiguous()
+    state = None if conv_state is None else conv_state.to(x.dtype).contiguous()  # as the reference rounds it
     w = weight.reshape(C, W).contiguous()
     y = torch.empty(B * T, C, device=x.device, dtype=x.dtype)
     bt, bc, warps = VARLEN_BLOCKS
@@ -277,8 +277,9 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tenso
     varlen = conv_state is not None or cu_seqlens is not None
     grad = needs_grad(x, weight, conv_state)
     if backend == "auto":
+        one_step = x.shape[1] == 1 and cu_seqlens is None  # fla's update kernel: one launch
         if (use_fast_path(x) and importable(_CONV_TRITON)
-                and (not grad if varlen else weight.shape[-1] == TRITON_WIDTH)):
+                and (not grad and not one_step if varlen else weight.shape[-1] == TRITON_WIDTH)):
             backend = "triton"
         else:
             backend = "fla" if use_fast_path(x) and importable(_FLA_CONV) else "torch"

@@ -60,7 +60,10 @@ class EngineConfig:
             padded to the next power of two (at least 64), split at the MLA layers' attention,
             which runs eagerly between the pieces (its keys are every chunk's whole prefix: no
             fixed shape). A prefill pass of ``small`` costs ~0.12-0.2 s of host time whatever
-            its size (issue P8); a graph replays it in far less. 0 turns them off.
+            its size (issue P8); a graph replays it in far less. The graphs' memory (the
+            largest size's activations, and per size the MLA layers' attention inputs and
+            outputs, all held) is outside ``cache_memory_gb``: lower this, or 0 (off), when
+            the GPU is short of memory.
     """
 
     max_num_seqs: int = 32

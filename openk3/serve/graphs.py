@@ -65,8 +65,8 @@ class PiecewiseGraph:
     ones: the rest are padding). ``run`` replays the graphs in order and, between them, calls each part
     again and copies its new result into the same tensor: a part must read its inputs from
     tensors the graphs wrote (or state its owner updates before ``run``), never from values
-    captured as constants. Warm-up, capture and replay are on one side stream in turn, as in
-    ``CapturedGraph``; outside a capture (the warm-up runs, or with no GPU) ``eager`` just calls
+    captured as constants. Warm-up and capture run on a side stream, as in ``CapturedGraph``;
+    ``run`` replays on the caller's current stream. Outside a capture (the warm-up runs, or with no GPU) ``eager`` just calls
     ``part``."""
 
     def __init__(self, fn: Callable, inputs: Sequence[torch.Tensor], pool):
@@ -80,11 +80,17 @@ class PiecewiseGraph:
             for _ in range(2):
                 fn(self, *self.inputs)
             torch.cuda.synchronize()
+            torch.cuda.empty_cache()  # the warm-ups' blocks, cached for this stream only
             self._begin()
             try:
                 self.outputs = fn(self, *self.inputs)
-            finally:
-                self._end()
+            except BaseException:
+                try:  # end the broken capture; the caller hears of fn's error, not this one's
+                    self._end()
+                except Exception:  # noqa: BLE001
+                    pass
+                raise
+            self._end()
         torch.cuda.current_stream().wait_stream(stream)
 
     def _begin(self) -> None:
@@ -98,7 +104,8 @@ class PiecewiseGraph:
             self.pieces.append(graph)
 
     def eager(self, part: Callable[[], torch.Tensor], shape, dtype: torch.dtype, device) -> torch.Tensor:
-        """``part()`` run eagerly at this point of the pass (see the class docstring)."""
+        """``part()`` run eagerly at this point of the pass, its result in a tensor of ``shape``,
+        ``dtype`` and ``device`` (see the class docstring)."""
         if self._graph is None:
             return part()
         out = torch.empty(shape, dtype=dtype, device=device)  # in the pool: the next graph reads it
@@ -140,7 +147,8 @@ class Graphs(dict):
                 if self.pool is None:
                     self.pool = torch.cuda.graph_pool_handle()
                 self[key] = make(self.pool)
-            except RuntimeError as e:  # an op of the pass cannot be captured
+            except Exception as e:  # noqa: BLE001 - an op of the pass cannot be captured (a
+                # RuntimeError from CUDA, or an assertion or compile error of a kernel library)
                 warnings.warn(f"CUDA graph capture failed ({e}); running this pass eagerly from now on")
                 self.enabled = False
                 return None

@@ -559,6 +559,8 @@ class ModelRunner:
             pass_.forward, [pass_.ids, pass_.cu, pass_.slots], pool))
         vars(pass_.batch).update(vars(batch))  # what the eager attention parts read
         if graph is None:
+            if self.device.type == "cuda":  # the capture failed (a warning said why): padding
+                self.pad_prefill = False      # no longer buys anything
             hidden, bank = pass_.forward(_EAGER_PIECES, ids_pad[None], cu_pad, slots_pad)
         else:
             hidden, bank = graph.run(ids_pad[None], cu_pad, slots_pad)

@@ -41,7 +41,8 @@ def kda_fla(q, k, v, f, beta, A_log, dt_bias, lower_bound, scale, initial_state,
     if T == 1 and not needs_grad and cu_seqlens is None:
         return fused_recurrent_kda(q, k, v, f, beta, scale=scale, initial_state=initial_state,
                                    output_final_state=output_final_state, **gate_args)
-    graph = dict(use_graph=True, max_num_seqs=cu_seqlens.numel() - 1) if static_varlen else {}
+    graph = (dict(use_graph=True, max_num_seqs=cu_seqlens.numel() - 1)
+             if static_varlen and cu_seqlens is not None else {})
     return chunk_kda(q, k, v, f, beta, scale=scale, initial_state=initial_state,
                      output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                      cu_seqlens_cpu=None if static_varlen else cu_seqlens_cpu, **graph,
