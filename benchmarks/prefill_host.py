@@ -98,7 +98,6 @@ def run_case(eng: LLMEngine, timer: ModuleTimer, prompts: list[list[int]], prefi
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
         timer.active = True
-        previous = warnings.showwarning
 
         def show(message, category, filename, lineno, file=None, line=None):
             frames = [f for f in traceback.extract_stack()[:-1]
@@ -106,7 +105,6 @@ def run_case(eng: LLMEngine, timer: ModuleTimer, prompts: list[list[int]], prefi
             where = f"{frames[-1].filename.split('/')[-1]}:{frames[-1].lineno} {frames[-1].name}" if frames else "?"
             syncs.append(where)
 
-        warnings.showwarning = show
         if on_cuda:
             torch.cuda.set_sync_debug_mode(1)
         t = time.perf_counter()
@@ -128,7 +126,6 @@ def run_case(eng: LLMEngine, timer: ModuleTimer, prompts: list[list[int]], prefi
             record["execute_ms"] = 1e3 * (time.perf_counter() - t)
             if on_cuda:
                 torch.cuda.set_sync_debug_mode(0)
-            warnings.showwarning = previous
             timer.active = False
         if on_cuda:
             end.record()
@@ -184,16 +181,15 @@ def main() -> None:
 
             def make(n=n, t=t):
                 return [ids(t, vocab, next(seed)) for _ in range(n)], None
-        best = None
-        for rep in range(2 + args.repeats):
+        runs = []
+        for rep in range(2 + args.repeats):  # two warm-ups, then the timed runs (the last profiled)
             timer.reset()
             prompts, prefix = make()
             rec = run_case(eng, timer, prompts, prefix, on_cuda, profile_it=rep == 1 + args.repeats)
             rec["modules"] = sorted(((1e3 * s, timer.calls[k], k) for k, s in timer.self_s.items()), reverse=True)
-            if rep >= 2 and (best is None or rec["wall_ms"] < best["wall_ms"]):
-                best = {**rec, "cprofile": rec.get("cprofile", (best or {}).get("cprofile"))}
-            elif rep >= 2 and "cprofile" in rec:
-                best["cprofile"] = rec["cprofile"]
+            runs.append(rec)
+        best = min(runs[2:], key=lambda r: r["wall_ms"])
+        best["cprofile"] = runs[-1].get("cprofile")
         row = {"case": case, "wall_ms": best["wall_ms"], "execute_ms": best["execute_ms"],
                "gpu_ms": best.get("gpu_ms"), "syncs": sum(best["syncs"].values()),
                "module_host_ms": round(sum(m[0] for m in best["modules"]), 2)}

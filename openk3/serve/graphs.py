@@ -57,7 +57,7 @@ class CapturedGraph:
 class PiecewiseGraph:
     """``fn(self, *inputs)`` captured as a sequence of CUDA graphs with eager parts between them: the
     code ``fn`` runs marks each part that cannot be captured (shapes that change from call to
-    call) by calling ``eager(part, shape, dtype)`` (vLLM's piecewise graphs, done by hand).
+    call) by calling ``eager(part, shape, dtype, device)`` (vLLM's piecewise graphs, by hand).
 
     During the capture ``eager`` ends the current graph, runs ``part()`` and copies its result
     into a tensor of the graph pool allocated just before, then starts the next graph, which
@@ -66,8 +66,8 @@ class PiecewiseGraph:
     again and copies its new result into the same tensor: a part must read its inputs from
     tensors the graphs wrote (or state its owner updates before ``run``), never from values
     captured as constants. Warm-up and capture run on a side stream, as in ``CapturedGraph``;
-    ``run`` replays on the caller's current stream. Outside a capture (the warm-up runs, or with no GPU) ``eager`` just calls
-    ``part``."""
+    ``run`` replays on the caller's current stream. Outside a capture (the warm-up runs)
+    ``eager`` just calls ``part``; ``EagerPieces`` stands in for the whole object without a GPU."""
 
     def __init__(self, fn: Callable, inputs: Sequence[torch.Tensor], pool):
         """``fn(pieces, *inputs)``: ``pieces`` is this object, whose ``eager`` the pass calls."""
@@ -110,7 +110,7 @@ class PiecewiseGraph:
             return part()
         out = torch.empty(shape, dtype=dtype, device=device)  # in the pool: the next graph reads it
         self._end()
-        out.narrow(1, 0, (result := part()).shape[1]).copy_(result)
+        _fill(out, part())
         self.pieces.append((part, out))
         self._begin()
         return out
@@ -122,11 +122,25 @@ class PiecewiseGraph:
         for piece in self.pieces:
             if isinstance(piece, tuple):
                 part, out = piece
-                result = part()
-                out.narrow(1, 0, result.shape[1]).copy_(result)
+                _fill(out, part())
             else:
                 piece.replay()
         return self.outputs
+
+
+def _fill(out: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
+    """An eager part's ``result`` into the first positions (dim 1) of ``out``; the rest is padding."""
+    out.narrow(1, 0, result.shape[1]).copy_(result)
+    return out
+
+
+class EagerPieces:
+    """``PiecewiseGraph``'s ``eager`` for a pass run without graphs (the padded layout on a CPU):
+    the part's result in a tensor of the full shape, the padding's rows zeros."""
+
+    @staticmethod
+    def eager(part: Callable[[], torch.Tensor], shape, dtype: torch.dtype, device) -> torch.Tensor:
+        return _fill(torch.zeros(shape, dtype=dtype, device=device), part())
 
 
 class Graphs(dict):

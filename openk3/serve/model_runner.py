@@ -56,7 +56,7 @@ import torch
 from openk3.model.fuse import fuse_projections
 from openk3.ops.fast import use_fast_path
 from openk3.serve.config import EngineConfig
-from openk3.serve.graphs import CapturedGraph, Graphs, PiecewiseGraph, bucket
+from openk3.serve.graphs import CapturedGraph, EagerPieces, Graphs, PiecewiseGraph, bucket
 from openk3.serve.paged_views import DecodeBatch, KDAPool, PagedKDAView, PagedMLAView, PrefillBatch
 from openk3.serve.scheduler import SchedulerOutput
 from openk3.serve.sequence import Sequence
@@ -168,20 +168,6 @@ def _in_prefill_group(seq: Sequence, n: int) -> bool:
 
 
 PREFILL_GRAPH_MIN_TOKENS = 64  # the smallest padded prefill (one chunk of fla's KDA kernels)
-
-
-class _EagerPieces:
-    """``PiecewiseGraph.eager`` outside a graph: the padded prefill run eagerly."""
-
-    @staticmethod
-    def eager(part, shape, dtype, device) -> torch.Tensor:
-        result = part()
-        out = torch.zeros(shape, dtype=dtype, device=device)  # the padding's rows: zeros
-        out.narrow(1, 0, result.shape[1]).copy_(result)
-        return out
-
-
-_EAGER_PIECES = _EagerPieces()
 
 
 class _PaddedPrefill:
@@ -561,7 +547,7 @@ class ModelRunner:
         if graph is None:
             if self.device.type == "cuda":  # the capture failed (a warning said why): padding
                 self.pad_prefill = False      # no longer buys anything
-            hidden, bank = pass_.forward(_EAGER_PIECES, ids_pad[None], cu_pad, slots_pad)
+            hidden, bank = pass_.forward(EagerPieces(), ids_pad[None], cu_pad, slots_pad)
         else:
             hidden, bank = graph.run(ids_pad[None], cu_pad, slots_pad)
         return hidden[0, :T], rows, cu_q, [b[:, :T] for b in bank]
