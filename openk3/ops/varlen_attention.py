@@ -11,18 +11,36 @@ every query sees all keys of its own sequence (the vision tower: the patches of 
 * ``varlen_causal_attention``: the entry point. On CUDA in bf16 / fp16 one FlashAttention-2
   varlen call for the whole batch (PyTorch's own kernel; its causal mask is bottom-right
   aligned). FlashAttention-2 needs one head dim (a multiple of 8, at most 256) for q, k and v,
-  so v is zero-padded to q's and the padding columns are dropped from the output. (cuDNN's
-  fused attention, which takes V at its own head dim, ran its kernels faster on a cold 32K
-  prefill but spent ~50 ms of host time per varlen call: ``benchmarks/mla_prefill_attention.py``,
-  docs/benchmarks.md, twentieth session.)
+  so v is zero-padded to q's and the padding columns are dropped from the output.
+* ``split_attention``: one causal sequence (a single prompt's chunk, the serving case that
+  matters most: a cold long prompt, a short chunk after a long cached prefix) in parts merged by
+  their log-sum-exps: the cached prefix cut into pieces every query sees whole, and the causal
+  tail (the prefix's remainder and the queries' own keys). On CUDA the prefix goes to cuDNN's
+  fused attention (Hopper kernels, 2.3x FlashAttention-2's rate, V at its own head dim) in one
+  batched call, cut into as many runs as fill the SMs about four times (a 1,024-token chunk
+  alone is only 128 blocks of 64 queries); the tail runs in FlashAttention-2, or from
+  ``CUDNN_MIN_TOKENS`` queries and no remainder in cuDNN as a causal square. cuDNN builds a
+  plan per shape (~40 ms, once): query lengths are padded to eight buckets per octave (padding
+  queries of an unmasked call, or at the end of a top-left causal square, changes no real
+  row), and run lengths are rounded down to eight per octave (``_run_align``; the rest joins
+  the tail), so the key side has a few plans per run count. (cuDNN's own varlen entry point
+  spent ~55 ms of host time per call: docs/benchmarks.md, twentieth session.)
+  ``attention_lse_ref`` is the parts' reference.
 """
 
 from __future__ import annotations
+
+import functools
+import math
+import warnings
 
 import torch
 import torch.nn.functional as F
 
 from openk3.ops.fast import use_fast_path
+
+CUDNN_MIN_TOKENS = 4096  # a causal square this long runs in cuDNN's fused attention
+CUDNN_PIECE_KEYS = 256  # cuDNN's runs of prefix keys are multiples of at least this (fewer plans)
 
 
 def varlen_causal_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -87,6 +105,11 @@ def varlen_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, cu_seqlens_q_cpu, cu_seqlens_k_cpu)
     D, Dv = q.shape[-1], v.shape[-1]
     if use_fast_path(q) and q.dtype in (torch.bfloat16, torch.float16) and Dv <= D <= 256 and D % 8 == 0:
+        Tq, P = q.shape[0], k.shape[0] - q.shape[0]
+        if causal and cu_seqlens_q_cpu.numel() == 2 and (P > 0 or Tq >= CUDNN_MIN_TOKENS):
+            m = _groups(q, 64)
+            return split_attention(q, k, v, scale, m, _run_align(P // m), attend=_flash_lse,
+                                   pieces=_cudnn_pieces, square=_cudnn_square if Tq >= CUDNN_MIN_TOKENS else None)
         return _flash_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, cu_seqlens_q_cpu, cu_seqlens_k_cpu,
                              scale, causal)
     return varlen_causal_attention_ref(q, k, v, cu_seqlens_q_cpu, cu_seqlens_k_cpu, scale, causal)
@@ -101,3 +124,175 @@ def _flash_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, cu_seqlens_q_cpu, cu_seql
         int(cu_seqlens_q_cpu.diff().max()), int(cu_seqlens_k_cpu.diff().max()),
         0.0, causal, False, scale=scale)[0]  # dropout 0, causal (bottom-right), no debug mask
     return out[..., :Dv]
+
+
+def attention_lse_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q_cpu: torch.Tensor,
+                      cu_seqlens_k_cpu: torch.Tensor, scale: float, causal: bool
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference of a part: (out [Tq, H, Dv] in q's dtype, natural log-sum-exp of each
+    query's scaled scores [H, Tq] in fp32), the mask as ``varlen_causal_attention``'s."""
+    out, lse = [], []
+    for qa, qb, ka, kb in zip(cu_seqlens_q_cpu[:-1].tolist(), cu_seqlens_q_cpu[1:].tolist(),
+                              cu_seqlens_k_cpu[:-1].tolist(), cu_seqlens_k_cpu[1:].tolist()):
+        Tq, Tk = qb - qa, kb - ka
+        s = torch.einsum("qhd,khd->hqk", q[qa:qb].float(), k[ka:kb].float()) * scale
+        if causal:
+            visible = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril(diagonal=Tk - Tq)
+            s = s.masked_fill(~visible, float("-inf"))
+        m = s.logsumexp(-1)  # [H, Tq]
+        out.append(torch.einsum("hqk,khd->qhd", (s - m[..., None]).exp(), v[ka:kb].float()).to(q.dtype))
+        lse.append(m)
+    return torch.cat(out), torch.cat(lse, dim=1)
+
+
+def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, groups: int,
+                    align: int = 1, attend=attention_lse_ref, pieces=None, square=None) -> torch.Tensor:
+    """Bottom-right causal attention of one sequence, in parts merged by their log-sum-exps.
+
+    The cached prefix (the first ``P = Tk - Tq`` keys) is cut into ``m = min(groups, P // align)``
+    runs of ``L`` keys, L the largest multiple of ``align`` with ``m * L <= P``, which every
+    query sees whole: ``pieces(q, k, v, scale)`` attends to them, k and v [m, L, H, *],
+    unmasked, and returns (out [m, Tq, H, Dv], lse [m, H, Tq]); by default ``attend`` runs them
+    in one varlen call with the queries repeated per run. The rest of the keys (the prefix's
+    remainder and the queries' own) is the causal tail, bottom-right aligned: ``square(q, k, v,
+    scale)`` when given and the tail is exactly the queries' own keys, else ``attend`` causal.
+    ``attend`` has ``attention_lse_ref``'s form.
+
+    Args:
+        q: [Tq, H, D]; k: [Tk, H, D]; v: [Tk, H, Dv], Tk >= Tq.
+        groups: how many runs the prefix is cut into at most (at least 1).
+        align: a run's length is a multiple of this (a kernel's plan per shape: fewer shapes).
+
+    Returns:
+        [Tq, H, Dv] in q's dtype (the parts merged in fp32).
+    """
+    Tq, P = q.shape[0], k.shape[0] - q.shape[0]
+    m = min(groups, P // align)
+    L = P // max(m, 1) // align * align
+    outs, lses = [], []  # per kind of part: [parts, Tq, H, Dv] and [parts, H, Tq]
+    if m:
+        o, lse = (pieces or functools.partial(_pieces_by, attend))(
+            q, k[:m * L].unflatten(0, (m, L)), v[:m * L].unflatten(0, (m, L)), scale)
+        outs.append(o)
+        lses.append(lse)
+    tail = k.shape[0] - m * L
+    if square is not None and tail == Tq:
+        o, lse = square(q, k[m * L:], v[m * L:], scale)
+    else:
+        o, lse = attend(q, k[m * L:], v[m * L:], torch.tensor([0, Tq]), torch.tensor([0, tail]), scale, True)
+    if not m:
+        return o
+    outs.append(o[None])
+    lses.append(lse[None])
+    lse = torch.cat(lses)
+    w = (lse - lse.logsumexp(0)).exp().transpose(1, 2)[..., None]  # each part's share of a query's softmax
+    out = sum((o.float() * wi).sum(0) for o, wi in zip(outs, w.split([o.shape[0] for o in outs])))
+    return out.to(q.dtype)
+
+
+def _pieces_by(attend, q, k, v, scale):
+    """``split_attention``'s prefix pieces through ``attend``: one unmasked varlen call, the
+    queries repeated per piece."""
+    n, L = k.shape[:2]
+    Tq, H = q.shape[:2]
+    o, lse = attend(q.repeat(n, 1, 1), k.flatten(0, 1), v.flatten(0, 1), torch.arange(n + 1) * Tq,
+                    torch.arange(n + 1) * L, scale, False)
+    return o.unflatten(0, (n, Tq)), lse.unflatten(1, (n, Tq)).transpose(0, 1)
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _flash_lse(q, k, v, cu_seqlens_q_cpu, cu_seqlens_k_cpu, scale, causal):
+    """``attention_lse_ref`` by FlashAttention-2's varlen kernel (V padded to q's head dim)."""
+    Dv = v.shape[-1]
+    v = F.pad(v, (0, q.shape[-1] - Dv)).contiguous()
+    cu_q, cu_k = (t.int().pin_memory().to(q.device, non_blocking=True)  # pinned: no wait on the GPU
+                  for t in (cu_seqlens_q_cpu, cu_seqlens_k_cpu))
+    out, lse = torch.ops.aten._flash_attention_forward(
+        q.contiguous(), k.contiguous(), v, cu_q, cu_k, int(cu_seqlens_q_cpu.diff().max()),
+        int(cu_seqlens_k_cpu.diff().max()), 0.0, causal, False, scale=scale)[:2]
+    if lse.dim() == 3:  # the padded layout [N, H, max_q] of older builds
+        lse = lse.transpose(0, 1).flatten(1)[:, :q.shape[0]] if lse.shape[0] == 1 else \
+            torch.cat([lse[i, :, :b - a] for i, (a, b) in enumerate(zip(cu_seqlens_q_cpu[:-1].tolist(),
+                                                                        cu_seqlens_q_cpu[1:].tolist()))], 1)
+    return out[..., :Dv], lse  # [Tq, H, Dv], [H, Tq]
+
+
+def _cudnn_bucket(T: int) -> int:
+    """cuDNN plans are built per shape: lengths are padded up to eight sizes per octave (at most
+    12.5% more rows, at least 64)."""
+    step = 1 << max(6, T.bit_length() - 4)
+    return -(-T // step) * step
+
+
+_CUDNN_FAILED: list[str] = []
+
+
+def _cudnn(q, k, v, scale, causal):
+    """cuDNN's fused attention on [B, T, H, *] tensors (any strides, last dim contiguous):
+    (out [B, Tq, H, Dv], lse [B, H, Tq] fp32), or None once cuDNN has refused a call (warned
+    once; the callers then take FlashAttention-2)."""
+    if _CUDNN_FAILED:
+        return None
+    try:
+        out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            *(t.transpose(1, 2) for t in (q, k, v)), None, True, 0.0, causal, False, scale=scale)[:2]
+    except RuntimeError as e:
+        _CUDNN_FAILED.append(str(e))
+        warnings.warn(f"cuDNN's fused attention refused {list(q.shape)} x {list(k.shape)} queries x keys "
+                      f"({str(e).splitlines()[0]}); FlashAttention-2 from now on", stacklevel=3)
+        return None
+    return out.transpose(1, 2), lse.reshape(q.shape[0], q.shape[2], q.shape[1]).float()
+
+
+def _cudnn_square(q, k, v, scale):
+    """The causal square, its length padded up to ``_cudnn_bucket`` (padding at the end of a
+    top-left causal square changes no real row)."""
+    T, H = q.shape[:2]
+    B = _cudnn_bucket(T)
+    if B == T:
+        padded = [t.contiguous() for t in (q, k, v)]
+    else:
+        padded = [torch.zeros(B, H, t.shape[-1], dtype=t.dtype, device=t.device) for t in (q, k, v)]
+        for p, t in zip(padded, (q, k, v)):
+            p[:T] = t
+    res = _cudnn(*(p[None] for p in padded), scale, True)
+    if res is None:
+        return _flash_lse(q, k, v, torch.tensor([0, T]), torch.tensor([0, T]), scale, True)
+    return res[0][0, :T], res[1][0, :, :T]
+
+
+def _cudnn_pieces(q, k, v, scale):
+    """``split_attention``'s prefix runs k, v [m, L, H, *] in one cuDNN call: the queries copied
+    per run and padded up to ``_cudnn_bucket`` (padded queries of an unmasked call change no
+    real row). FlashAttention-2 if cuDNN refuses."""
+    m, Tq = k.shape[0], q.shape[0]
+    res = None
+    if not _CUDNN_FAILED:
+        B = _cudnn_bucket(Tq)
+        if m == 1 and B == Tq:
+            qs = q[None]
+        else:
+            qs = q.new_zeros(m, B, *q.shape[1:])
+            qs[:, :Tq] = q
+        res = _cudnn(qs, k, v, scale, False)
+    if res is None:
+        return _pieces_by(_flash_lse, q, k, v, scale)
+    return res[0][:, :Tq], res[1][:, :, :Tq]
+
+
+def _run_align(length: int) -> int:
+    """What a run of ``length`` prefix keys is rounded down to a multiple of: eight lengths per
+    octave, at least ``CUDNN_PIECE_KEYS`` (each length is a cuDNN plan; the rest, under 12.5%,
+    goes to the tail)."""
+    return max(CUDNN_PIECE_KEYS, 1 << max(0, length.bit_length() - 4))
+
+
+def _groups(q: torch.Tensor, rows: int) -> int:
+    """How many runs of the prefix go side by side so that their query blocks (``rows`` queries
+    x heads x runs) fill the SMs about four times."""
+    blocks = math.ceil(q.shape[0] / rows) * q.shape[1]
+    return max(1, math.ceil(4 * _sm_count(q.device) / blocks))

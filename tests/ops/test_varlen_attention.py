@@ -1,7 +1,8 @@
 """Bottom-right causal attention over packed sequences: the reference against a float64 loop
-written from the mask's definition, bad arguments, the docstring example; the ``gpu`` test
-compares the FlashAttention-2 varlen path with the reference (MLA's head dims: 192 for q and k,
-128 for v, and the debug model's 48 / 32)."""
+written from the mask's definition, bad arguments, the docstring example, one sequence in parts
+merged by their log-sum-exps; the ``gpu`` tests compare the FlashAttention-2 varlen path and the
+one-sequence parts (FlashAttention-2 pieces, cuDNN's causal square padded to a bucket) with the
+loop (MLA's head dims: 192 for q and k, 128 for v, and the debug model's 48 / 32)."""
 
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ def loop(q, k, v, cu_seqlens_q_cpu, cu_seqlens_k_cpu, scale, **_):
         qi, ki, vi = (t.double() for t in (q[cu_q[i]:cu_q[i + 1]], k[cu_k[i]:cu_k[i + 1]], v[cu_k[i]:cu_k[i + 1]]))
         Tq, Tk = qi.shape[0], ki.shape[0]
         scores = torch.einsum("qhd,khd->hqk", qi, ki) * scale
-        visible = torch.arange(Tk)[None, :] <= (Tk - Tq + torch.arange(Tq))[:, None]
+        pos_k, pos_q = torch.arange(Tk, device=qi.device), torch.arange(Tq, device=qi.device)
+        visible = pos_k[None, :] <= (Tk - Tq + pos_q)[:, None]
         p = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
         out.append(torch.einsum("hqk,khd->qhd", p, vi))
     return torch.cat(out)
@@ -61,6 +63,48 @@ def test_rejects_bad_arguments(name, bad, message):
         varlen_causal_attention(**x)
 
 
+@pytest.mark.parametrize("Tq, Tk", [(5, 5), (3, 10), (1, 9), (7, 30), (16, 17)])
+@pytest.mark.parametrize("groups, align", [(1, 1), (2, 1), (3, 2), (4, 3), (50, 1), (2, 40)])
+@pytest.mark.parametrize("own_parts", [False, True])
+def test_split_attention_matches_loop(Tq, Tk, groups, align, own_parts):
+    """The prefix in runs (as many as ``groups`` allows, lengths multiples of ``align``), then
+    the causal tail (the prefix's remainder and the queries' own keys), merged by their
+    log-sum-exps, give the one-pass result; the square is taken only for a tail of exactly the
+    queries' own keys."""
+    x = make_inputs([(Tq, Tk)], H=3, D=24, Dv=16)
+    calls = []
+
+    def square(q, k, v, scale):  # what the cuDNN square is given: the last Tq keys, causal
+        calls.append(("square", k.shape[0]))
+        one = torch.tensor([0, q.shape[0]])
+        return varlen_module.attention_lse_ref(q, k, v, one, one, scale, True)
+
+    def pieces(q, k, v, scale):  # what the cuDNN runs are given: [m, L, H, D]
+        calls.append(("pieces", tuple(k.shape[:2])))
+        return varlen_module._pieces_by(varlen_module.attention_lse_ref, q, k, v, scale)
+
+    got = varlen_module.split_attention(x["q"], x["k"], x["v"], x["scale"], groups, align,
+                                        pieces=pieces if own_parts else None,
+                                        square=square if own_parts else None)
+    assert rel_err(got, loop(**x)) < 1e-6
+    P = Tk - Tq
+    m = min(groups, P // align)
+    L = P // m // align * align if m else 0
+    want = ([("pieces", (m, L))] if m else []) + ([("square", Tq)] if Tk - m * L == Tq else [])
+    assert calls == (want if own_parts else [])
+    assert L % align == 0 and m * L <= P
+
+
+def test_attention_lse_ref_is_the_log_sum_exp():
+    x = make_inputs(SEQUENCES, H=2, D=8, Dv=4)
+    out, lse = varlen_module.attention_lse_ref(x["q"], x["k"], x["v"], x["cu_seqlens_q_cpu"],
+                                               x["cu_seqlens_k_cpu"], x["scale"], True)
+    assert rel_err(out, loop(**x)) < 1e-6
+    q, k = x["q"][:5], x["k"][:5]  # the first sequence: 5 of 5, query 2 sees keys 0..2
+    s = torch.einsum("hd,khd->hk", q[2], k[:3]) * x["scale"]
+    assert torch.allclose(lse[:, 2], s.logsumexp(-1), atol=1e-5)
+
+
 def test_docstring_examples_run():
     run_doctests(varlen_module)
 
@@ -80,3 +124,36 @@ def test_flash_varlen_matches_reference(D, Dv, H):
     assert rel_err(got.cpu(), want) < 1e-2, rel_err(got.cpu(), want)
     assert rel_err(ref.cpu(), want) < 1e-2
 
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("route", ["cudnn", "flash"])
+@pytest.mark.parametrize("Tq, Tk", [(1024, 9000), (600, 600), (600, 5000), (700, 1724), (1, 3000), (37, 1061)])
+def test_one_sequence_parts_match_loop(Tq, Tk, route, monkeypatch):
+    """One sequence on the device, sizes scaled down (by the module's thresholds): the prefix in
+    runs of multiples of 96 keys in cuDNN (or FlashAttention-2, when cuDNN has failed),
+    the tail in FlashAttention-2 or, from 512 queries, cuDNN's causal square padded to its bucket
+    (600 -> 640); v strided as the MLA layer's (a slice of kv_b_proj's output)."""
+    monkeypatch.setattr(varlen_module, "CUDNN_MIN_TOKENS", 512)
+    monkeypatch.setattr(varlen_module, "CUDNN_PIECE_KEYS", 96)
+    if route == "flash":
+        monkeypatch.setattr(varlen_module, "_CUDNN_FAILED", ["cuDNN refused (the test says so)"])
+    x = make_inputs([(Tq, Tk)], H=8, D=192, Dv=256, dtype=torch.bfloat16, device="cuda")
+    x["v"] = x["v"][..., 64:192]  # [Tk, 8, 128], rows 2,048 apart
+    got = varlen_causal_attention(**x)
+    want = loop(**x)  # float64 on the device
+    assert got.shape == (Tq, 8, 128) and got.dtype == torch.bfloat16
+    assert len(varlen_module._CUDNN_FAILED) == (route == "flash"), varlen_module._CUDNN_FAILED
+    # each part is rounded to bf16 before the fp32 merge: one more rounding than one kernel
+    assert rel_err(got.double(), want) < 1e-2, rel_err(got.double(), want)
+
+
+def test_prefix_runs_fill_the_sms_four_times(monkeypatch):
+    monkeypatch.setattr(varlen_module, "_sm_count", lambda device: 132)
+    q = torch.empty(1024, 8, 192)
+    assert varlen_module._groups(q, 64) == 5  # 128 blocks of 64 queries: 528 / 128 -> 5 runs
+    assert varlen_module._groups(torch.empty(16384, 8, 192), 64) == 1
+    assert varlen_module._groups(torch.empty(1, 8, 192), 64) == 66
+    # run lengths: eight per octave, so 31,744 keys in 5 runs are 5 x 6,144 and a tail of 1,024
+    assert [varlen_module._run_align(n) for n in (100, 4095, 6348, 16384)] == [256, 256, 512, 2048]
