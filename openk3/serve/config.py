@@ -19,9 +19,8 @@ class EngineConfig:
     Scheduling and requests:
         max_num_seqs: sequences running at once (also the number of KDA state slots).
         max_num_batched_tokens: tokens per step, decodes plus prefill chunks (the chunked-prefill
-            budget). 16384: every eager prefill pass (one longer than ``prefill_graph_tokens``)
-            pays a fixed host cost (~0.1 s measured for ``small``), so fewer, larger chunks cut
-            time to first token (a 32K prompt in 2 passes
+            budget). 16384: every prefill pass pays a fixed cost (~0.1 s of host time for
+            ``small`` eagerly, less as a graph), so fewer, larger chunks cut time to first token (a 32K prompt in 2 passes
             instead of 8 at 4096); activations of 16K tokens fit an H200 easily, while a larger
             budget would stall the decodes sharing a step for longer. With prefix caching
             chunks still end at every ``kda_checkpoint_interval``.
@@ -56,14 +55,17 @@ class EngineConfig:
         cuda_graphs: capture decode steps, and with speculative decoding the verify step, its
             rollback and the drafts' steps, as CUDA graphs, one per batch bucket (GPU fast paths
             only: not with ``OPENK3_REFERENCE=1``).
-        prefill_graph_tokens: prefill passes of at most this many tokens run as CUDA graphs too,
-            padded to the next power of two (at least 64), split at the MLA layers' attention,
-            which runs eagerly between the pieces (its keys are every chunk's whole prefix: no
-            fixed shape). A prefill pass of ``small`` costs ~0.12-0.2 s of host time whatever
-            its size (issue P8); a graph replays it in far less. The graphs' memory (the
-            largest size's activations, and per size the MLA layers' attention inputs and
-            outputs, all held) is outside ``cache_memory_gb``: lower this, or 0 (off), when
-            the GPU is short of memory.
+        prefill_graph_tokens: prefill passes of at most this many tokens run as CUDA graphs too
+            (None: ``max_num_batched_tokens``, every pass without images), padded to their
+            bucket (``prefill_bucket``: a power of two up to 4,096 tokens, at least 64; eight
+            sizes per octave above), split at the MLA layers' attention, which runs eagerly
+            between the pieces (its keys are every chunk's whole prefix: no fixed shape). An
+            eager prefill pass of ``small`` costs ~0.12-0.2 s of host time whatever its size,
+            and even a 32K-token pass left its GPU idle for 28 of 156 ms (issue P8); a graph
+            replays it in far less. The first pass of each size pays the capture (~0.4 s). The
+            graphs' memory (the largest size's activations, and per size the MLA layers'
+            attention inputs and outputs, all held) is outside ``cache_memory_gb``: lower
+            this, or 0 (off), when the GPU is short of memory.
     """
 
     max_num_seqs: int = 32
@@ -81,7 +83,7 @@ class EngineConfig:
     num_speculative_tokens: int = 0
     draft: str | None = None
     cuda_graphs: bool = True
-    prefill_graph_tokens: int = 8192
+    prefill_graph_tokens: int | None = None
 
     def __post_init__(self):
         def bad(name: str, why: str) -> ValueError:
@@ -95,7 +97,7 @@ class EngineConfig:
                 raise bad(name, "must be positive")
         if self.num_kda_checkpoints < 0:
             raise bad("num_kda_checkpoints", "must be >= 0")
-        if self.prefill_graph_tokens < 0:
+        if self.prefill_graph_tokens is not None and self.prefill_graph_tokens < 0:
             raise bad("prefill_graph_tokens", "must be >= 0 (0 turns prefill graphs off)")
         if self.num_speculative_tokens < 0:
             raise bad("num_speculative_tokens", "must be >= 0 (0 turns speculative decoding off)")

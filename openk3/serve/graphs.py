@@ -172,3 +172,13 @@ class Graphs(dict):
 def bucket(n: int) -> int:
     """The batch size a graph of ``n`` rows is captured for: the next power of two."""
     return 1 << (n - 1).bit_length()
+
+
+def prefill_bucket(n: int) -> int:
+    """The padded size of a prefill pass of ``n`` tokens: the next power of two up to 4,096 (at
+    least 64), above it the next multiple of an eighth of the octave (at most 12.5% padding:
+    large passes are GPU-bound, and their padding is GPU time)."""
+    if n <= 4096:
+        return max(64, bucket(n))
+    step = 1 << ((n - 1).bit_length() - 4)
+    return -(-n // step) * step

@@ -56,7 +56,7 @@ import torch
 from openk3.model.fuse import fuse_projections
 from openk3.ops.fast import use_fast_path
 from openk3.serve.config import EngineConfig
-from openk3.serve.graphs import CapturedGraph, EagerPieces, Graphs, PiecewiseGraph, bucket
+from openk3.serve.graphs import CapturedGraph, EagerPieces, Graphs, PiecewiseGraph, bucket, prefill_bucket
 from openk3.serve.paged_views import DecodeBatch, KDAPool, PagedKDAView, PagedMLAView, PrefillBatch
 from openk3.serve.scheduler import SchedulerOutput
 from openk3.serve.sequence import Sequence
@@ -167,9 +167,6 @@ def _in_prefill_group(seq: Sequence, n: int) -> bool:
     return n > 1 or bool(seq.image_keys(seq.num_computed_tokens - 1, seq.num_computed_tokens))
 
 
-PREFILL_GRAPH_MIN_TOKENS = 64  # the smallest padded prefill (one chunk of fla's KDA kernels)
-
-
 class _PaddedPrefill:
     """A prefill pass of ``Tb`` padded tokens (``ModelRunner._padded_prefill``): its static inputs
     (token ids [1, Tb], chunk offsets [max_num_seqs + 1], state slots [max_num_seqs]) and the one
@@ -240,7 +237,9 @@ class ModelRunner:
         self._graphs = Graphs(graphs)  # the decode pass, by batch bucket
         # prefill passes of up to ``prefill_graph_tokens`` tokens, by padded size: a pool of their
         # own (a step's prefill replays after its decode pass, whose logits are still to be read)
-        self.pad_prefill = graphs and config.prefill_graph_tokens > 0
+        self.prefill_graph_tokens = (config.max_num_batched_tokens if config.prefill_graph_tokens is None
+                                     else config.prefill_graph_tokens)
+        self.pad_prefill = graphs and self.prefill_graph_tokens > 0
         self._prefill_graphs = Graphs(graphs)
         self._prefill_passes: dict[int, _PaddedPrefill] = {}
         # the verify pass has a memory pool of its own: it replays in the same step as a decode
@@ -267,7 +266,10 @@ class ModelRunner:
                 "kda_state": self.kda_state.nbytes(), "kda_checkpoints": self.kda_checkpoints.nbytes()}
 
     def _upload(self, *parts: list[int]) -> list[torch.Tensor]:
-        """One host -> device copy for several lists of ints: int64 device tensors, one per list."""
+        """One host -> device copy for several lists of ints: int64 device tensors, one per list.
+        (An ``array`` pinned per call was faster alone, 2.3 against 4.5 ms for 66K ints on the
+        H200's host, but left a 32K-token prefill's GPU idle 7.4 ms here against 3.0:
+        docs/benchmarks.md, twenty-first session.)"""
         host = torch.tensor(list(itertools.chain.from_iterable(parts)), dtype=torch.long, pin_memory=self._pin)
         return list(host.to(self.device, non_blocking=True).split([len(p) for p in parts]))
 
@@ -510,7 +512,7 @@ class ModelRunner:
             cu_k.append(cu_k[-1] + start + len(token_ids))  # the segment attends over its whole prefix
             starts.append(start)
             slots.append(slot)
-        if self.pad_prefill and image_features is None and cu_q[-1] <= self.config.prefill_graph_tokens:
+        if self.pad_prefill and image_features is None and cu_q[-1] <= self.prefill_graph_tokens:
             return self._padded_prefill(ids, cu_q, cu_k, starts, slots, rows)
         ids, cu_q_dev, cu_k_dev, starts, slots, rows, image_rows = self._upload(
             ids, cu_q, cu_k, starts, slots, rows, list(image_rows))
@@ -531,7 +533,7 @@ class ModelRunner:
         attention runs eagerly between the pieces on this step's ``PrefillBatch``. Without CUDA
         graphs (a CPU test) the same padded pass runs eagerly."""
         T, N = cu_q[-1], len(slots)
-        Tb, Nmax = max(PREFILL_GRAPH_MIN_TOKENS, bucket(T)), self.config.max_num_seqs
+        Tb, Nmax = prefill_bucket(T), self.config.max_num_seqs
         ids_pad, cu_pad, slots_pad, cu_q_dev, cu_k_dev, starts, slots, rows = self._upload(
             ids + [0] * (Tb - T), cu_q + [T] * (Nmax - N), slots + [self.scratch_slot] * (Nmax - N),
             cu_q, cu_k, starts, slots, rows)

@@ -115,3 +115,25 @@ def test_one_host_copy_for_tokens_and_one_for_logprobs_per_step(model, monkeypat
             steps += 1
             assert reads == ["tolist", "tolist"], reads  # sampled ids, then log-probs
     assert steps >= 6
+
+
+def test_prefill_buckets_pad_little_and_stay_few():
+    """Powers of two up to 4,096 tokens (at least 64), eight sizes per octave above: a pass is
+    padded by at most 12.5% there, and 16K tokens of passes need at most 23 graphs."""
+    from openk3.serve.graphs import prefill_bucket
+
+    assert [prefill_bucket(n) for n in (1, 64, 65, 4096, 4097, 5000, 8192, 8193, 16384, 20000, 32768)] == \
+        [64, 64, 128, 4096, 4608, 5120, 8192, 9216, 16384, 20480, 32768]
+    sizes = {prefill_bucket(n) for n in range(1, 16385)}
+    assert len(sizes) == 23 and all(prefill_bucket(n) >= n for n in range(1, 40000, 7))
+    assert max(prefill_bucket(n) / n for n in range(4097, 40000, 3)) <= 1.125
+
+
+def test_prefill_graphs_default_to_the_token_budget(model):
+    assert EngineConfig().prefill_graph_tokens is None
+    with pytest.raises(ValueError, match="prefill_graph_tokens"):
+        EngineConfig(prefill_graph_tokens=-1)
+    runner = ModelRunner(model, EngineConfig(max_num_seqs=2, max_num_batched_tokens=300, max_model_len=256))
+    assert runner.prefill_graph_tokens == 300
+    runner = ModelRunner(model, EngineConfig(max_num_seqs=2, prefill_graph_tokens=64, max_model_len=256))
+    assert runner.prefill_graph_tokens == 64
