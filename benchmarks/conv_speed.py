@@ -3,6 +3,7 @@
 and the training router's expert choice, ``torch.topk`` against the Triton kernel.
 
     python benchmarks/conv_speed.py [--batch 4 --seq 4096 --channels 1024]
+    python benchmarks/conv_speed.py --varlen   # the serving prefill's kernel, by block size
 
 Defaults: one of `small`'s three convolutions (q, k or v: 8 heads x 128) at batch 4 x 4096, bf16
 activations, fp32 weights (autocast training). GPU kernel time from the profiler (the host's
@@ -34,8 +35,13 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--channels", type=int, default=1024)
+    ap.add_argument("--varlen", action="store_true",
+                    help="only the serving prefill's kernel: one 32K-token sequence with a state, "
+                         "q|k|v of `small` (3,072 channels) as the fused projection's column slice")
     args = ap.parse_args()
     print(environment())
+    if args.varlen:
+        return varlen_blocks()
     B, T, C = args.batch, args.seq, args.channels
     x = torch.randn(B, T, C, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w = torch.randn(C, 1, 4, device="cuda", requires_grad=True)
@@ -85,6 +91,34 @@ def main() -> None:
                      "floor_us": N * E * 4 / BANDWIDTH * 1e6})
         print(f"router choice with autograd ({backend:6s}) {us:7.1f} us  (floor {N * E * 4 / BANDWIDTH * 1e6:.1f})")
     write_results("conv_speed", rows)
+
+
+def varlen_blocks() -> None:
+    """``conv_varlen_fwd_kernel`` (no autograd, a state, ``cu_seqlens``) over `small`'s fused
+    q|k|v columns of a 32K-token prefill, the projection's row of 4,232 columns, by block size,
+    against fla's varlen kernel; floor: x read and y written once."""
+    T, C, W = 32768, 3072, 4
+    proj = torch.randn(1, T, C + 1160, device="cuda", dtype=torch.bfloat16)
+    x, w = proj[..., :C], torch.randn(C, 1, W, device="cuda")
+    state = torch.zeros(1, C, W - 1, device="cuda")
+    cu = torch.tensor([0, T], device="cuda")
+    floor = 2 * T * C * 2 / BANDWIDTH * 1e6
+    rows = []
+    with torch.no_grad():
+        want, _ = causal_conv1d(x, w, state, cu, backend="fla")
+        us = gpu_us(lambda: causal_conv1d(x, w, state, cu, backend="fla"))["total"]
+        rows.append({"variant": "fla varlen", "fwd_us": us, "floor_us": floor})
+        print(rows[-1], flush=True)
+        default = conv_ops.VARLEN_BLOCKS
+        for conv_ops.VARLEN_BLOCKS in [(32, 128, 4), (64, 128, 4), (16, 256, 4), (32, 256, 4), (64, 256, 8),
+                                       (128, 64, 4), (8, 512, 4), (64, 64, 2)]:
+            fn = lambda: causal_conv1d(x, w, state, cu, backend="triton")  # noqa: E731
+            us = gpu_us(fn)["total"]
+            rows.append({"variant": f"openk3 varlen {conv_ops.VARLEN_BLOCKS}", "fwd_us": us, "floor_us": floor,
+                         "rel_err_vs_fla": rel_err(fn()[0], want)})
+            print(rows[-1], flush=True)
+        conv_ops.VARLEN_BLOCKS = default
+    write_results("conv_varlen_speed", rows)
 
 
 if __name__ == "__main__":

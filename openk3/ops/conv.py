@@ -31,6 +31,8 @@ and drops it from the result.
 
 from __future__ import annotations
 
+import math
+
 import os
 
 import torch
@@ -208,7 +210,7 @@ def _conv_varlen_triton(x: torch.Tensor, weight: torch.Tensor, conv_state: torch
     bt, bc, warps = VARLEN_BLOCKS
     conv_varlen_fwd_kernel[(triton.cdiv(B * T, bt), triton.cdiv(C, bc))](
         rows, w, y, state, seq, cu, B * T, C, rows.stride(0), HAS_STATE=state is not None, W=W,
-        BLOCK_T=bt, BLOCK_C=bc, num_warps=warps)
+        BLOCK_T=bt, BLOCK_C=bc, ROW_ALIGN=math.gcd(rows.stride(0), 16), num_warps=warps)
     new = torch.empty(N, C, W - 1, device=x.device, dtype=x.dtype)
     conv_varlen_state_kernel[(N, triton.cdiv(C, 1024))](
         rows, state, new, cu, C, rows.stride(0), HAS_STATE=state is not None, W=W, BLOCK_C=1024)

@@ -170,7 +170,7 @@ def conv_bwd_walk_kernel(x_ptr, w_ptr, dy_ptr, dx_ptr, dw_ptr, T, C, stride_xb, 
 @triton.jit
 def conv_varlen_fwd_kernel(x_ptr, w_ptr, y_ptr, state_ptr, seq_ptr, cu_ptr, T, C, stride_xt,
                            HAS_STATE: tl.constexpr, W: tl.constexpr, BLOCK_T: tl.constexpr,
-                           BLOCK_C: tl.constexpr):
+                           BLOCK_C: tl.constexpr, ROW_ALIGN: tl.constexpr):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     t_ok, c_ok = t < T, c < C
@@ -181,7 +181,8 @@ def conv_varlen_fwd_kernel(x_ptr, w_ptr, y_ptr, state_ptr, seq_ptr, cu_ptr, T, C
         w = tl.load(w_ptr + c * W + j, mask=c_ok, other=0.0).to(tl.float32)
         p = t.to(tl.int64) - (W - 1) + j                             # the input this tap reads
         in_x = (t_ok & (p >= start))[:, None] & c_ok[None, :]
-        tap = tl.load(x_ptr + p[:, None] * stride_xt + c[None, :], mask=in_x, other=0.0).to(tl.float32)
+        row = tl.multiple_of(p * stride_xt, ROW_ALIGN)  # vector loads along a row need to know it
+        tap = tl.load(x_ptr + row[:, None] + c[None, :], mask=in_x, other=0.0).to(tl.float32)
         if HAS_STATE:  # column p - start + W - 1 of the sequence's state
             in_state = (t_ok & (p < start))[:, None] & c_ok[None, :]
             col = p - start + (W - 1)
