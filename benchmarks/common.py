@@ -106,7 +106,7 @@ def profile(fn, label: str, rows: int = 20) -> dict:
     launches = sum(e.name in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx",
                               "cudaLaunchKernelExC") for e in prof.events())
     summary = {"profile": label, "wall_ms": 1e3 * wall, "gpu_busy_ms": 1e3 * busy,
-               "kernels": len(kernels), "launch_calls": launches}
+               "kernels": len(kernels), "launch_calls": launches, **_gpu_idle(kernels, prof)}
     print(summary)
     _save_profile(label, kernels, prof)
     table = prof.key_averages()
@@ -122,6 +122,32 @@ def profile(fn, label: str, rows: int = 20) -> dict:
     pstats.Stats(pr, stream=text).sort_stats("cumulative").print_stats(rows)
     print(text.getvalue(), flush=True)
     return summary
+
+
+def _gpu_idle(kernels: list, prof, top: int = 12) -> dict:
+    """Where the GPU waits in the profiled call: idle time before its first kernel and after its
+    last (from the first and to the last host event), and the longest gaps between kernels,
+    each with the kernels on either side and the host ops that began in it (what the host was
+    doing while the GPU had nothing queued)."""
+    if not kernels:
+        return {}
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in kernels)
+    host = sorted((e.time_range.start, e.name) for e in prof.events()
+                  if e.device_type == torch.autograd.DeviceType.CPU)
+    gaps, end, prev = [], spans[0][1], spans[0][2]
+    for a, b, name in spans[1:]:
+        if a > end:
+            gaps.append((a - end, end, prev[:60], name[:60]))
+        if b > end:
+            end, prev = b, name
+    gaps.sort(reverse=True)
+    detail = []
+    for gap, at, before, after in gaps[:top]:
+        ops = [n for t, n in host if at <= t < at + gap and not n.startswith("cuda")][:8]
+        detail.append({"us": round(gap, 1), "after": before, "before": after, "host": ops})
+    return {"idle_before_first_kernel_ms": (spans[0][0] - host[0][0]) / 1e3 if host else None,
+            "idle_after_last_kernel_ms": (host[-1][0] - end) / 1e3 if host else None,
+            "idle_between_kernels_ms": sum(g[0] for g in gaps) / 1e3, "longest_gaps": detail}
 
 
 def _save_profile(label: str, kernels: list, prof) -> None:
