@@ -31,7 +31,8 @@ from openk3.ops.varlen_attention import _flash_varlen, varlen_causal_attention
 H, DQK, DV = 8, 192, 128
 CASES = {"cold 1x32768": [(32768, 0)], "warm 1x1024 after 31744": [(1024, 31744)],
          "warm 1x512 after 30720": [(512, 30720)], "1x16384 after 16384": [(16384, 16384)],
-         "cold 1x20000": [(20000, 0)], "cold 1x8192": [(8192, 0)],
+         "cold 1x20000": [(20000, 0)], "cold 1x8192": [(8192, 0)], "cold 1x1024": [(1024, 0)],
+         "1x1024 after 1024": [(1024, 1024)],
          "64x128 cold": [(128, 0)] * 64, "2x16384 after 16384": [(16384, 16384)] * 2}
 ROWS: list[dict] = []
 

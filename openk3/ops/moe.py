@@ -64,7 +64,10 @@ def sort_pairs(topk_idx: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, 
     indices, stable), each sorted pair's token, and the pairs per expert [num_experts] (a
     ``scatter_add_``, not ``bincount``: no host sync, so decode steps can be CUDA graphs)."""
     flat_idx = topk_idx.reshape(-1)
-    order = flat_idx.argsort(stable=True)
+    # 16-bit keys: a radix sort passes over the key's bits (cub: 8 bits a pass), and expert ids
+    # need far fewer than int64's 64 (the sort was 0.8 ms of a 1,024-token prefill of `small`)
+    keys = flat_idx.to(torch.int16 if num_experts <= torch.iinfo(torch.int16).max else torch.int32)
+    order = keys.argsort(stable=True)
     counts = flat_idx.new_zeros(num_experts).scatter_add_(0, flat_idx, torch.ones_like(flat_idx))
     return order, order // topk_idx.shape[1], counts
 

@@ -18,10 +18,12 @@ every query sees all keys of its own sequence (the vision tower: the patches of 
   tail (the prefix's remainder and the queries' own keys). On CUDA the prefix goes to cuDNN's
   fused attention (Hopper kernels, 2.3x FlashAttention-2's rate, V at its own head dim) in one
   batched call, cut into as many runs as fill the SMs about four times (a 1,024-token chunk
-  alone is only 128 blocks of 64 queries); the tail runs in FlashAttention-2, or from
-  ``CUDNN_MIN_TOKENS`` queries and no remainder in cuDNN as a causal square. cuDNN builds a
-  plan per shape (~40 ms, once): query lengths are padded to eight buckets per octave (padding
-  queries of an unmasked call, or at the end of a top-left causal square, changes no real
+  alone is only 128 blocks of 64 queries; less work than ``CUDNN_MIN_PAIRS`` stays in
+  FlashAttention-2, cut the same way); the tail runs in FlashAttention-2, or from
+  ``CUDNN_MIN_TOKENS`` queries in cuDNN as a top-left causal square (``square_by``: zero
+  queries in front of the real ones make its alignment the bottom-right one). cuDNN builds a
+  plan per shape (~40 ms, once): lengths are padded to eight buckets per octave (padding
+  queries of an unmasked call, or keys at the end of a top-left causal square, change no real
   row), and run lengths are rounded down to eight per octave (``_run_align``; the rest joins
   the tail), so the key side has a few plans per run count. (cuDNN's own varlen entry point
   spent ~55 ms of host time per call: docs/benchmarks.md, twentieth session.)
@@ -39,7 +41,10 @@ import torch.nn.functional as F
 
 from openk3.ops.fast import use_fast_path
 
-CUDNN_MIN_TOKENS = 4096  # a causal square this long runs in cuDNN's fused attention
+CUDNN_MIN_TOKENS = 1024  # a causal tail of this many queries runs in cuDNN's fused attention
+CUDNN_MIN_PAIRS = 1 << 23  # queries x prefix keys from which the prefix runs in cuDNN: less work
+# than a 512-token chunk over a 16K prefix is quick in FlashAttention-2, and a cuDNN plan (built
+# per shape, 40-150 ms the first time) would cost more than it saves
 CUDNN_PIECE_KEYS = 256  # cuDNN's runs of prefix keys are multiples of at least this (fewer plans)
 
 
@@ -106,10 +111,11 @@ def varlen_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     D, Dv = q.shape[-1], v.shape[-1]
     if use_fast_path(q) and q.dtype in (torch.bfloat16, torch.float16) and Dv <= D <= 256 and D % 8 == 0:
         Tq, P = q.shape[0], k.shape[0] - q.shape[0]
-        if causal and cu_seqlens_q_cpu.numel() == 2 and (P > 0 or Tq >= CUDNN_MIN_TOKENS):
+        if causal and cu_seqlens_q_cpu.numel() == 2 and Tq and (P > 0 or Tq >= CUDNN_MIN_TOKENS):
             m = _groups(q, 64)
             return split_attention(q, k, v, scale, m, _run_align(P // m), attend=_flash_lse,
-                                   pieces=_cudnn_pieces, square=_cudnn_square if Tq >= CUDNN_MIN_TOKENS else None)
+                                   pieces=_cudnn_pieces if Tq * P >= CUDNN_MIN_PAIRS else None,
+                                   square=_cudnn_tail)
         return _flash_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, cu_seqlens_q_cpu, cu_seqlens_k_cpu,
                              scale, causal)
     return varlen_causal_attention_ref(q, k, v, cu_seqlens_q_cpu, cu_seqlens_k_cpu, scale, causal)
@@ -155,7 +161,7 @@ def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     unmasked, and returns (out [m, Tq, H, Dv], lse [m, H, Tq]); by default ``attend`` runs them
     in one varlen call with the queries repeated per run. The rest of the keys (the prefix's
     remainder and the queries' own) is the causal tail, bottom-right aligned: ``square(q, k, v,
-    scale)`` when given and the tail is exactly the queries' own keys, else ``attend`` causal.
+    scale)`` when given and it does not decline (returns None), else ``attend`` causal.
     ``attend`` has ``attention_lse_ref``'s form.
 
     Args:
@@ -176,10 +182,9 @@ def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
         outs.append(o)
         lses.append(lse)
     tail = k.shape[0] - m * L
-    if square is not None and tail == Tq:
-        o, lse = square(q, k[m * L:], v[m * L:], scale)
-    else:
-        o, lse = attend(q, k[m * L:], v[m * L:], torch.tensor([0, Tq]), torch.tensor([0, tail]), scale, True)
+    res = None if square is None else square(q, k[m * L:], v[m * L:], scale)
+    o, lse = res if res is not None else attend(q, k[m * L:], v[m * L:], torch.tensor([0, Tq]),
+                                                torch.tensor([0, tail]), scale, True)
     if not m:
         return o
     outs.append(o[None])
@@ -240,6 +245,8 @@ def _cudnn(q, k, v, scale, causal):
     try:
         out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
             *(t.transpose(1, 2) for t in (q, k, v)), None, True, 0.0, causal, False, scale=scale)[:2]
+    except torch.OutOfMemoryError:
+        raise  # not a refusal: the caller's to handle, cuDNN stays on
     except RuntimeError as e:
         _CUDNN_FAILED.append(str(e))
         warnings.warn(f"cuDNN's fused attention refused {list(q.shape)} x {list(k.shape)} queries x keys "
@@ -248,21 +255,38 @@ def _cudnn(q, k, v, scale, causal):
     return out.transpose(1, 2), lse.reshape(q.shape[0], q.shape[2], q.shape[1]).float()
 
 
-def _cudnn_square(q, k, v, scale):
-    """The causal square, its length padded up to ``_cudnn_bucket`` (padding at the end of a
-    top-left causal square changes no real row)."""
-    T, H = q.shape[:2]
-    B = _cudnn_bucket(T)
-    if B == T:
+def square_by(dense, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
+    """The causal tail (Tq queries, the last of Tk >= Tq keys, bottom-right aligned) through a
+    top-left causal kernel ``dense(q, k, v, scale, causal)`` on [1, B, H, *] tensors, which
+    returns (out [1, B, H, Dv], lse [1, H, B]) or None: one square of B rows, Tk padded up to
+    ``_cudnn_bucket``. The queries sit in rows Tk - Tq .. Tk - 1, where top-left and
+    bottom-right alignment agree; the rows before them are zero queries and the rows after are
+    zero keys, which no real row sees. Their results are dropped. Returns None if ``dense``
+    does."""
+    Tq, H = q.shape[:2]
+    Tk = k.shape[0]
+    B, front = _cudnn_bucket(Tk), Tk - Tq
+    if B == Tk and not front:
         padded = [t.contiguous() for t in (q, k, v)]
     else:
         padded = [torch.zeros(B, H, t.shape[-1], dtype=t.dtype, device=t.device) for t in (q, k, v)]
-        for p, t in zip(padded, (q, k, v)):
-            p[:T] = t
-    res = _cudnn(*(p[None] for p in padded), scale, True)
+        padded[0][front:Tk] = q
+        padded[1][:Tk] = k
+        padded[2][:Tk] = v
+    res = dense(*(p[None] for p in padded), scale, True)
     if res is None:
-        return _flash_lse(q, k, v, torch.tensor([0, T]), torch.tensor([0, T]), scale, True)
-    return res[0][0, :T], res[1][0, :, :T]
+        return None
+    return res[0][0, front:Tk], res[1][0, :, front:Tk]
+
+
+def _cudnn_tail(q, k, v, scale):
+    """``split_attention``'s tail in cuDNN (``square_by``) from ``CUDNN_MIN_TOKENS`` queries and
+    a prefix remainder no longer than the queries (its zero query rows are wasted work); None
+    (FlashAttention-2) otherwise or if cuDNN refuses."""
+    Tq = q.shape[0]
+    if _CUDNN_FAILED or Tq < CUDNN_MIN_TOKENS or k.shape[0] - Tq > Tq:
+        return None
+    return square_by(_cudnn, q, k, v, scale)
 
 
 def _cudnn_pieces(q, k, v, scale):

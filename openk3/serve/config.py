@@ -57,15 +57,16 @@ class EngineConfig:
             only: not with ``OPENK3_REFERENCE=1``).
         prefill_graph_tokens: prefill passes of at most this many tokens run as CUDA graphs too
             (None: ``max_num_batched_tokens``, every pass without images), padded to their
-            bucket (``prefill_bucket``: a power of two up to 4,096 tokens, at least 64; eight
+            bucket (``prefill_bucket``: a power of two up to 4,096 tokens, at least 64; two
             sizes per octave above), split at the MLA layers' attention, which runs eagerly
             between the pieces (its keys are every chunk's whole prefix: no fixed shape). An
             eager prefill pass of ``small`` costs ~0.12-0.2 s of host time whatever its size,
             and even a 32K-token pass left its GPU idle for 28 of 156 ms (issue P8); a graph
             replays it in far less. The first pass of each size pays the capture (~0.4 s). The
             graphs' memory (the largest size's activations, and per size the MLA layers'
-            attention inputs and outputs, all held) is outside ``cache_memory_gb``: lower
-            this, or 0 (off), when the GPU is short of memory.
+            attention inputs and outputs, all held: ~3 GB for ``small``'s 11 sizes up to
+            16,384 tokens) is outside ``cache_memory_gb``: lower this, or 0 (off), when the
+            GPU is short of memory.
     """
 
     max_num_seqs: int = 32

@@ -176,9 +176,11 @@ def bucket(n: int) -> int:
 
 def prefill_bucket(n: int) -> int:
     """The padded size of a prefill pass of ``n`` tokens: the next power of two up to 4,096 (at
-    least 64), above it the next multiple of an eighth of the octave (at most 12.5% padding:
-    large passes are GPU-bound, and their padding is GPU time)."""
+    least 64), above it the next multiple of half the octave (4,096, 6,144, 8,192, 12,288, ...:
+    large passes are GPU-bound and their padding is GPU time, but every size's graph holds its
+    MLA layers' attention inputs and outputs: `small`'s sizes up to 16,384 hold ~3 GB, eight
+    sizes per octave would hold ~9 GB)."""
     if n <= 4096:
         return max(64, bucket(n))
-    step = 1 << ((n - 1).bit_length() - 4)
+    step = 1 << ((n - 1).bit_length() - 2)
     return -(-n // step) * step

@@ -300,3 +300,14 @@ def test_combine_kernel_matches_the_autograd_path(dtype):
         ref = openk3.ops.moe.combine_pairs(ys.requires_grad_(), order, w).detach()
         assert fast.dtype == torch.float32
         assert (fast - ref).abs().max().item() <= 1e-6 * ref.abs().max().item(), (N, k, D)
+
+
+@pytest.mark.parametrize("E", [64, 40000])
+def test_sort_pairs_is_the_stable_sort_by_expert(E):
+    """16-bit sort keys (32-bit past 32,767 experts) give int64's stable order, tokens and counts."""
+    g = torch.Generator().manual_seed(E)
+    topk_idx = torch.rand(37, E, generator=g).topk(4).indices
+    order, token_of_pair, counts = openk3.ops.moe.sort_pairs(topk_idx, E)
+    want = topk_idx.reshape(-1).argsort(stable=True)
+    assert torch.equal(order, want) and torch.equal(token_of_pair, want // 4)
+    assert torch.equal(counts, torch.bincount(topk_idx.reshape(-1), minlength=E))

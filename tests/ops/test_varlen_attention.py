@@ -68,16 +68,14 @@ def test_rejects_bad_arguments(name, bad, message):
 @pytest.mark.parametrize("own_parts", [False, True])
 def test_split_attention_matches_loop(Tq, Tk, groups, align, own_parts):
     """The prefix in runs (as many as ``groups`` allows, lengths multiples of ``align``), then
-    the causal tail (the prefix's remainder and the queries' own keys), merged by their
-    log-sum-exps, give the one-pass result; the square is taken only for a tail of exactly the
-    queries' own keys."""
+    the causal tail (the prefix's remainder and the queries' own keys; with ``own_parts`` as a
+    padded top-left square), merged by their log-sum-exps, give the one-pass result."""
     x = make_inputs([(Tq, Tk)], H=3, D=24, Dv=16)
     calls = []
 
-    def square(q, k, v, scale):  # what the cuDNN square is given: the last Tq keys, causal
+    def square(q, k, v, scale):  # what the cuDNN tail is given: the last keys, bottom-right causal
         calls.append(("square", k.shape[0]))
-        one = torch.tensor([0, q.shape[0]])
-        return varlen_module.attention_lse_ref(q, k, v, one, one, scale, True)
+        return varlen_module.square_by(dense_ref, q, k, v, scale)
 
     def pieces(q, k, v, scale):  # what the cuDNN runs are given: [m, L, H, D]
         calls.append(("pieces", tuple(k.shape[:2])))
@@ -90,9 +88,30 @@ def test_split_attention_matches_loop(Tq, Tk, groups, align, own_parts):
     P = Tk - Tq
     m = min(groups, P // align)
     L = P // m // align * align if m else 0
-    want = ([("pieces", (m, L))] if m else []) + ([("square", Tq)] if Tk - m * L == Tq else [])
+    want = ([("pieces", (m, L))] if m else []) + [("square", Tk - m * L)]
     assert calls == (want if own_parts else [])
     assert L % align == 0 and m * L <= P
+
+
+def dense_ref(q, k, v, scale, causal):
+    """What ``square_by`` asks of cuDNN, by the reference: [1, B, H, *] in, top-left causal
+    (a square: the same as bottom-right), (out [1, B, H, Dv], lse [1, H, B]) out."""
+    one = torch.tensor([0, q.shape[1]])
+    out, lse = varlen_module.attention_lse_ref(q[0], k[0], v[0], one, torch.tensor([0, k.shape[1]]), scale,
+                                               causal)
+    return out[None], lse[None]
+
+
+@pytest.mark.parametrize("Tq, Tk", [(1, 1), (5, 5), (3, 10), (64, 64), (65, 70), (40, 130), (1, 200)])
+def test_square_by_puts_a_bottom_right_tail_in_a_top_left_square(Tq, Tk):
+    """Zero queries in front, zero keys after (up to the bucket: 70 -> 128, 130 -> 192): the real
+    rows' outputs and log-sum-exps are the bottom-right tail's; a declining kernel declines."""
+    x = make_inputs([(Tq, Tk)], H=2, D=16, Dv=8)
+    got = varlen_module.square_by(dense_ref, x["q"], x["k"], x["v"], x["scale"])
+    want = varlen_module.attention_lse_ref(x["q"], x["k"], x["v"], x["cu_seqlens_q_cpu"],
+                                           x["cu_seqlens_k_cpu"], x["scale"], True)
+    assert rel_err(got[0], want[0]) < 1e-6 and rel_err(got[1], want[1]) < 1e-6
+    assert varlen_module.square_by(lambda *args: None, x["q"], x["k"], x["v"], x["scale"]) is None
 
 
 def test_attention_lse_ref_is_the_log_sum_exp():
@@ -128,15 +147,18 @@ def test_flash_varlen_matches_reference(D, Dv, H):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("route", ["cudnn", "flash"])
+@pytest.mark.parametrize("route", ["cudnn", "mixed", "flash"])
 @pytest.mark.parametrize("Tq, Tk", [(1024, 9000), (600, 600), (600, 5000), (700, 1724), (1, 3000), (37, 1061)])
 def test_one_sequence_parts_match_loop(Tq, Tk, route, monkeypatch):
     """One sequence on the device, sizes scaled down (by the module's thresholds): the prefix in
-    runs of multiples of 96 keys in cuDNN (or FlashAttention-2, when cuDNN has failed),
-    the tail in FlashAttention-2 or, from 512 queries, cuDNN's causal square padded to its bucket
-    (600 -> 640); v strided as the MLA layer's (a slice of kv_b_proj's output)."""
+    runs of multiples of 96 keys in cuDNN (or FlashAttention-2, when cuDNN has failed), the tail
+    in FlashAttention-2 or, from 512 queries and a remainder no longer than them, in cuDNN as a
+    padded top-left square (600 of 600 keys -> 640 rows; 600 after a remainder of 368 -> 1,024);
+    v strided as the MLA layer's (a slice of kv_b_proj's output)."""
     monkeypatch.setattr(varlen_module, "CUDNN_MIN_TOKENS", 512)
     monkeypatch.setattr(varlen_module, "CUDNN_PIECE_KEYS", 96)
+    # "mixed": prefixes under 2^20 query-key pairs in FlashAttention-2, the tail still in cuDNN
+    monkeypatch.setattr(varlen_module, "CUDNN_MIN_PAIRS", 0 if route == "cudnn" else 1 << 20)
     if route == "flash":
         monkeypatch.setattr(varlen_module, "_CUDNN_FAILED", ["cuDNN refused (the test says so)"])
     x = make_inputs([(Tq, Tk)], H=8, D=192, Dv=256, dtype=torch.bfloat16, device="cuda")

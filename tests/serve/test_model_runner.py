@@ -118,15 +118,16 @@ def test_one_host_copy_for_tokens_and_one_for_logprobs_per_step(model, monkeypat
 
 
 def test_prefill_buckets_pad_little_and_stay_few():
-    """Powers of two up to 4,096 tokens (at least 64), eight sizes per octave above: a pass is
-    padded by at most 12.5% there, and 16K tokens of passes need at most 23 graphs."""
+    """Powers of two up to 4,096 tokens (at least 64), two sizes per octave above: a pass is
+    padded by at most 50% there, and 16K tokens of passes need 11 graphs, ~51K tokens of them."""
     from openk3.serve.graphs import prefill_bucket
 
-    assert [prefill_bucket(n) for n in (1, 64, 65, 4096, 4097, 5000, 8192, 8193, 16384, 20000, 32768)] == \
-        [64, 64, 128, 4096, 4608, 5120, 8192, 9216, 16384, 20480, 32768]
+    assert [prefill_bucket(n) for n in (1, 64, 65, 4096, 4097, 6144, 6145, 8193, 16384, 20000, 32768)] == \
+        [64, 64, 128, 4096, 6144, 6144, 8192, 12288, 16384, 24576, 32768]
     sizes = {prefill_bucket(n) for n in range(1, 16385)}
-    assert len(sizes) == 23 and all(prefill_bucket(n) >= n for n in range(1, 40000, 7))
-    assert max(prefill_bucket(n) / n for n in range(4097, 40000, 3)) <= 1.125
+    assert len(sizes) == 11 and sum(sizes) == 51136
+    assert all(prefill_bucket(n) >= n for n in range(1, 40000, 7))
+    assert max(prefill_bucket(n) / n for n in range(4097, 40000, 3)) <= 1.5
 
 
 def test_prefill_graphs_default_to_the_token_budget(model):
