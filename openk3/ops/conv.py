@@ -32,7 +32,6 @@ and drops it from the result.
 from __future__ import annotations
 
 import math
-
 import os
 
 import torch

@@ -123,13 +123,20 @@ def varlen_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def _flash_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, cu_seqlens_q_cpu, cu_seqlens_k_cpu, scale,
                   causal):
+    return _flash(q, k, v, cu_seqlens_q.int(), cu_seqlens_k.int(), cu_seqlens_q_cpu, cu_seqlens_k_cpu, scale,
+                  causal)[0]
+
+
+def _flash(q, k, v, cu_q, cu_k, cu_seqlens_q_cpu, cu_seqlens_k_cpu, scale, causal):
+    """FlashAttention-2's varlen kernel (PyTorch's own; int32 offsets on the device, their host
+    copies for the maximum lengths): (out [Tq, H, Dv], its log-sum-exps as the kernel returns
+    them). One head dim for q, k and v: v is zero-padded to q's, the padding columns dropped."""
     Dv = v.shape[-1]
-    v = F.pad(v, (0, q.shape[-1] - Dv)).contiguous()  # FlashAttention-2: one head dim for q, k and v
-    out = torch.ops.aten._flash_attention_forward(
-        q.contiguous(), k.contiguous(), v, cu_seqlens_q.int(), cu_seqlens_k.int(),
-        int(cu_seqlens_q_cpu.diff().max()), int(cu_seqlens_k_cpu.diff().max()),
-        0.0, causal, False, scale=scale)[0]  # dropout 0, causal (bottom-right), no debug mask
-    return out[..., :Dv]
+    v = F.pad(v, (0, q.shape[-1] - Dv)).contiguous()
+    out, lse = torch.ops.aten._flash_attention_forward(
+        q.contiguous(), k.contiguous(), v, cu_q, cu_k, int(cu_seqlens_q_cpu.diff().max()),
+        int(cu_seqlens_k_cpu.diff().max()), 0.0, causal, False, scale=scale)[:2]  # no dropout, no debug mask
+    return out[..., :Dv], lse
 
 
 def attention_lse_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q_cpu: torch.Tensor,
@@ -158,8 +165,8 @@ def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     The cached prefix (the first ``P = Tk - Tq`` keys) is cut into ``m = min(groups, P // align)``
     runs of ``L`` keys, L the largest multiple of ``align`` with ``m * L <= P``, which every
     query sees whole: ``pieces(q, k, v, scale)`` attends to them, k and v [m, L, H, *],
-    unmasked, and returns (out [m, Tq, H, Dv], lse [m, H, Tq]); by default ``attend`` runs them
-    in one varlen call with the queries repeated per run. The rest of the keys (the prefix's
+    unmasked, and returns (out [m, Tq, H, Dv], lse [m, H, Tq]); without it, or when it declines
+    (returns None), ``attend`` runs them in one varlen call with the queries repeated per run. The rest of the keys (the prefix's
     remainder and the queries' own) is the causal tail, bottom-right aligned: ``square(q, k, v,
     scale)`` when given and it does not decline (returns None), else ``attend`` causal.
     ``attend`` has ``attention_lse_ref``'s form.
@@ -177,8 +184,9 @@ def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     L = P // max(m, 1) // align * align
     outs, lses = [], []  # per kind of part: [parts, Tq, H, Dv] and [parts, H, Tq]
     if m:
-        o, lse = (pieces or functools.partial(_pieces_by, attend))(
-            q, k[:m * L].unflatten(0, (m, L)), v[:m * L].unflatten(0, (m, L)), scale)
+        runs = (q, k[:m * L].unflatten(0, (m, L)), v[:m * L].unflatten(0, (m, L)), scale)
+        res = None if pieces is None else pieces(*runs)
+        o, lse = res if res is not None else _pieces_by(attend, *runs)
         outs.append(o)
         lses.append(lse)
     tail = k.shape[0] - m * L
@@ -211,19 +219,15 @@ def _sm_count(device: torch.device) -> int:
 
 
 def _flash_lse(q, k, v, cu_seqlens_q_cpu, cu_seqlens_k_cpu, scale, causal):
-    """``attention_lse_ref`` by FlashAttention-2's varlen kernel (V padded to q's head dim)."""
-    Dv = v.shape[-1]
-    v = F.pad(v, (0, q.shape[-1] - Dv)).contiguous()
+    """``attention_lse_ref`` by FlashAttention-2 (``_flash``), the offsets uploaded here."""
     cu_q, cu_k = (t.int().pin_memory().to(q.device, non_blocking=True)  # pinned: no wait on the GPU
                   for t in (cu_seqlens_q_cpu, cu_seqlens_k_cpu))
-    out, lse = torch.ops.aten._flash_attention_forward(
-        q.contiguous(), k.contiguous(), v, cu_q, cu_k, int(cu_seqlens_q_cpu.diff().max()),
-        int(cu_seqlens_k_cpu.diff().max()), 0.0, causal, False, scale=scale)[:2]
+    out, lse = _flash(q, k, v, cu_q, cu_k, cu_seqlens_q_cpu, cu_seqlens_k_cpu, scale, causal)
     if lse.dim() == 3:  # the padded layout [N, H, max_q] of older builds
         lse = lse.transpose(0, 1).flatten(1)[:, :q.shape[0]] if lse.shape[0] == 1 else \
             torch.cat([lse[i, :, :b - a] for i, (a, b) in enumerate(zip(cu_seqlens_q_cpu[:-1].tolist(),
                                                                         cu_seqlens_q_cpu[1:].tolist()))], 1)
-    return out[..., :Dv], lse  # [Tq, H, Dv], [H, Tq]
+    return out, lse  # [Tq, H, Dv], [H, Tq]
 
 
 def _cudnn_bucket(T: int) -> int:
@@ -292,20 +296,18 @@ def _cudnn_tail(q, k, v, scale):
 def _cudnn_pieces(q, k, v, scale):
     """``split_attention``'s prefix runs k, v [m, L, H, *] in one cuDNN call: the queries copied
     per run and padded up to ``_cudnn_bucket`` (padded queries of an unmasked call change no
-    real row). FlashAttention-2 if cuDNN refuses."""
+    real row). None (FlashAttention-2) if cuDNN refuses."""
+    if _CUDNN_FAILED:
+        return None
     m, Tq = k.shape[0], q.shape[0]
-    res = None
-    if not _CUDNN_FAILED:
-        B = _cudnn_bucket(Tq)
-        if m == 1 and B == Tq:
-            qs = q[None]
-        else:
-            qs = q.new_zeros(m, B, *q.shape[1:])
-            qs[:, :Tq] = q
-        res = _cudnn(qs, k, v, scale, False)
-    if res is None:
-        return _pieces_by(_flash_lse, q, k, v, scale)
-    return res[0][:, :Tq], res[1][:, :, :Tq]
+    B = _cudnn_bucket(Tq)
+    if m == 1 and B == Tq:
+        qs = q[None]
+    else:
+        qs = q.new_zeros(m, B, *q.shape[1:])
+        qs[:, :Tq] = q
+    res = _cudnn(qs, k, v, scale, False)
+    return None if res is None else (res[0][:, :Tq], res[1][:, :, :Tq])
 
 
 def _run_align(length: int) -> int:

@@ -20,8 +20,8 @@ class EngineConfig:
         max_num_seqs: sequences running at once (also the number of KDA state slots).
         max_num_batched_tokens: tokens per step, decodes plus prefill chunks (the chunked-prefill
             budget). 16384: every prefill pass pays a fixed cost (~0.1 s of host time for
-            ``small`` eagerly, less as a graph), so fewer, larger chunks cut time to first token (a 32K prompt in 2 passes
-            instead of 8 at 4096); activations of 16K tokens fit an H200 easily, while a larger
+            ``small`` eagerly, less as a graph), so fewer, larger chunks cut time to first
+            token (a 32K prompt in 2 passes instead of 8 at 4096); activations of 16K tokens fit an H200 easily, while a larger
             budget would stall the decodes sharing a step for longer. With prefix caching
             chunks still end at every ``kda_checkpoint_interval``.
         max_model_len: prompt + max_tokens limit per request (None: the model's
