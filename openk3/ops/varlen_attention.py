@@ -19,7 +19,8 @@ every query sees all keys of its own sequence (the vision tower: the patches of 
   fused attention (Hopper kernels, 2.3x FlashAttention-2's rate, V at its own head dim) in one
   batched call, cut into as many runs as fill the SMs about four times (a 1,024-token chunk
   alone is only 128 blocks of 64 queries; less work than ``CUDNN_MIN_PAIRS`` stays in
-  FlashAttention-2, cut the same way); the tail runs in FlashAttention-2, or from
+  FlashAttention-2, cut the same way; less work still, with the SMs filled, takes one
+  FlashAttention-2 call: ``_split_pays``); the tail runs in FlashAttention-2, or from
   ``CUDNN_MIN_TOKENS`` queries in cuDNN as a top-left causal square (``square_by``: zero
   queries in front of the real ones make its alignment the bottom-right one). cuDNN builds a
   plan per shape (~40 ms, once): lengths are padded to eight buckets per octave (padding
@@ -46,6 +47,9 @@ CUDNN_MIN_PAIRS = 1 << 23  # queries x prefix keys from which the prefix runs in
 # than a 512-token chunk over a 16K prefix is quick in FlashAttention-2, and a cuDNN plan (built
 # per shape, 40-150 ms the first time) would cost more than it saves
 CUDNN_PIECE_KEYS = 256  # cuDNN's runs of prefix keys are multiples of at least this (fewer plans)
+SPLIT_MIN_TOKENS = 2048  # a chunk with a short prefix (or none) splits from this many queries: at
+# 1,024 one FlashAttention-2 call beat the parts (cold 0.107 against 0.145 ms; 1,024 after 1,024
+# 0.14 against 0.94: host-bound), from 8,192 cuDNN's square wins 2x (H200, docs/benchmarks.md)
 
 
 def varlen_causal_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -111,7 +115,7 @@ def varlen_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     D, Dv = q.shape[-1], v.shape[-1]
     if use_fast_path(q) and q.dtype in (torch.bfloat16, torch.float16) and Dv <= D <= 256 and D % 8 == 0:
         Tq, P = q.shape[0], k.shape[0] - q.shape[0]
-        if causal and cu_seqlens_q_cpu.numel() == 2 and Tq and (P > 0 or Tq >= CUDNN_MIN_TOKENS):
+        if causal and cu_seqlens_q_cpu.numel() == 2 and _split_pays(q, P):
             m = _groups(q, 64)
             return split_attention(q, k, v, scale, m, _run_align(P // m), attend=_flash_lse,
                                    pieces=_cudnn_pieces if Tq * P >= CUDNN_MIN_PAIRS else None,
@@ -315,6 +319,17 @@ def _run_align(length: int) -> int:
     octave, at least ``CUDNN_PIECE_KEYS`` (each length is a cuDNN plan; the rest, under 12.5%,
     goes to the tail)."""
     return max(CUDNN_PIECE_KEYS, 1 << max(0, length.bit_length() - 4))
+
+
+def _split_pays(q: torch.Tensor, P: int) -> bool:
+    """Whether one sequence's Tq queries over P prefix keys (and their own) go to
+    ``split_attention``: a prefix big enough for cuDNN (``CUDNN_MIN_PAIRS``), a prefix whose
+    queries alone would leave half the SMs idle in one call (64 queries x heads a block), or
+    ``SPLIT_MIN_TOKENS`` queries and more (cuDNN's causal square)."""
+    Tq = q.shape[0]
+    if Tq * P >= CUDNN_MIN_PAIRS or Tq >= SPLIT_MIN_TOKENS:
+        return True
+    return P > 0 and 2 * math.ceil(Tq / 64) * q.shape[1] <= _sm_count(q.device)
 
 
 def _groups(q: torch.Tensor, rows: int) -> int:

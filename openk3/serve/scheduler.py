@@ -205,9 +205,9 @@ class Scheduler:
         while (self.waiting and budget > 0 and not out.preempted_ids
                and len(self.running) < self.config.max_num_seqs):
             seq = self.waiting[0]
-            if not bm.can_allocate(seq):
+            allocation = bm.admit(seq)
+            if allocation is None:
                 break
-            allocation = bm.allocate(seq)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from array import array
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -39,6 +40,7 @@ class Sequence:
         max_tokens: int,
         eos_token_ids: Iterable[int] = (),
         image_spans: tuple[ImageSpan, ...] = (),
+        prompt_array: array | None = None,
     ):
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r}: the prompt is empty")
@@ -49,6 +51,12 @@ class Sequence:
         # copied once: every output of the request shares it (do not mutate)
         self.prompt_token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
+        # the prompt as int64s (``prompt_array``, when the caller has it, must hold the same ids):
+        # prefill passes upload slices of it without converting Python ints (``ids_array``)
+        self.prompt_array = array("q", prompt_token_ids) if prompt_array is None else prompt_array
+        if len(self.prompt_array) != self.num_prompt_tokens:
+            raise ValueError(f"request {request_id!r}: prompt_array holds {len(self.prompt_array)} ids, "
+                             f"the prompt {self.num_prompt_tokens}")
         self.max_tokens = max_tokens
         self.eos_token_ids = frozenset(eos_token_ids)
         # the prompt's images, in order (the model runner holds their pixels and features)
@@ -114,6 +122,19 @@ class Sequence:
         ids, the prefix-cache key of those positions (equal ids, other image: another key)."""
         return tuple((s.content_hash, s.offset) for s in self.image_spans
                      if s.offset < end and start < s.offset + s.length)
+
+    def ids_array(self, start: int, end: int) -> array:
+        """``token_ids[start:end]`` as int64s: a copy of the prompt's bytes where the range lies in
+        the prompt (every prefill chunk but a preempted sequence's recompute)."""
+        if end <= self.num_prompt_tokens:
+            return self.prompt_array[start:end]
+        return array("q", self.token_ids[start:end])
+
+    def ids_bytes(self, start: int, end: int) -> bytes:
+        """``ids_array(start, end)``'s bytes: the prefix cache's key and check of a hash block."""
+        if end <= self.num_prompt_tokens:
+            return memoryview(self.prompt_array)[start:end].tobytes()
+        return self.ids_array(start, end).tobytes()
 
     def append_token(self, token_id: int) -> None:
         """The only change ``token_ids`` ever sees: KDA checkpoints keep a reference to the list

@@ -156,6 +156,7 @@ def test_one_sequence_parts_match_loop(Tq, Tk, route, monkeypatch):
     padded top-left square (600 of 600 keys -> 640 rows; 600 after a remainder of 368 -> 1,024);
     v strided as the MLA layer's (a slice of kv_b_proj's output)."""
     monkeypatch.setattr(varlen_module, "CUDNN_MIN_TOKENS", 512)
+    monkeypatch.setattr(varlen_module, "SPLIT_MIN_TOKENS", 512)
     monkeypatch.setattr(varlen_module, "CUDNN_PIECE_KEYS", 96)
     # "mixed": prefixes under 2^20 query-key pairs in FlashAttention-2, the tail still in cuDNN
     monkeypatch.setattr(varlen_module, "CUDNN_MIN_PAIRS", 0 if route == "cudnn" else 1 << 20)
@@ -169,6 +170,16 @@ def test_one_sequence_parts_match_loop(Tq, Tk, route, monkeypatch):
     assert len(varlen_module._CUDNN_FAILED) == (route == "flash"), varlen_module._CUDNN_FAILED
     # each part is rounded to bf16 before the fp32 merge: one more rounding than one kernel
     assert rel_err(got.double(), want) < 1e-2, rel_err(got.double(), want)
+
+
+def test_one_flash_call_unless_the_split_pays(monkeypatch):
+    monkeypatch.setattr(varlen_module, "_sm_count", lambda device: 132)
+    pays = varlen_module._split_pays
+    q = torch.empty(1024, 8, 192)  # 128 blocks of 64 queries x heads: the SMs filled once
+    assert not pays(q, 0) and not pays(q, 1024) and not pays(q, 8191)  # under 2^23 pairs
+    assert pays(q, 8192) and pays(torch.empty(2048, 8, 192), 0)  # cuDNN's prefix; its square
+    assert pays(torch.empty(16, 8, 192), 3000) and not pays(torch.empty(16, 8, 192), 0)  # 8 blocks
+    assert not pays(torch.empty(1024, 1, 192), 0) and pays(torch.empty(1024, 1, 192), 1)  # 16 blocks
 
 
 def test_prefix_runs_fill_the_sms_four_times(monkeypatch):

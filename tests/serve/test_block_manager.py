@@ -1,6 +1,7 @@
 """Block manager: paging, admission, and the KDA-aware prefix cache (hash 512 inside 6144 blocks)."""
 
 import random
+from array import array
 
 import pytest
 
@@ -250,7 +251,7 @@ def chain_from_scratch(seq: Sequence, num_hash_blocks: int, size: int) -> list[i
     chain: list[int] = []
     for k in range(num_hash_blocks):
         chain.append(bm_module.hash_token_block(chain[-1] if chain else None,
-                                                tuple(seq.token_ids[k * size : (k + 1) * size]),
+                                                array("q", seq.token_ids[k * size : (k + 1) * size]).tobytes(),
                                                 seq.image_keys(k * size, (k + 1) * size)))
     return chain
 
@@ -318,3 +319,33 @@ def test_registration_work_per_decode_step_is_constant(monkeypatch):
     assert calls["hash"] == 100 // size
     # One per new block to hash it and one to register it, one per checkpoint's prefix.
     assert calls["image_keys"] == 2 * (100 // size) + 100 // 8
+
+
+def test_prefixes_compare_as_int64s_in_the_prompts_and_as_lists_past_them():
+    """``_Checkpoint.same_prefix`` reads the writers' prompt arrays where the prefix lies in both
+    prompts and their token lists where it does not (a checkpoint in generated tokens)."""
+    a = Sequence("a", tokens(20, 0), max_tokens=64)
+    for t in tokens(12, 1):
+        a.append_token(t)
+    b = Sequence("b", a.token_ids[:32] + tokens(5, 2), max_tokens=8)  # a's next turn
+
+    def changed(seq, i):
+        ids = list(seq.token_ids)
+        ids[i] += 1
+        return Sequence("c", ids, max_tokens=8)
+
+    def same(x, y, n):
+        return BlockManager._prefix(x, n).same_prefix(BlockManager._prefix(y, n))
+
+    assert same(a, b, 16) and same(a, b, 32)  # within both prompts; past a's
+    assert not same(a, changed(b, 3), 16) and not same(a, changed(b, 25), 32)
+    assert same(a, changed(b, 25), 24)
+
+
+def test_sequence_ids_as_int64s_past_the_prompt():
+    seq = Sequence("s", [5, 6, 7], max_tokens=8)
+    seq.append_token(9)
+    assert list(seq.ids_array(1, 4)) == [6, 7, 9] and list(seq.ids_array(0, 2)) == [5, 6]
+    assert seq.ids_bytes(1, 4) == array("q", [6, 7, 9]).tobytes()
+    with pytest.raises(ValueError, match="prompt_array holds 2 ids"):
+        Sequence("t", [1, 2, 3], max_tokens=8, prompt_array=array("q", [1, 2]))

@@ -196,7 +196,8 @@ def test_bad_requests_name_the_parameter(model):
              ([1] * 10, SamplingParams(max_tokens=10**9), "max_tokens"),
              ([5000], SamplingParams(), "prompt"), ([3, -1], SamplingParams(), "prompt"),
              ([3, 1.5], SamplingParams(), "prompt"), ([3, "a"], SamplingParams(), "prompt"),
-             ([3, True], SamplingParams(), "prompt")]  # bools are not token ids
+             ([3, True], SamplingParams(), "prompt"),  # bools are not token ids
+             ([3, 2**70], SamplingParams(), "prompt")]
     for prompt, params, param in cases:
         with pytest.raises(InvalidRequest) as e:
             eng.add_request(prompt, params)

@@ -34,8 +34,8 @@ def make_engine(model) -> LLMEngine:
 
 
 class HostTensors(TorchDispatchMode):
-    """Counts tensors built from host data (``torch.tensor(list)``, list indices): on GPU each
-    is a host -> device copy."""
+    """Counts tensors built from host data (``torch.tensor(list)``, list indices; ``_upload``'s
+    packed arrays are counted by ``counting`` below): on GPU each is a host -> device copy."""
 
     def __init__(self):
         super().__init__()
@@ -58,17 +58,22 @@ def decode_step_counts(model, prompt_len: int) -> list[tuple[int, int]]:
     eng = make_engine(model)
     for i in range(3):
         eng.add_request(list(range(3 + i, 3 + i + prompt_len)), SamplingParams(temperature=0, max_tokens=12))
-    counts, execute = [], eng.runner.execute
+    counts, execute, upload, uploads = [], eng.runner.execute, eng.runner._upload, [0]
+
+    def counting_upload(*parts):
+        uploads[0] += 1
+        return upload(*parts)
 
     def counting(out, draft_tokens=None):
+        uploads[0] = 0
         with HostTensors() as mode:
             result = execute(out, draft_tokens)
         if all(n == 1 for _, n in out.scheduled):
             expected = 1 + bool(out.block_table_updates or out.kda_restores or out.kda_resets) + bool(out.kda_saves)
-            counts.append((mode.count, expected))
+            counts.append((mode.count + uploads[0], expected))
         return result
 
-    eng.runner.execute = counting
+    eng.runner.execute, eng.runner._upload = counting, counting_upload
     while eng.has_unfinished():
         eng.step()
     return counts

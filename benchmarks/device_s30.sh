@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# The twenty-second session's device calls:
+#   run(command="bash benchmarks/device_s30.sh N", carry=[".whl", ".triton-cache", ".warm"], timeout_s=595)
+# 1: the host-side cuts (prompt ids validated into an int64 array, uploaded from it; prefix-cache
+#    keys and checks as bytes; one FlashAttention-2 call for a chunk whose split does not pay):
+#    the attention's and engine's GPU tests, the attention by kernel, serve_bench.py --parts
+#    ttft decode peer.
+source "$(dirname "$0")/device_common.sh"
+case "${1:?phase}" in
+1)
+  gpu_tests 150 tests/ops/test_varlen_attention.py tests/serve/test_long_context.py \
+    tests/serve/test_engine_gpu.py -k "varlen or parts or long_prefix or logprobs_match"
+  timeout -k 10 60 python3 benchmarks/mla_prefill_attention.py > "$OUT/attention.log" 2>&1
+  echo "== rc $?" >> "$OUT/attention.log"
+  timeout -k 10 300 python3 benchmarks/serve_bench.py --parts ttft decode peer > "$OUT/serve.log" 2>&1
+  echo "== rc $?" >> "$OUT/serve.log"
+  ;;
+*) echo "phase 1" >&2; exit 2 ;;
+esac
