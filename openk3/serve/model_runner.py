@@ -193,6 +193,57 @@ class _PaddedPrefill:
         return r.model.model.hidden_and_blocks(ids, _Views(layers))
 
 
+class HostStaging:
+    """Pinned host memory for the runner's host -> device copies, used as a ring.
+
+    A copy from pinned memory is asynchronous, so its bytes must stay as they are until the GPU
+    has read them: each upload takes the next region of the ring (back to its start when the
+    rest is too short) and rewrites a region only after the event recorded behind the copies
+    that read it (long passed: the ring holds several steps' uploads). Pinning per call instead
+    (``torch.tensor(..., pin_memory=True)``, ``Tensor.pin_memory()``) left a 32K-token prefill's
+    GPU idle 3-6 ms before its upload (docs/benchmarks.md, twenty-second session). Without CUDA
+    the region is copied out (a CPU test of the same path)."""
+
+    def __init__(self, device: torch.device, capacity: int):
+        self.device, self.cuda = device, device.type == "cuda"
+        self.buffer = torch.empty(capacity, dtype=torch.long, pin_memory=self.cuda)
+        self.head = 0
+        self.in_flight: list[tuple[int, int, torch.cuda.Event]] = []  # regions the GPU may still read
+
+    def upload(self, host: array) -> torch.Tensor:
+        """``host``'s int64s as a tensor on the device."""
+        n = len(host)
+        if not n:
+            return torch.empty(0, dtype=torch.long, device=self.device)
+        if 2 * n > len(self.buffer):  # a larger buffer, once the old one is read
+            self._wait(0, len(self.buffer))
+            self.buffer, self.head = torch.empty(4 * n, dtype=torch.long, pin_memory=self.cuda), 0
+        if self.head + n > len(self.buffer):
+            self.head = 0
+        a, b = self.head, self.head + n
+        self._wait(a, b)
+        region = self.buffer[a:b]
+        region.copy_(torch.frombuffer(host, dtype=torch.long))
+        self.head = b
+        if not self.cuda:
+            return region.clone()
+        out = region.to(self.device, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self.in_flight.append((a, b, event))
+        return out
+
+    def _wait(self, a: int, b: int) -> None:
+        """Until the GPU has read every region overlapping [a, b); forget the regions read."""
+        pending = []
+        for lo, hi, event in self.in_flight:
+            if lo < b and a < hi:
+                event.synchronize()
+            elif not event.query():
+                pending.append((lo, hi, event))
+        self.in_flight = pending
+
+
 class _Views:
     """What ``KimiModel.forward`` takes as ``cache``: one view per layer."""
 
@@ -246,6 +297,8 @@ class ModelRunner:
         self.verifier = (VerifyStep(self, config.num_speculative_tokens, Graphs(graphs))
                          if config.num_speculative_tokens else None)
         self._pin = self.device.type == "cuda"  # pinned host tensors copy asynchronously
+        # what ``_upload`` copies from: a prefill pass's ids and offsets, several steps' worth
+        self.staging = HostStaging(self.device, 4 * (config.max_num_batched_tokens + 8 * (config.max_num_seqs + 1)))
         # the AttnRes bank entries (lo, mid) whose values ``execute`` returns with h, set by the
         # engine when an EAGLE-3 draft reads them (``StepResult.features``); None: nothing extra
         self.feature_blocks: tuple[int, int] | None = None
@@ -269,14 +322,11 @@ class ModelRunner:
         """One host -> device copy for several lists (or int64 ``array``s) of ints: int64 device
         tensors, one per part. The parts are packed into one ``array`` (a prompt's ids, an
         ``array`` already, by a copy of their bytes: ``torch.tensor`` of a 32K-int list took
-        2.7 ms on this project's CPU, the ``array`` route 0.01), then pinned for the copy."""
+        2.7 ms on this project's CPU, the ``array`` route 0.01) and copied through ``staging``."""
         host = array("q")
         for p in parts:
             host.extend(p)
-        flat = torch.frombuffer(host, dtype=torch.long) if host else torch.empty(0, dtype=torch.long)
-        if self._pin:
-            flat = flat.pin_memory()
-        return list(flat.to(self.device, non_blocking=True).split([len(p) for p in parts]))
+        return list(self.staging.upload(host).split([len(p) for p in parts]))
 
     def host_tensor(self, *rows: list[int]) -> torch.Tensor:
         """Equal-length lists of ints as one int64 host tensor [len(rows), n], pinned on GPU so

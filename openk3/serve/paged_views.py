@@ -15,13 +15,17 @@ the same for both paths.
     the chunk, gathered in one go, and one ``varlen_causal_attention`` for all chunks.
 
   ``MLAttention``'s absorbed and expanded methods are the references (``tests/serve``).
+* ``prefix_kv_weight``: ``kv_b_proj`` widened so that one GEMM over cache rows writes the
+  prefill's keys and values as the attention reads them.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from openk3.ops.paged_mla import paged_mla_decode
 from openk3.ops.varlen_attention import varlen_causal_attention
@@ -124,6 +128,33 @@ class PrefillBatch:
     cu_seqlens_k_cpu: torch.Tensor
 
 
+_WIDE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # MLA layer -> (weight's version, wide)
+
+
+def prefix_kv_weight(layer) -> torch.Tensor:
+    """``layer.kv_b_proj``'s weight widened to [H * (nope + rope + v), rank + rope]: one GEMM
+    over cache rows [c | k_r] gives every head's key [k_nope | k_r] and value side by side, each
+    a strided view the attention reads as is. Per head, the nope and value rows are kv_b_proj's
+    (zeros against k_r) and the rope rows an identity on k_r (exact). Replaces a GEMM into
+    [k_nope | v] and two copies assembling the keys (0.76 ms of a 1,024-token chunk after a
+    31,744-token prefix, six layers; the GEMM grows 41%: docs/benchmarks.md, twenty-second
+    session). Rebuilt when the weight changes in place (``LLMEngine.load_weights``)."""
+    w = layer.kv_b_proj.weight
+    key = (w._version, w.data_ptr())
+    cached = _WIDE.get(layer)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    H, nope, rope, v_dim, R = layer.num_heads, layer.nope, layer.rope, layer.v_dim, layer.rank
+    w_k, w_v = w.detach().view(H, nope + v_dim, R).split([nope, v_dim], dim=1)
+    wide = w.new_zeros(H, nope + rope + v_dim, R + rope)
+    wide[:, :nope, :R] = w_k
+    wide[:, nope:nope + rope, R:] = torch.eye(rope, dtype=w.dtype, device=w.device)
+    wide[:, nope + rope:, :R] = w_v
+    wide = wide.flatten(0, 1)
+    _WIDE[layer] = (key, wide)
+    return wide
+
+
 class PagedMLAView:
     """``pieces`` (a graphed prefill, ``openk3.serve.graphs.PiecewiseGraph``): ``attend`` is an
     eager part of it, which reads ``batch`` when it runs (the runner sets it before each replay);
@@ -162,13 +193,8 @@ class PagedMLAView:
         """Keys and values expanded from every chunk's prefix latents by one ``kv_b_proj``."""
         b, H = self.batch, layer.num_heads
         ctx = self.cache[b.key_rows]  # [K, R + P]
-        K = ctx.shape[0]
-        c, k_r = ctx.split([layer.rank, layer.rope], dim=-1)
-        k_nope, v = layer.kv_b_proj(c).view(K, H, layer.nope + layer.v_dim).split(
-            [layer.nope, layer.v_dim], dim=-1)
-        k = ctx.new_empty(K, H, layer.nope + layer.rope)  # [K, H, 192]; two copies: 0.12 ms at 32K
-        k[..., :layer.nope] = k_nope                       # keys against torch.cat's 0.18 (H200)
-        k[..., layer.nope:] = k_r[:, None]
+        kv = F.linear(ctx, prefix_kv_weight(layer)).view(ctx.shape[0], H, -1)  # [K, H, 192 + 128]
+        k, v = kv.split([layer.nope + layer.rope, layer.v_dim], dim=-1)
         T = int(b.cu_seqlens_q_cpu[-1])  # q's rows past T are a graph's padding
         o = varlen_causal_attention(q[0, :T], k, v, b.cu_seqlens_q, b.cu_seqlens_k,
                                     b.cu_seqlens_q_cpu, b.cu_seqlens_k_cpu, layer.scale)

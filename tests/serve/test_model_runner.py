@@ -7,6 +7,7 @@ host copy each per step."""
 from __future__ import annotations
 
 import inspect
+from array import array
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from openk3 import build_model, preset
 from openk3.serve.config import EngineConfig
 from openk3.serve.engine import LLMEngine
-from openk3.serve.model_runner import ModelRunner
+from openk3.serve.model_runner import HostStaging, ModelRunner
 from openk3.serve.sampler import SamplingParams
 from openk3.serve.scheduler import SchedulerOutput
 from openk3.tokenizer import ByteTokenizer
@@ -143,3 +144,33 @@ def test_prefill_graphs_default_to_the_token_budget(model):
     assert runner.prefill_graph_tokens == 300
     runner = ModelRunner(model, EngineConfig(max_num_seqs=2, prefill_graph_tokens=64, max_model_len=256))
     assert runner.prefill_graph_tokens == 64
+
+
+def _staging_round(device: str, capacity: int, sizes: list[int]) -> list[tuple[torch.Tensor, list[int]]]:
+    staging = HostStaging(torch.device(device), capacity)
+    out = []
+    for i, n in enumerate(sizes):
+        ids = [(i * 7919 + j) % 100_003 for j in range(n)]
+        out.append((staging.upload(array("q", ids)), ids))
+        if device == "cuda" and i % 3 == 0:  # keep the GPU busy, so that copies are still in flight
+            torch.cuda._sleep(1_000_000)
+    return out
+
+
+def test_host_staging_wraps_and_grows():
+    """The ring goes back to its start (sizes that do not fit behind the head) and grows for an
+    upload over half of it; every upload keeps its own values."""
+    sizes = [5, 9, 3, 7, 0, 40, 6, 11]  # 9 + 3 + 7 > 16 - 5: a wrap; 40 > 16 / 2: a new buffer
+    for got, want in _staging_round("cpu", 16, sizes):
+        assert got.tolist() == want
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_host_staging_never_rewrites_what_the_gpu_has_not_read():
+    """Uploads queued behind GPU sleeps (the copies run long after the host moved on) into a ring
+    that wraps every few of them: each device tensor holds its own values."""
+    results = _staging_round("cuda", 64, [20, 30, 25, 10, 31, 1, 30, 30, 30, 100, 7] * 3)
+    torch.cuda.synchronize()
+    for got, want in results:
+        assert got.tolist() == want

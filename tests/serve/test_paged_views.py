@@ -11,7 +11,7 @@ import torch
 from openk3 import preset
 from openk3.model.cache import MLAState
 from openk3.model.mla import MLAttention
-from openk3.serve.paged_views import DecodeBatch, PagedMLAView, PrefillBatch
+from openk3.serve.paged_views import DecodeBatch, PagedMLAView, PrefillBatch, prefix_kv_weight
 
 BLOCK = 4
 NUM_BLOCKS = 24
@@ -90,3 +90,27 @@ def test_verify_segments_through_the_decode_view(layer):
                         (torch.tensor(pasts)[:, None] + torch.arange(1, T + 1)).flatten(), BLOCK)
     got = layer(x, PagedMLAView(cache, batch))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
+def test_prefix_kv_weight_gives_keys_and_values_and_follows_the_weight(layer):
+    """One GEMM over cache rows [c | k_r] with the widened weight: each head's [k_nope | k_r]
+    and value, as kv_b_proj and a broadcast of k_r give them; an in-place change of kv_b_proj's
+    weight (a weight update) rebuilds it."""
+    H, nope, rope, v_dim, R = layer.num_heads, layer.nope, layer.rope, layer.v_dim, layer.rank
+    ctx = torch.randn(11, R + rope)
+
+    def want():
+        c, k_r = ctx.split([R, rope], dim=-1)
+        k_nope, v = layer.kv_b_proj(c).view(11, H, nope + v_dim).split([nope, v_dim], dim=-1)
+        return torch.cat([k_nope, k_r[:, None].expand(11, H, rope), v], dim=-1)
+
+    got = torch.nn.functional.linear(ctx, prefix_kv_weight(layer)).view(11, H, -1)
+    torch.testing.assert_close(got, want(), rtol=1e-6, atol=1e-6)
+    before = layer.kv_b_proj.weight.clone()
+    layer.kv_b_proj.weight.mul_(-2)
+    try:
+        got = torch.nn.functional.linear(ctx, prefix_kv_weight(layer)).view(11, H, -1)
+        torch.testing.assert_close(got, want(), rtol=1e-6, atol=1e-6)
+    finally:
+        layer.kv_b_proj.weight.copy_(before)
