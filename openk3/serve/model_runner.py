@@ -47,6 +47,7 @@ hit that covers the images skips the tower; a preempted request encodes them aga
 
 from __future__ import annotations
 
+import ctypes
 import math
 from array import array
 from dataclasses import dataclass, field
@@ -223,7 +224,9 @@ class HostStaging:
         a, b = self.head, self.head + n
         self._wait(a, b)
         region = self.buffer[a:b]
-        region.copy_(torch.frombuffer(host, dtype=torch.long))
+        # one memcpy: Tensor.copy_ into pinned memory (and the pinning copies before) took 4 ms
+        # of host time for 33K ids on the H200's host, the GPU idle meanwhile
+        ctypes.memmove(region.data_ptr(), host.buffer_info()[0], n * host.itemsize)
         self.head = b
         if not self.cuda:
             return region.clone()
