@@ -29,5 +29,13 @@ case "${1:?phase}" in
   timeout -k 10 240 python3 benchmarks/serve_bench.py --parts ttft peer > "$OUT/serve.log" 2>&1
   echo "== rc $?" >> "$OUT/serve.log"
   ;;
-*) echo "phase 1 to 3" >&2; exit 2 ;;
+4)  # the convolution writes q, k and v apart (no copies in fla's KDA): its GPU tests, the
+    # engine's, then the serving measurement
+  gpu_tests 200 tests/ops/test_conv.py tests/serve/test_engine_gpu.py tests/serve/test_long_context.py \
+    tests/serve/test_model_runner.py tests/ops/test_varlen_attention.py \
+    -k "varlen or logprobs_match or long_prefix or staging or parts"
+  timeout -k 10 300 python3 benchmarks/serve_bench.py --parts ttft decode peer > "$OUT/serve.log" 2>&1
+  echo "== rc $?" >> "$OUT/serve.log"
+  ;;
+*) echo "phase 1 to 4" >&2; exit 2 ;;
 esac

@@ -160,8 +160,8 @@ class KDAttention(nn.Module):
             HK = self.num_heads * self.head_dim
             qkv_in, *rest = self._fused_inputs(x)
             # [B, 3*H*K, W-1] read once: the serving view gathers per read
-            qkv, state = causal_conv1d(qkv_in, self.fused_conv, st.conv_qkv, cu, cu_cpu)
-            return qkv.split(HK, dim=-1), state, tuple(rest), qkv_in.split(HK, dim=-1)
+            qkv, state = causal_conv1d(qkv_in, self.fused_conv, st.conv_qkv, cu, cu_cpu, parts=3)
+            return qkv, state, tuple(rest), qkv_in.split(HK, dim=-1)
         states = (st.conv_q, st.conv_k, st.conv_v)  # read once: the serving view gathers per read
         q, k, v, *rest = (m(x) for m in projections)
         outs = [causal_conv1d(t, conv.weight, state, cu, cu_cpu)

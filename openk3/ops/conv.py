@@ -184,8 +184,9 @@ VARLEN_BLOCKS = (32, 128, 4)  # (positions, channels, warps) per program of the 
 
 @compile_disabled("openk3's Triton conv kernels run as they are")
 def _conv_varlen_triton(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor | None,
-                        cu_seqlens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inference with a state or packed sequences (the serving prefill): ``conv_varlen_*`` kernels."""
+                        cu_seqlens: torch.Tensor | None, parts: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inference with a state or packed sequences (the serving prefill): ``conv_varlen_*`` kernels.
+    y is [parts, B, T, C / parts] (``causal_conv1d``'s ``parts``)."""
     import triton
 
     from openk3.ops.conv_triton import conv_varlen_fwd_kernel, conv_varlen_state_kernel
@@ -205,15 +206,15 @@ def _conv_varlen_triton(x: torch.Tensor, weight: torch.Tensor, conv_state: torch
                              right=True).clamp_(max=N - 1).to(torch.int32)
     state = None if conv_state is None else conv_state.to(x.dtype).contiguous()  # as the reference rounds it
     w = weight.reshape(C, W).contiguous()
-    y = torch.empty(B * T, C, device=x.device, dtype=x.dtype)
+    y = torch.empty(parts, B * T, C // parts, device=x.device, dtype=x.dtype)
     bt, bc, warps = VARLEN_BLOCKS
     conv_varlen_fwd_kernel[(triton.cdiv(B * T, bt), triton.cdiv(C, bc))](
-        rows, w, y, state, seq, cu, B * T, C, rows.stride(0), HAS_STATE=state is not None, W=W,
-        BLOCK_T=bt, BLOCK_C=bc, ROW_ALIGN=math.gcd(rows.stride(0), 16), num_warps=warps)
+        rows, w, y, state, seq, cu, B * T, C, rows.stride(0), C // parts, HAS_STATE=state is not None,
+        W=W, BLOCK_T=bt, BLOCK_C=bc, ROW_ALIGN=math.gcd(rows.stride(0), 16), num_warps=warps)
     new = torch.empty(N, C, W - 1, device=x.device, dtype=x.dtype)
     conv_varlen_state_kernel[(N, triton.cdiv(C, 1024))](
         rows, state, new, cu, C, rows.stride(0), HAS_STATE=state is not None, W=W, BLOCK_C=1024)
-    return y.view(B, T, C), new
+    return y.view(parts, B, T, C // parts), new
 
 
 @compile_disabled("fla-core's Triton conv kernels run as they are")
@@ -243,8 +244,8 @@ def _conv_fla(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor | 
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor | None = None,
                   cu_seqlens: torch.Tensor | None = None,
-                  cu_seqlens_cpu: torch.Tensor | None = None, *,
-                  backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+                  cu_seqlens_cpu: torch.Tensor | None = None, *, parts: int = 1,
+                  backend: str = "auto") -> tuple[torch.Tensor | tuple[torch.Tensor, ...], torch.Tensor]:
     """Depthwise causal convolution followed by SiLU, y in x.dtype (KDA's short conv on q, k, v).
 
     Args:
@@ -255,6 +256,10 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tenso
             sequences at ``[cu_seqlens[i], cu_seqlens[i+1])``; conv_state is then ``[N, C, W-1]``.
         cu_seqlens_cpu: the same offsets on the host, if the caller has them: fla then reads
             the sequence lengths without waiting for the GPU.
+        parts: x's channels are this many tensors side by side (q|k|v: 3); y is then a tuple of
+            them, ``[B, T, C / parts]`` each (contiguous from openk3's varlen kernel, which
+            writes them apart: fla's KDA copied the three column slices, ~80 us each per `small`
+            layer at 32K tokens; views of one y otherwise).
         backend: ``"fla"`` runs fla-core's Triton kernels, ``"triton"`` openk3's (training's
             case: no state, no cu_seqlens, 4 taps; or, without autograd, a state or
             cu_seqlens: the serving prefill), ``"torch"`` the reference; ``"auto"`` picks
@@ -262,8 +267,9 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tenso
             ``OPENK3_REFERENCE=1``).
 
     Returns:
-        y ``[B, T, C]`` and the new conv_state ``[B, C, W-1]`` (``[N, C, W-1]`` with
-        cu_seqlens) in x.dtype: the last W-1 inputs, reaching into the old state when T < W-1.
+        y ``[B, T, C]`` (``parts`` tensors with ``parts``) and the new conv_state ``[B, C, W-1]``
+        (``[N, C, W-1]`` with cu_seqlens) in x.dtype: the last W-1 inputs, reaching into the old
+        state when T < W-1.
 
     Example::
 
@@ -275,6 +281,8 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tenso
     if backend not in ("auto", "torch", "fla", "triton"):
         raise ValueError(f"`backend` must be 'auto', 'torch', 'fla' or 'triton', got {backend!r}")
     _validate(x, weight, conv_state, cu_seqlens)
+    if parts < 1 or x.shape[-1] % parts:
+        raise ValueError(f"`parts` must divide the {x.shape[-1]} channels, got {parts}")
     varlen = conv_state is not None or cu_seqlens is not None
     grad = needs_grad(x, weight, conv_state)
     if backend == "auto":
@@ -294,21 +302,28 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tenso
         if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(f"backend='triton' needs CUDA tensors, got x on {x.device}")
         if varlen:
-            return _conv_varlen_triton(x, weight, conv_state, cu_seqlens)
+            y, state = _conv_varlen_triton(x, weight, conv_state, cu_seqlens, parts)
+            return (tuple(y) if parts > 1 else y[0]), state
         y = _conv_triton(x, weight)
         # the state after x: its last W-1 inputs (zeros in front of a shorter x), copied: a view
         # would keep all of x (a layer's whole projection output) alive as long as the state
         state = x[:, max(x.shape[1] - (TRITON_WIDTH - 1), 0):].transpose(1, 2).contiguous()
         if x.shape[1] < TRITON_WIDTH - 1:
             state = F.pad(state, (TRITON_WIDTH - 1 - x.shape[1], 0))
-        return y, state
+        return _split(y, parts), state
     if backend == "fla":
         if not x.is_cuda:
             raise ValueError(f"backend='fla' needs CUDA tensors, got x on {x.device}")
         if not importable(_FLA_CONV):
             raise ValueError("backend='fla' needs fla-core and triton: pip install 'openk3[gpu]'")
-        return _conv_fla(x, weight, conv_state, cu_seqlens, cu_seqlens_cpu)
-    return _conv_torch(x, weight, conv_state, cu_seqlens)
+        y, state = _conv_fla(x, weight, conv_state, cu_seqlens, cu_seqlens_cpu)
+        return _split(y, parts), state
+    y, state = _conv_torch(x, weight, conv_state, cu_seqlens)
+    return _split(y, parts), state
+
+
+def _split(y: torch.Tensor, parts: int) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    return y.split(y.shape[-1] // parts, dim=-1) if parts > 1 else y
 
 
 def causal_conv1d_update_(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor,

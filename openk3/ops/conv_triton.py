@@ -161,14 +161,15 @@ def conv_bwd_walk_kernel(x_ptr, w_ptr, dy_ptr, dx_ptr, dw_ptr, T, C, stride_xb, 
 
 # The serving prefill's convolution (no autograd): N sequences packed in x [T, C], each continuing
 # from its state [N, C, W-1] (the W-1 inputs before it, oldest first). ``conv_varlen_fwd_kernel``
-# tiles positions x channels like the training forward; a tap that reaches before its sequence's
+# tiles positions x channels like the training forward (its output [C / CP, T, CP]: q, k and v
+# each contiguous, as fla's KDA reads them, for CP = C / 3); a tap that reaches before its sequence's
 # first token reads the sequence's state (or zero without one). ``conv_varlen_state_kernel``
 # writes each sequence's new state: its last W-1 inputs, reaching into the old state when it is
 # shorter than W-1. fla's varlen kernel took 466 us per `small` layer at 32K tokens (floor ~94).
 
 
 @triton.jit
-def conv_varlen_fwd_kernel(x_ptr, w_ptr, y_ptr, state_ptr, seq_ptr, cu_ptr, T, C, stride_xt,
+def conv_varlen_fwd_kernel(x_ptr, w_ptr, y_ptr, state_ptr, seq_ptr, cu_ptr, T, C, stride_xt, CP,
                            HAS_STATE: tl.constexpr, W: tl.constexpr, BLOCK_T: tl.constexpr,
                            BLOCK_C: tl.constexpr, ROW_ALIGN: tl.constexpr):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -190,7 +191,9 @@ def conv_varlen_fwd_kernel(x_ptr, w_ptr, y_ptr, state_ptr, seq_ptr, cu_ptr, T, C
                            mask=in_state, other=0.0).to(tl.float32)
         a += tap * w[None, :]
     y = a * tl.sigmoid(a)
-    tl.store(y_ptr + t[:, None].to(tl.int64) * C + c[None, :], y.to(y_ptr.dtype.element_ty),
+    # y is [C / CP, T, CP]: channel c of position t goes to part c // CP, each part contiguous
+    part = (c // CP).to(tl.int64) * T * CP + c % CP
+    tl.store(y_ptr + t[:, None].to(tl.int64) * CP + part[None, :], y.to(y_ptr.dtype.element_ty),
              mask=t_ok[:, None] & c_ok[None, :])
 
 

@@ -437,6 +437,14 @@ with torch.no_grad():
     y, new = causal_conv1d(x, w, state, backend="triton")
 y_ref, new_ref = causal_conv1d(x, w, state, backend="torch")
 assert (y - y_ref).abs().max().item() < 1e-5 and torch.equal(new, new_ref)
+# q|k|v written apart (parts=3): each part contiguous, the same values as the columns of y
+x, w, state = torch.randn(1, 70, 3 * 16 + 4)[..., 4:], torch.randn(48, 1, 4), torch.randn(2, 48, 3)
+cu = torch.tensor([0, 5, 70])
+with torch.no_grad():
+    (q, k, v), new = causal_conv1d(x, w, state, cu, parts=3, backend="triton")
+y_ref, new_ref = causal_conv1d(x, w, state, cu, backend="torch")
+assert all(t.is_contiguous() and t.shape == (1, 70, 16) for t in (q, k, v))
+assert (torch.cat([q, k, v], -1) - y_ref).abs().max().item() < 1e-5 and torch.equal(new, new_ref)
 print("ok")
 """
 
@@ -469,3 +477,12 @@ def test_varlen_triton_matches_reference(dtype, lengths, with_state):
                                                   backend="torch")))
     assert got["y"].dtype == got["state"].dtype == dtype
     assert_all_close(got, want, tolerances(want, FLA_TOLS[dtype]))
+
+
+def test_parts_are_the_columns_of_y():
+    x, w, state = torch.randn(2, 9, 12), torch.randn(12, 1, 4), torch.randn(2, 12, 3)
+    y, new = causal_conv1d(x, w, state)
+    parts, new3 = causal_conv1d(x, w, state, parts=3)
+    assert len(parts) == 3 and torch.equal(torch.cat(parts, -1), y) and torch.equal(new3, new)
+    with pytest.raises(ValueError, match="`parts` must divide the 12 channels"):
+        causal_conv1d(x, w, state, parts=5)
