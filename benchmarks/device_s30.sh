@@ -37,5 +37,13 @@ case "${1:?phase}" in
   timeout -k 10 300 python3 benchmarks/serve_bench.py --parts ttft decode peer > "$OUT/serve.log" 2>&1
   echo "== rc $?" >> "$OUT/serve.log"
   ;;
-*) echo "phase 1 to 4" >&2; exit 2 ;;
+5)  # the parts merged by one Triton kernel: the attention's GPU tests, then the prefill and server
+    # measurements in what the session's device time leaves
+  gpu_tests 60 tests/ops/test_varlen_attention.py -k "varlen or parts"
+  timeout -k 5 130 python3 benchmarks/serve_bench.py --parts ttft peer > "$OUT/serve.log" 2>&1
+  echo "== rc $?" >> "$OUT/serve.log"
+  timeout -k 5 60 python3 benchmarks/serve_bench.py --parts server > "$OUT/server.log" 2>&1
+  echo "== rc $?" >> "$OUT/server.log"
+  ;;
+*) echo "phase 1 to 5" >&2; exit 2 ;;
 esac
