@@ -10,7 +10,7 @@
 #    --varlen), then the GPU tests still without a result that fit: the whole-model tests, the
 #    graphed training step's. (As run, it began with a bench of the host upload three ways,
 #    since removed with the change it measured: docs/benchmarks.md, twenty-first session.)
-# 3: (not run yet) the committed code: the attention's and engine's GPU tests, the attention by
+# 3: (run first in the twenty-second session) the committed code: the attention's and engine's GPU tests, the attention by
 #    kernel, serve_bench.py --parts ttft decode peer.
 source "$(dirname "$0")/device_common.sh"
 case "${1:?phase}" in

@@ -5,6 +5,11 @@
 #    keys and checks as bytes; one FlashAttention-2 call for a chunk whose split does not pay):
 #    the attention's and engine's GPU tests, the attention by kernel, serve_bench.py --parts
 #    ttft decode peer.
+# 2: the same after uploads went through a ring of pinned host memory and one GEMM wrote the
+#    prefill's keys and values; 3: the ring's copy as one memmove; 4: the convolution writing q, k
+#    and v apart (each phase's GPU tests, then serve_bench.py).
+# 5: (not run: no machine) the Triton merge of the attention parts' GPU tests, then
+#    serve_bench.py --parts ttft peer and --parts server. Run it first next time.
 source "$(dirname "$0")/device_common.sh"
 case "${1:?phase}" in
 1)
