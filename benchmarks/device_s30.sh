@@ -8,8 +8,8 @@
 # 2: the same after uploads went through a ring of pinned host memory and one GEMM wrote the
 #    prefill's keys and values; 3: the ring's copy as one memmove; 4: the convolution writing q, k
 #    and v apart (each phase's GPU tests, then serve_bench.py).
-# 5: (not run: no machine) the Triton merge of the attention parts' GPU tests, then
-#    serve_bench.py --parts ttft peer and --parts server. Run it first next time.
+# 5: (not run: no machine) on the branch merge-kernel, the Triton merge of the attention parts'
+#    GPU tests, then serve_bench.py --parts ttft peer and --parts server.
 source "$(dirname "$0")/device_common.sh"
 case "${1:?phase}" in
 1)
@@ -42,7 +42,7 @@ case "${1:?phase}" in
   timeout -k 10 300 python3 benchmarks/serve_bench.py --parts ttft decode peer > "$OUT/serve.log" 2>&1
   echo "== rc $?" >> "$OUT/serve.log"
   ;;
-5)  # the parts merged by one Triton kernel: the attention's GPU tests, then the prefill and server
+5)  # (on the branch merge-kernel) the parts merged by one Triton kernel: the attention's GPU tests, then the prefill and server
     # measurements in what the session's device time leaves
   gpu_tests 60 tests/ops/test_varlen_attention.py -k "varlen or parts"
   timeout -k 5 130 python3 benchmarks/serve_bench.py --parts ttft peer > "$OUT/serve.log" 2>&1
