@@ -31,9 +31,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from array import array
 import queue
 import threading
+from array import array
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
