@@ -28,7 +28,8 @@ every query sees all keys of its own sequence (the vision tower: the patches of 
   row), and run lengths are rounded down to eight per octave (``_run_align``; the rest joins
   the tail), so the key side has a few plans per run count. (cuDNN's own varlen entry point
   spent ~55 ms of host time per call: docs/benchmarks.md, twentieth session.)
-  ``attention_lse_ref`` is the parts' reference.
+  ``attention_lse_ref`` is the parts' reference. ``merge_parts`` merges them by their
+  log-sum-exps (one Triton kernel on CUDA, ``merge_parts_ref`` its reference).
 """
 
 from __future__ import annotations
@@ -40,13 +41,14 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from openk3.ops.fast import use_fast_path
+from openk3.ops.fast import importable, use_fast_path
 
 CUDNN_MIN_TOKENS = 1024  # a causal tail of this many queries runs in cuDNN's fused attention
 CUDNN_MIN_PAIRS = 1 << 23  # queries x prefix keys from which the prefix runs in cuDNN: less work
 # than a 512-token chunk over a 16K prefix is quick in FlashAttention-2, and a cuDNN plan (built
 # per shape, 40-150 ms the first time) would cost more than it saves
 CUDNN_PIECE_KEYS = 256  # cuDNN's runs of prefix keys are multiples of at least this (fewer plans)
+_MERGE_TRITON = "openk3.ops.attention_merge_triton"
 SPLIT_MIN_TOKENS = 2048  # a chunk with a short prefix (or none) splits from this many queries: at
 # 1,024 one FlashAttention-2 call beat the parts (cold 0.107 against 0.145 ms; 1,024 after 1,024
 # 0.14 against 0.94: host-bound), from 8,192 cuDNN's square wins 2x (H200, docs/benchmarks.md)
@@ -186,25 +188,47 @@ def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     Tq, P = q.shape[0], k.shape[0] - q.shape[0]
     m = min(groups, P // align)
     L = P // max(m, 1) // align * align
-    outs, lses = [], []  # per kind of part: [parts, Tq, H, Dv] and [parts, H, Tq]
     if m:
         runs = (q, k[:m * L].unflatten(0, (m, L)), v[:m * L].unflatten(0, (m, L)), scale)
         res = None if pieces is None else pieces(*runs)
-        o, lse = res if res is not None else _pieces_by(attend, *runs)
-        outs.append(o)
-        lses.append(lse)
+        o_runs, lse_runs = res if res is not None else _pieces_by(attend, *runs)
     tail = k.shape[0] - m * L
     res = None if square is None else square(q, k[m * L:], v[m * L:], scale)
     o, lse = res if res is not None else attend(q, k[m * L:], v[m * L:], torch.tensor([0, Tq]),
                                                 torch.tensor([0, tail]), scale, True)
-    if not m:
-        return o
-    outs.append(o[None])
-    lses.append(lse[None])
-    lse = torch.cat(lses)
-    w = (lse - lse.logsumexp(0)).exp().transpose(1, 2)[..., None]  # each part's share of a query's softmax
-    out = sum((o.float() * wi).sum(0) for o, wi in zip(outs, w.split([o.shape[0] for o in outs])))
-    return out.to(q.dtype)
+    return merge_parts(o_runs, lse_runs, o, lse).to(q.dtype) if m else o
+
+
+def merge_parts_ref(o_runs: torch.Tensor, lse_runs: torch.Tensor, o_tail: torch.Tensor,
+                    lse_tail: torch.Tensor) -> torch.Tensor:
+    """Attention over keys cut into parts, from each part's output and log-sum-exp: the m runs
+    o_runs [m, Tq, H, Dv] with lse_runs [m, H, Tq] and the tail o_tail [Tq, H, Dv] with lse_tail
+    [H, Tq] (natural logs). Each part's share of a query's softmax is exp(lse_i - logsumexp_i
+    lse_i). Returns [Tq, H, Dv] in fp32."""
+    lse = torch.cat([lse_runs, lse_tail[None]]).float()
+    w = (lse - lse.logsumexp(0)).exp().transpose(1, 2)[..., None]  # [m + 1, Tq, H, 1]
+    return (o_runs.float() * w[:-1]).sum(0) + o_tail.float() * w[-1]
+
+
+def merge_parts(o_runs: torch.Tensor, lse_runs: torch.Tensor, o_tail: torch.Tensor,
+                lse_tail: torch.Tensor) -> torch.Tensor:
+    """``merge_parts_ref`` (any strides, last dim contiguous for the outputs); on CUDA one Triton
+    kernel (``attention_merge_triton.py``) that returns o_tail's dtype."""
+    if not (use_fast_path(o_tail) and importable(_MERGE_TRITON) and o_runs.stride(-1) == 1
+            and o_tail.stride(-1) == 1):
+        return merge_parts_ref(o_runs, lse_runs, o_tail, lse_tail)
+    import triton
+
+    from openk3.ops.attention_merge_triton import merge_parts_kernel
+
+    m, Tq, H, Dv = o_runs.shape
+    out = torch.empty(Tq, H, Dv, dtype=o_tail.dtype, device=o_tail.device)
+    block_q = 16
+    merge_parts_kernel[(triton.cdiv(Tq, block_q), H)](
+        o_runs, lse_runs, o_tail, lse_tail, out, m, Tq, Dv, *o_runs.stride()[:3], *lse_runs.stride(),
+        *o_tail.stride()[:2], *lse_tail.stride(), *out.stride()[:2],
+        BLOCK_Q=block_q, BLOCK_D=triton.next_power_of_2(Dv), num_warps=4)
+    return out
 
 
 def _pieces_by(attend, q, k, v, scale):

@@ -190,3 +190,48 @@ def test_prefix_runs_fill_the_sms_four_times(monkeypatch):
     assert varlen_module._groups(torch.empty(1, 8, 192), 64) == 66
     # run lengths: eight per octave, so 31,744 keys in 5 runs are 5 x 6,144 and a tail of 1,024
     assert [varlen_module._run_align(n) for n in (100, 4095, 6348, 16384)] == [256, 256, 512, 2048]
+
+
+_INTERPRETED_MERGE = """
+import torch
+from openk3.ops.attention_merge_triton import merge_parts_kernel
+from openk3.ops.varlen_attention import merge_parts_ref
+torch.manual_seed(0)
+# strided parts as the attention returns them (runs sliced from padded queries, lse [m, H, B]);
+# odd Tq and Dv (masked rows and columns); a tail with a part of weight ~0 beside it
+for m, Tq, H, Dv in ((1, 5, 2, 8), (3, 37, 3, 24), (2, 16, 1, 128)):
+    o_runs = torch.randn(m, Tq + 3, H, Dv + 8)[:, :Tq, :, :Dv]
+    lse_runs = (4 * torch.randn(m, H, Tq + 3))[..., :Tq]
+    o_tail, lse_tail = torch.randn(Tq, H, Dv), 4 * torch.randn(H, Tq)
+    lse_runs[0, 0, 0] = -60.0
+    out = torch.empty(Tq, H, Dv)
+    grid = lambda meta: ((Tq + meta["BLOCK_Q"] - 1) // meta["BLOCK_Q"], H)
+    merge_parts_kernel[grid](o_runs, lse_runs, o_tail, lse_tail, out, m, Tq, Dv, *o_runs.stride()[:3],
+                             *lse_runs.stride(), *o_tail.stride()[:2], *lse_tail.stride(), *out.stride()[:2],
+                             BLOCK_Q=16, BLOCK_D=max(8, 1 << (Dv - 1).bit_length()))
+    want = merge_parts_ref(o_runs.double(), lse_runs.double(), o_tail.double(), lse_tail.double())
+    assert (out.double() - want).abs().max().item() < 1e-5, (m, Tq, H, Dv)
+print("ok")
+"""
+
+
+def test_merge_kernel_in_the_triton_interpreter():
+    """The parts' merge kernel on the CPU (TRITON_INTERPRET=1, fp32) against ``merge_parts_ref``
+    in fp64: strided inputs, odd query counts and head dims."""
+    from tests.ops.checks import run_triton_interpreted
+
+    run_triton_interpreted(_INTERPRETED_MERGE)
+
+
+def test_merge_ref_is_attention_over_all_keys():
+    """Two parts' outputs and log-sum-exps merged give attention over the union of their keys."""
+    q, k, v = torch.randn(6, 2, 8, dtype=torch.float64), torch.randn(20, 2, 8, dtype=torch.float64), \
+        torch.randn(20, 2, 4, dtype=torch.float64)
+
+    def part(a, b):
+        return varlen_module.attention_lse_ref(q, k[a:b], v[a:b], torch.tensor([0, 6]),
+                                               torch.tensor([0, b - a]), 0.3, False)
+
+    (o1, l1), (o2, l2), (o3, l3), (want, _) = part(0, 7), part(7, 12), part(12, 20), part(0, 20)
+    got = varlen_module.merge_parts_ref(torch.stack([o1, o2]), torch.stack([l1, l2]), o3, l3)
+    torch.testing.assert_close(got, want.float(), rtol=1e-6, atol=1e-6)
