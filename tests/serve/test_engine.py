@@ -197,6 +197,8 @@ def test_bad_requests_name_the_parameter(model):
              ([5000], SamplingParams(), "prompt"), ([3, -1], SamplingParams(), "prompt"),
              ([3, 1.5], SamplingParams(), "prompt"), ([3, "a"], SamplingParams(), "prompt"),
              ([3, True], SamplingParams(), "prompt"),  # bools are not token ids
+             ([0, 4, False, 1], SamplingParams(), "prompt"),
+             ([3, None], SamplingParams(), "prompt"),
              ([3, 2**70], SamplingParams(), "prompt")]
     for prompt, params, param in cases:
         with pytest.raises(InvalidRequest) as e:
@@ -209,6 +211,17 @@ def test_bad_requests_name_the_parameter(model):
         with pytest.raises(InvalidRequest) as e:
             SamplingParams(**kw)
         assert e.value.param == param
+    assert_free(eng)
+
+
+def test_integer_types_other_than_int_are_token_ids(model):
+    """numpy integers (and other types with ``__index__``) are accepted: they hold the same ids."""
+    np = pytest.importorskip("numpy")
+    eng = make_engine(model)
+    ids = [1, 0, 7, 200, 3]
+    want = eng.generate([ids], SamplingParams(temperature=0, max_tokens=4))[0].token_ids
+    got = eng.generate([[np.int64(t) for t in ids]], SamplingParams(temperature=0, max_tokens=4))[0].token_ids
+    assert got == want
     assert_free(eng)
 
 
