@@ -95,31 +95,32 @@ def main() -> None:
 
 def varlen_blocks() -> None:
     """``conv_varlen_fwd_kernel`` (no autograd, a state, ``cu_seqlens``) over `small`'s fused
-    q|k|v columns of a 32K-token prefill, the projection's row of 4,232 columns, by block size,
-    against fla's varlen kernel; floor: x read and y written once."""
-    T, C, W = 32768, 3072, 4
-    proj = torch.randn(1, T, C + 1160, device="cuda", dtype=torch.bfloat16)
-    x, w = proj[..., :C], torch.randn(C, 1, W, device="cuda")
-    state = torch.zeros(1, C, W - 1, device="cuda")
-    cu = torch.tensor([0, T], device="cuda")
-    floor = 2 * T * C * 2 / BANDWIDTH * 1e6
+    q|k|v columns of a 1,024-token (a warm request's tail) and a 32K-token prefill, the
+    projection's row of 4,232 columns, by block size, against fla's varlen kernel; floor: x read
+    and y written once."""
+    C, W = 3072, 4
     rows = []
-    with torch.no_grad():
-        want, _ = causal_conv1d(x, w, state, cu, backend="fla")
-        us = gpu_us(lambda: causal_conv1d(x, w, state, cu, backend="fla"))["total"]
-        rows.append({"variant": "fla varlen", "fwd_us": us, "floor_us": floor})
-        print(rows[-1], flush=True)
-        default = conv_ops.VARLEN_BLOCKS
-        for conv_ops.VARLEN_BLOCKS in [(32, 128, 4), (64, 128, 4), (16, 256, 4), (32, 256, 4), (64, 256, 8),
-                                       (128, 64, 4), (8, 512, 4), (64, 64, 2)]:
-            fn = lambda: causal_conv1d(x, w, state, cu, backend="triton")  # noqa: E731
-            us = gpu_us(fn)["total"]
-            rows.append({"variant": f"openk3 varlen {conv_ops.VARLEN_BLOCKS}", "fwd_us": us, "floor_us": floor,
-                         "rel_err_vs_fla": rel_err(fn()[0], want)})
+    for T in (1024, 32768):
+        proj = torch.randn(1, T, C + 1160, device="cuda", dtype=torch.bfloat16)
+        x, w = proj[..., :C], torch.randn(C, 1, W, device="cuda")
+        state = torch.zeros(1, C, W - 1, device="cuda")
+        cu = torch.tensor([0, T], device="cuda")
+        floor = 2 * T * C * 2 / BANDWIDTH * 1e6
+        with torch.no_grad():
+            want, _ = causal_conv1d(x, w, state, cu, backend="fla")
+            us = gpu_us(lambda: causal_conv1d(x, w, state, cu, backend="fla"))["total"]
+            rows.append({"tokens": T, "variant": "fla varlen", "fwd_us": us, "floor_us": floor})
             print(rows[-1], flush=True)
-        conv_ops.VARLEN_BLOCKS = default
+            default = conv_ops.VARLEN_BLOCKS
+            for conv_ops.VARLEN_BLOCKS in [(32, 128, 4), (64, 128, 4), (16, 256, 4), (16, 128, 4), (32, 64, 2),
+                                           (64, 64, 4), (8, 512, 4)]:
+                fn = lambda: causal_conv1d(x, w, state, cu, backend="triton")  # noqa: E731
+                us = gpu_us(fn)["total"]
+                rows.append({"tokens": T, "variant": f"openk3 varlen {conv_ops.VARLEN_BLOCKS}", "fwd_us": us,
+                             "floor_us": floor, "rel_err_vs_fla": rel_err(fn()[0], want)})
+                print(rows[-1], flush=True)
+            conv_ops.VARLEN_BLOCKS = default
     write_results("conv_varlen_speed", rows)
-
 
 if __name__ == "__main__":
     main()

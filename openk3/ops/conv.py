@@ -179,7 +179,7 @@ def _conv_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return _ConvTriton.apply(x, weight)
 
 
-VARLEN_BLOCKS = (32, 128, 4)  # (positions, channels, warps) per program of the varlen forward
+VARLEN_BLOCKS = (16, 128, 4)  # (positions, channels, warps) per program of the varlen forward
 
 
 @compile_disabled("openk3's Triton conv kernels run as they are")
@@ -209,7 +209,7 @@ def _conv_varlen_triton(x: torch.Tensor, weight: torch.Tensor, conv_state: torch
     y = torch.empty(parts, B * T, C // parts, device=x.device, dtype=x.dtype)
     bt, bc, warps = VARLEN_BLOCKS
     conv_varlen_fwd_kernel[(triton.cdiv(B * T, bt), triton.cdiv(C, bc))](
-        rows, w, y, state, seq, cu, B * T, C, rows.stride(0), C // parts, HAS_STATE=state is not None,
+        rows, w, y, state, seq, cu, B * T, C, rows.stride(0), CP=C // parts, HAS_STATE=state is not None,
         W=W, BLOCK_T=bt, BLOCK_C=bc, ROW_ALIGN=math.gcd(rows.stride(0), 16), num_warps=warps)
     new = torch.empty(N, C, W - 1, device=x.device, dtype=x.dtype)
     conv_varlen_state_kernel[(N, triton.cdiv(C, 1024))](

@@ -165,35 +165,47 @@ def conv_bwd_walk_kernel(x_ptr, w_ptr, dy_ptr, dx_ptr, dw_ptr, T, C, stride_xb, 
 # each contiguous, as fla's KDA reads them, for CP = C / 3); a tap that reaches before its sequence's
 # first token reads the sequence's state (or zero without one). ``conv_varlen_state_kernel``
 # writes each sequence's new state: its last W-1 inputs, reaching into the old state when it is
-# shorter than W-1. fla's varlen kernel took 466 us per `small` layer at 32K tokens (floor ~94).
+# shorter than W-1. Only the tiles holding one of a sequence's first W-1 positions read the state
+# (a branch on the tile), and a program's taps are 32-bit offsets from its first row: at `small`'s
+# layer and 32K tokens 230 us at (16, 128, 4) against 441 us before and fla's 341 (floor ~94;
+# `benchmarks/conv_speed.py --varlen`, twenty-fourth session).
 
 
 @triton.jit
-def conv_varlen_fwd_kernel(x_ptr, w_ptr, y_ptr, state_ptr, seq_ptr, cu_ptr, T, C, stride_xt, CP,
-                           HAS_STATE: tl.constexpr, W: tl.constexpr, BLOCK_T: tl.constexpr,
+def conv_varlen_fwd_kernel(x_ptr, w_ptr, y_ptr, state_ptr, seq_ptr, cu_ptr, T, C, stride_xt,
+                           CP: tl.constexpr, HAS_STATE: tl.constexpr, W: tl.constexpr, BLOCK_T: tl.constexpr,
                            BLOCK_C: tl.constexpr, ROW_ALIGN: tl.constexpr):
-    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t0 = tl.program_id(0) * BLOCK_T
+    dt = tl.arange(0, BLOCK_T)                                       # positions t0 + dt
+    t = t0 + dt
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     t_ok, c_ok = t < T, c < C
-    seq = tl.load(seq_ptr + t, mask=t_ok, other=0).to(tl.int64)
-    start = tl.load(cu_ptr + seq, mask=t_ok, other=0).to(tl.int64)
-    a = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+    seq = tl.load(seq_ptr + t, mask=t_ok, other=0)
+    start = tl.load(cu_ptr + seq, mask=t_ok, other=0)
+    xb = x_ptr + t0.to(tl.int64) * stride_xt                         # the program's first row: the
+    a = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)               # taps' offsets fit 32 bits
     for j in tl.static_range(W):
         w = tl.load(w_ptr + c * W + j, mask=c_ok, other=0.0).to(tl.float32)
-        p = t.to(tl.int64) - (W - 1) + j                             # the input this tap reads
-        in_x = (t_ok & (p >= start))[:, None] & c_ok[None, :]
-        row = tl.multiple_of(p * stride_xt, ROW_ALIGN)  # vector loads along a row need to know it
-        tap = tl.load(x_ptr + row[:, None] + c[None, :], mask=in_x, other=0.0).to(tl.float32)
-        if HAS_STATE:  # column p - start + W - 1 of the sequence's state
-            in_state = (t_ok & (p < start))[:, None] & c_ok[None, :]
-            col = p - start + (W - 1)
-            tap += tl.load(state_ptr + (seq[:, None] * C + c[None, :]) * (W - 1) + col[:, None],
-                           mask=in_state, other=0.0).to(tl.float32)
+        dp = dt - (W - 1) + j                                        # the input this tap reads
+        in_x = (t_ok & (t0 + dp >= start))[:, None] & c_ok[None, :]
+        row = tl.multiple_of(dp * stride_xt, ROW_ALIGN)  # vector loads along a row need to know it
+        tap = tl.load(xb + row[:, None] + c[None, :], mask=in_x, other=0.0).to(tl.float32)
         a += tap * w[None, :]
+    if HAS_STATE:  # only tiles holding one of a sequence's first W-1 positions read the state
+        if tl.max((t_ok & (t - start < W - 1)).to(tl.int32), axis=0) > 0:
+            for j in tl.static_range(W - 1):                         # the last tap is the token itself
+                w = tl.load(w_ptr + c * W + j, mask=c_ok, other=0.0).to(tl.float32)
+                p = t - (W - 1) + j
+                in_state = (t_ok & (p < start))[:, None] & c_ok[None, :]
+                col = p - start + (W - 1)                            # column of the sequence's state
+                tap = tl.load(state_ptr + (seq[:, None].to(tl.int64) * C + c[None, :]) * (W - 1) + col[:, None],
+                              mask=in_state, other=0.0).to(tl.float32)
+                a += tap * w[None, :]
     y = a * tl.sigmoid(a)
     # y is [C / CP, T, CP]: channel c of position t goes to part c // CP, each part contiguous
     part = (c // CP).to(tl.int64) * T * CP + c % CP
-    tl.store(y_ptr + t[:, None].to(tl.int64) * CP + part[None, :], y.to(y_ptr.dtype.element_ty),
+    yb = y_ptr + t0.to(tl.int64) * CP
+    tl.store(yb + (dt * CP)[:, None] + part[None, :], y.to(y_ptr.dtype.element_ty),
              mask=t_ok[:, None] & c_ok[None, :])
 
 
