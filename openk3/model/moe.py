@@ -24,7 +24,7 @@ from openk3.config import ModelConfig
 from openk3.model.fuse import add_linear_, fuse_weights, is_fused, project
 from openk3.model.mla import RMSNorm
 from openk3.ops.fast import use_fast_path
-from openk3.ops.moe import combine_pairs, moe_gemv, needs_grad, sort_pairs, use_moe_gemv
+from openk3.ops.moe import combine_rows, group_pairs, moe_gemv, needs_grad, use_grouped_triton, use_moe_gemv
 from openk3.ops.mx import (
     MX_BLOCK_SIZE,
     QAT_MODES,
@@ -109,9 +109,11 @@ class Router(nn.Module):
 
 
 def run_experts(cfg: ModelConfig, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
-                xs: torch.Tensor, counts: torch.Tensor, qat: str = "none") -> torch.Tensor:
+                xs: torch.Tensor, counts: torch.Tensor, qat: str = "none",
+                ends: torch.Tensor | None = None) -> torch.Tensor:
     """GLU experts over expert-sorted rows: xs [P, D] holds ``counts[e]`` rows for expert e in
-    order; w1, w3: [E, F, D], w2: [E, D, F]. Returns [P, D] in xs.dtype.
+    order; w1, w3: [E, F, D], w2: [E, D, F]; ``ends``: ``counts.cumsum(0)`` as int32 when the
+    caller has it. Returns [P, D] in xs.dtype.
 
     One grouped matmul per projection on CUDA in bf16 (``grouped_mm``); the reference loops over
     the experts that received rows.
@@ -136,8 +138,13 @@ def run_experts(cfg: ModelConfig, w1: torch.Tensor, w3: torch.Tensor, w2: torch.
         return h if quant_in is None else quant_in(h)
 
     if use_fast_path(xs) and xs.dtype == torch.bfloat16:
+        offs = counts.cumsum(0).to(torch.int32) if ends is None else ends  # end of each expert's rows in xs
+        if quant_in is None and not needs_grad(xs, w1, w3, w2) and use_grouped_triton(xs.shape[0]):
+            from openk3.ops.moe_grouped_triton import grouped_experts_triton
+
+            return grouped_experts_triton(xs, offs, w1, w3, w2, hidden_act=cfg.hidden_act,
+                                          situ_beta1=cfg.situ_beta1, situ_beta2=cfg.situ_beta2)
         mm = getattr(F, "grouped_mm", None) or torch._grouped_mm  # public from torch 2.10
-        offs = counts.cumsum(0).to(torch.int32)  # end of each expert's rows in xs
         # grouped_mm is not autocast-aware: fp32 master weights are cast here (a no-op under
         # FSDP's bf16 parameters or a bf16 model)
         w1, w3, w2 = (w.to(xs.dtype).transpose(-2, -1) for w in (w1, w3, w2))
@@ -186,9 +193,9 @@ class RoutedExperts(nn.Module):
                        topk_weight: torch.Tensor) -> torch.Tensor:
         """``forward`` with the pairs sorted by expert and one grouped matmul per projection
         (``run_experts``): training, and batches too large for the GEMVs."""
-        order, token_of_pair, counts = sort_pairs(topk_idx, self.cfg.num_experts)
-        ys = run_experts(self.cfg, self.w1, self.w3, self.w2, x[token_of_pair], counts, self.qat)
-        return combine_pairs(ys, order, topk_weight)
+        position, token_of_row, counts, ends = group_pairs(topk_idx, self.cfg.num_experts)
+        ys = run_experts(self.cfg, self.w1, self.w3, self.w2, x[token_of_row], counts, self.qat, ends)
+        return combine_rows(ys, position, topk_weight)
 
 
 def set_qat(model: nn.Module, qat: str) -> None:

@@ -41,7 +41,7 @@ from torch import nn
 from openk3.config import ModelConfig
 from openk3.model.moe import MoE, RoutedExperts
 from openk3.ops.fast import use_fast_path
-from openk3.ops.moe import GEMV_MAX_PAIRS, combine_pairs, needs_grad, sort_pairs
+from openk3.ops.moe import GEMV_MAX_PAIRS, combine_rows, group_pairs, needs_grad
 from openk3.ops.mx import MX_BLOCK_SIZE
 from openk3.ops.mx_moe import (
     MXFP4Weight,
@@ -123,10 +123,10 @@ class PackedRoutedExperts(nn.Module):
                        topk_weight: torch.Tensor) -> torch.Tensor:
         """``forward`` with the pairs sorted by expert, as ``RoutedExperts.forward_sorted``, and
         ``mxfp4_grouped_experts`` in place of ``run_experts`` (no host sync on CUDA)."""
-        order, token_of_pair, counts = sort_pairs(topk_idx, self.cfg.num_experts)
+        position, token_of_row, counts, _ = group_pairs(topk_idx, self.cfg.num_experts)
         w1, w3, w2 = (self.weight(n) for n in PROJECTIONS)
-        ys = mxfp4_grouped_experts(x[token_of_pair], counts, w1, w3, w2, **self._act())
-        return combine_pairs(ys, order, topk_weight)
+        ys = mxfp4_grouped_experts(x[token_of_row], counts, w1, w3, w2, **self._act())
+        return combine_rows(ys, position, topk_weight)
 
 
 def pack_experts(model: nn.Module) -> nn.Module:

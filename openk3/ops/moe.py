@@ -57,6 +57,14 @@ from openk3.ops.situ import situ_glu_ref, swiglu_ref
 # 512 pairs (small: 92 vs 114 us; K3: 7.96 vs 8.17 ms) and lose at 2048 (K3: 31.0 vs 16.1 ms).
 # 512 pairs is 128 decode tokens of `small` (k = 4) and 32 of K3 (k = 16).
 GEMV_MAX_PAIRS = 512
+# The most pairs that ``group_pairs`` orders with its Triton kernels rather than a sort: as many
+# as their tiles hold for 64 experts. benchmarks/moe_route_bench.py on the H200 (docs/benchmarks.md,
+# twenty-fourth session): 10.3 against 36.3 us at 4,096 pairs, 19.5 against 60.6 at 65,536.
+ROUTE_MAX_PAIRS = 65536
+# The most pairs whose grouped experts run as openk3's Triton kernels (``moe_grouped_triton``:
+# the GLU inside the gate/up kernel, no pointer-preparing launches) rather than ``grouped_mm``:
+# they win at 16,384 pairs and lose at 65,536 (the same benchmark).
+GROUPED_TRITON_MAX_PAIRS = 16384
 
 
 def sort_pairs(topk_idx: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -72,10 +80,46 @@ def sort_pairs(topk_idx: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, 
     return order, order // topk_idx.shape[1], counts
 
 
+def group_pairs(topk_idx: torch.Tensor, num_experts: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``sort_pairs``' expert order as the grouped experts read it: (``position`` [N k] the row
+    of each flat (token, choice) pair, ``token_of_row`` [N k] each row's token, ``counts`` [E]
+    the rows per expert, ``ends`` [E] int32 their running sums: ``grouped_mm``'s offsets).
+
+    On CUDA, up to ``ROUTE_MAX_PAIRS`` pairs where the kernels' tiles fit (``route_fits``: up to
+    65,536 pairs of 64 experts), two Triton kernels (``group_pairs_triton``: a histogram per
+    block of pairs, then each pair's row from the histograms and its rank in its block) instead
+    of some ten kernels around a radix sort (cast, sort, counts by ``scatter_add_``, the
+    tokens, ``cumsum``, the inverse permutation: ~45 us of a 1,024-token pass's MoE layer).
+    The same permutation, so the same results bit for bit. Only without autograd (serving):
+    training's ``RoutedExperts`` is a compiled region (``openk3.parallel.compile``), which
+    traces the sort."""
+    P = topk_idx.numel()
+    if use_fast_path(topk_idx) and not torch.is_grad_enabled() and P <= ROUTE_MAX_PAIRS and triton_available():
+        from openk3.ops.moe_kernels import group_pairs_triton, route_fits
+
+        if route_fits(P, num_experts):
+            return group_pairs_triton(topk_idx, num_experts)
+    order, token_of_row, counts = sort_pairs(topk_idx, num_experts)
+    return inverse_order(order), token_of_row, counts, counts.cumsum(0).to(torch.int32)
+
+
+def inverse_order(order: torch.Tensor) -> torch.Tensor:
+    """The position of each index in the permutation ``order``."""
+    position = torch.empty_like(order)
+    position[order] = torch.arange(order.numel(), device=order.device)
+    return position
+
+
 def combine_pairs(ys: torch.Tensor, order: torch.Tensor, topk_weight: torch.Tensor) -> torch.Tensor:
+    """``combine_rows`` of expert outputs ``ys`` [N * k, D] for the flat (token, choice) pairs in
+    ``order`` (``ys[i]`` is flat pair ``order[i]``)."""
+    return combine_rows(ys, inverse_order(order), topk_weight)
+
+
+def combine_rows(ys: torch.Tensor, position: torch.Tensor, topk_weight: torch.Tensor) -> torch.Tensor:
     """Each token's weighted sum ``sum_j w_j y_j``, fp32 [N, D], of the experts' outputs
-    ``ys`` [N * k, D] for the (token, choice) pairs in ``order`` (``ys[i]`` is flat pair
-    ``order[i]``); ``topk_weight`` [N, k].
+    ``ys`` [N * k, D]: flat pair p = (token, choice) is row ``position[p]``; ``topk_weight`` [N, k].
 
     The rows go back to token order (a gather) and each token's k are summed in choice order: the
     same sum at every run. ``index_add_`` onto the tokens summed them with fp32 atomics in a
@@ -86,8 +130,6 @@ def combine_pairs(ys: torch.Tensor, order: torch.Tensor, topk_weight: torch.Tens
     sums in fp32 in the same order, reading ``ys`` once: the gather, cast, product and sum were
     ~0.4 ms of a 32K-token prefill's MoE layer (issue P8)."""
     N, k = topk_weight.shape
-    position = torch.empty_like(order)
-    position[order] = torch.arange(order.numel(), device=order.device)  # where each pair's row is
     if use_fast_path(ys) and triton_available() and not needs_grad(ys, topk_weight) and ys.stride(-1) == 1:
         from openk3.ops.moe_kernels import combine_pairs_triton
 
@@ -103,6 +145,12 @@ def triton_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+def use_grouped_triton(num_pairs: int) -> bool:
+    """Whether ``run_experts`` (no autograd, no QAT, bf16 on CUDA) takes openk3's grouped Triton
+    kernels for ``num_pairs`` expert-sorted rows."""
+    return num_pairs <= GROUPED_TRITON_MAX_PAIRS and triton_available()
 
 
 def use_moe_gemv(x: torch.Tensor, num_pairs: int) -> bool:

@@ -144,3 +144,79 @@ def combine_pairs_triton(ys: torch.Tensor, position: torch.Tensor, topk_weight: 
         ys, position.contiguous(), topk_weight.contiguous(), out, N, D, ys.stride(0), out.stride(0),
         K=k, TOKENS=COMBINE_TOKENS, COLS=cols, num_warps=4)
     return out
+
+
+# ``group_pairs`` without autograd: the expert order of the (token, choice) pairs as two kernels
+# over blocks of ROUTE_BLOCK pairs, each block's one-hot [block, E] tile in registers. A block
+# tile and the second kernel's tile of every block's histogram [blocks, E] stay within
+# ROUTE_MAX_TILE elements (``route_fits``): `small`'s 64 experts up to 65,536 pairs.
+ROUTE_MAX_TILE = 16384
+
+
+def route_block(num_experts: int) -> int:
+    return max(16, min(256, ROUTE_MAX_TILE // triton.next_power_of_2(num_experts)))
+
+
+def route_fits(num_pairs: int, num_experts: int) -> bool:
+    """Whether ``group_pairs_triton`` takes ``num_pairs`` pairs over ``num_experts`` experts."""
+    e_pow2 = triton.next_power_of_2(num_experts)
+    blocks = triton.cdiv(num_pairs, route_block(num_experts))
+    return 0 < num_pairs and triton.next_power_of_2(blocks) * e_pow2 <= ROUTE_MAX_TILE
+
+
+@triton.jit
+def _route_count_kernel(idx_ptr, hist_ptr, P, E_POW2: tl.constexpr, BLOCK: tl.constexpr):
+    """hist[b, e]: the pairs of block b that chose expert e."""
+    b = tl.program_id(0)
+    p = b * BLOCK + tl.arange(0, BLOCK)
+    e = tl.load(idx_ptr + p, mask=p < P, other=-1)
+    experts = tl.arange(0, E_POW2)
+    onehot = (e[:, None] == experts[None, :]).to(tl.int32)           # [BLOCK, E_POW2]
+    tl.store(hist_ptr + b * E_POW2 + experts, tl.sum(onehot, axis=0))
+
+
+@triton.jit
+def _route_place_kernel(idx_ptr, hist_ptr, position_ptr, token_ptr, counts_ptr, ends_ptr, P, E, NB, K,
+                        E_POW2: tl.constexpr, NB_POW2: tl.constexpr, BLOCK: tl.constexpr):
+    """Each pair's row in expert order (experts ascending, pairs in index order within one: the
+    stable sort) and each row's token; block 0 also writes the counts and their running sums."""
+    b = tl.program_id(0)
+    experts = tl.arange(0, E_POW2)
+    blocks = tl.arange(0, NB_POW2)
+    hist = tl.load(hist_ptr + blocks[:, None] * E_POW2 + experts[None, :],
+                   mask=blocks[:, None] < NB, other=0)                   # [NB_POW2, E_POW2]
+    counts = tl.sum(hist, axis=0)                                        # [E_POW2]
+    ends = tl.cumsum(counts, axis=0)
+    before = tl.sum(tl.where(blocks[:, None] < b, hist, 0), axis=0)      # this expert's pairs in earlier blocks
+    if b == 0:
+        tl.store(counts_ptr + experts, counts.to(tl.int64), mask=experts < E)
+        tl.store(ends_ptr + experts, ends, mask=experts < E)
+    p = b * BLOCK + tl.arange(0, BLOCK)
+    e = tl.load(idx_ptr + p, mask=p < P, other=-1)
+    onehot = e[:, None] == experts[None, :]                              # [BLOCK, E_POW2]
+    rank = tl.cumsum(onehot.to(tl.int32), axis=0)                        # 1 + earlier pairs of e in the block
+    row = rank + (ends - counts + before - 1)[None, :]
+    position = tl.sum(tl.where(onehot, row, 0), axis=1).to(tl.int64)    # [BLOCK]
+    tl.store(position_ptr + p, position, mask=p < P)
+    tl.store(token_ptr + position, (p // K).to(tl.int64), mask=p < P)
+
+
+def group_pairs_triton(topk_idx: torch.Tensor, num_experts: int
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``openk3.ops.moe.group_pairs`` in two kernels, for ``route_fits`` sizes: topk_idx [N, k]
+    integer expert ids in [0, num_experts). Returns (position [N k] int64, token_of_row [N k]
+    int64, counts [E] int64, ends [E] int32)."""
+    N, k = topk_idx.shape
+    P, E, dev = N * k, num_experts, topk_idx.device
+    e_pow2, block = triton.next_power_of_2(E), route_block(E)
+    nb = triton.cdiv(P, block)
+    idx = topk_idx.contiguous().view(P)
+    hist = torch.empty(nb, e_pow2, dtype=torch.int32, device=dev)
+    position = torch.empty(P, dtype=torch.int64, device=dev)
+    token = torch.empty(P, dtype=torch.int64, device=dev)
+    counts = torch.empty(E, dtype=torch.int64, device=dev)
+    ends = torch.empty(E, dtype=torch.int32, device=dev)
+    _route_count_kernel[(nb,)](idx, hist, P, E_POW2=e_pow2, BLOCK=block, num_warps=4)
+    _route_place_kernel[(nb,)](idx, hist, position, token, counts, ends, P, E, nb, k, E_POW2=e_pow2,
+                               NB_POW2=triton.next_power_of_2(nb), BLOCK=block, num_warps=8)
+    return position, token, counts, ends

@@ -311,3 +311,140 @@ def test_sort_pairs_is_the_stable_sort_by_expert(E):
     want = topk_idx.reshape(-1).argsort(stable=True)
     assert torch.equal(order, want) and torch.equal(token_of_pair, want // 4)
     assert torch.equal(counts, torch.bincount(topk_idx.reshape(-1), minlength=E))
+
+
+def route_case(N: int, k: int, E: int, hot: bool, device: str = "cpu", seed: int = 0) -> torch.Tensor:
+    """topk_idx [N, k]: k distinct experts per token, uniform or all tokens on the same k."""
+    if hot:
+        return torch.arange(k, device=device).repeat(N, 1)
+    return routing(N, E, k, device, seed)[0]
+
+
+def check_grouped(topk_idx: torch.Tensor, E: int, got) -> None:
+    """``group_pairs``' outputs against the stable sort's."""
+    order, token, counts = openk3.ops.moe.sort_pairs(topk_idx, E)
+    position, token_of_row, got_counts, ends = got
+    assert torch.equal(position, openk3.ops.moe.inverse_order(order))
+    assert torch.equal(token_of_row, token)
+    assert torch.equal(got_counts, counts) and got_counts.dtype == torch.int64
+    assert torch.equal(ends, counts.cumsum(0).to(torch.int32)) and ends.dtype == torch.int32
+
+
+_ROUTE_CASES = [(1, 4, 64, False), (300, 4, 64, False), (300, 4, 64, True), (37, 3, 5, False),
+                (700, 2, 40, False), (8, 16, 896, False), (4096, 4, 64, False)]
+
+_ROUTE_INTERPRETED = """
+from openk3.ops.moe_kernels import group_pairs_triton, route_fits
+from tests.ops.test_moe import _ROUTE_CASES, check_grouped, route_case
+for N, k, E, hot in _ROUTE_CASES:  # one block and several, 5 and 896 experts (masked columns)
+    assert route_fits(N * k, E), (N, k, E)
+    topk_idx = route_case(N, k, E, hot, seed=N)
+    check_grouped(topk_idx, E, group_pairs_triton(topk_idx, E))
+assert not route_fits(65537, 64) and route_fits(65536, 64) and not route_fits(1024, 896)
+print("ok")
+"""
+
+
+def test_route_kernels_in_the_triton_interpreter():
+    """The expert order in two kernels equals the stable sort's: positions, tokens, counts and
+    offsets, several blocks of pairs, a hot expert, expert counts that are not powers of two."""
+    run_triton_interpreted(_ROUTE_INTERPRETED)
+
+
+def test_group_pairs_reference_is_the_stable_sort():
+    for N, k, E, hot in _ROUTE_CASES[:5]:
+        topk_idx = route_case(N, k, E, hot, seed=N)
+        check_grouped(topk_idx, E, openk3.ops.moe.group_pairs(topk_idx, E))
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_group_pairs_on_the_gpu_and_the_experts_unchanged():
+    """On CUDA without autograd ``group_pairs`` takes the kernels up to ``ROUTE_MAX_PAIRS``
+    (65,536 pairs of `small`: 16,384 tokens) and the sort above; both equal the stable sort. The grouped experts
+    give the same bits through either."""
+    from openk3.ops.moe_kernels import route_fits
+
+    for N, k, E, hot in _ROUTE_CASES + [(16384, 4, 64, False), (16384, 4, 64, True), (16385, 4, 64, False)]:
+        topk_idx = route_case(N, k, E, hot, "cuda", seed=N)
+        with torch.no_grad():  # with autograd (training) the sort, always
+            check_grouped(topk_idx, E, openk3.ops.moe.group_pairs(topk_idx, E))
+    assert route_fits(65536, 64) and not route_fits(65537, 64) and not route_fits(1024, 896)
+    ex = experts(64, 4, 256, 512, "situ", "cuda", torch.bfloat16)
+    x = torch.randn(1024, 512, device="cuda", dtype=torch.bfloat16)
+    topk_idx, topk_weight = routing(1024, 64, 4, "cuda")
+    with torch.no_grad():
+        fast = ex.forward_sorted(x, topk_idx, topk_weight)
+        order, token, counts = openk3.ops.moe.sort_pairs(topk_idx, 64)
+        from openk3.model.moe import run_experts
+
+        ys = run_experts(ex.cfg, ex.w1, ex.w3, ex.w2, x[token], counts)
+        assert torch.equal(fast, openk3.ops.moe.combine_pairs(ys, order, topk_weight))
+
+
+def grouped_case(P: int, E: int, F: int, D: int, act: str, empty: bool, device="cpu", dtype=torch.float32,
+                 seed: int = 0):
+    """(experts, xs [P, D], counts [E]): P expert-sorted rows over random counts (with
+    ``empty``, every other expert gets none)."""
+    ex = experts(E, 1, F, D, act, device, dtype, seed)
+    g = torch.Generator().manual_seed(seed)
+    share = torch.rand(E, generator=g) * (torch.arange(E) % 2 == 0 if empty else 1)
+    counts = (share / share.sum() * P).floor().long()
+    counts[0] += P - counts.sum()
+    xs = torch.randn(P, D, generator=g).to(device, dtype)
+    return ex, xs, counts.to(device)
+
+
+_GROUPED_INTERPRETED = """
+import torch
+from openk3.model.moe import run_experts
+from openk3.ops.moe_grouped_triton import grouped_experts_triton
+from tests.ops.test_moe import grouped_case
+# row tiles that end inside an expert and at its end, experts with no rows, several N and K
+# tiles, widths that are not multiples of the blocks (SwiGLU: the interpreter has no libdevice
+# tanh; SiTU-GLU runs in the GPU test)
+for P, E, F, D, act, empty, blocks in ((100, 5, 48, 40, "silu", False, (16, 32, 16, 4, 1)),
+                                      (70, 6, 40, 72, "silu", True, (16, 16, 32, 4, 2)),
+                                      (130, 64, 32, 48, "silu", True, None)):
+    ex, xs, counts = grouped_case(P, E, F, D, act, empty, seed=P)
+    ends = counts.cumsum(0).to(torch.int32)
+    c = ex.cfg
+    got = grouped_experts_triton(xs, ends, ex.w1, ex.w3, ex.w2, hidden_act=c.hidden_act,
+                                 situ_beta1=c.situ_beta1, situ_beta2=c.situ_beta2, blocks=blocks)
+    want = run_experts(c, ex.w1.double(), ex.w3.double(), ex.w2.double(), xs.double(), counts)
+    assert got.shape == (P, D) and got.dtype == torch.float32
+    err = ((got.double() - want).abs().max() / want.abs().max()).item()
+    assert err < 1e-5, (P, E, F, D, err)
+print("ok")
+"""
+
+
+def test_grouped_kernels_in_the_triton_interpreter():
+    """The grouped experts in two kernels (gate/up with the GLU, down) against the per-expert
+    loop of ``run_experts`` in fp64 (SwiGLU)."""
+    run_triton_interpreted(_GROUPED_INTERPRETED)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_grouped_kernels_match_grouped_mm():
+    """On the GPU in bf16, openk3's grouped kernels (a prefill pass's MoE) against ``grouped_mm``
+    and the fp32 loop: no further from fp32 than ``grouped_mm`` (which rounds gate and up to
+    bf16 before the GLU), at `small`'s layer (64 experts, 512 -> 256) for 1,024 and 4,096 tokens,
+    some experts empty."""
+    import openk3.model.moe as moe_model
+
+    for P, empty in ((4096, False), (16384, True), (333, True)):
+        ex, xs, counts = grouped_case(P, 64, 256, 512, "situ", empty, "cuda", torch.bfloat16, seed=P)
+        ex32 = ex.float()
+        with torch.no_grad(), nan_poisoned_empty():
+            got = moe_model.run_experts(ex.cfg, ex.w1, ex.w3, ex.w2, xs, counts)
+            saved = openk3.ops.moe.GROUPED_TRITON_MAX_PAIRS
+            openk3.ops.moe.GROUPED_TRITON_MAX_PAIRS = 0
+            try:
+                ref = moe_model.run_experts(ex.cfg, ex.w1, ex.w3, ex.w2, xs, counts)
+            finally:
+                openk3.ops.moe.GROUPED_TRITON_MAX_PAIRS = saved
+            exact = moe_model.run_experts(ex32.cfg, ex32.w1, ex32.w3, ex32.w2, xs.float(), counts)
+        assert got.dtype == torch.bfloat16 and not got.isnan().any(), P
+        assert rel_err(got, exact) <= rel_err(ref, exact) + 1e-3, (P, rel_err(got, exact), rel_err(ref, exact))
