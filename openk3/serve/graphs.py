@@ -115,16 +115,24 @@ class PiecewiseGraph:
         self._begin()
         return out
 
-    def run(self, *values: torch.Tensor | None):
+    def run(self, *values: torch.Tensor | None, before_eager: Callable[[], None] | None = None):
+        """Replay with ``values`` copied into the inputs (None: keep); ``before_eager()`` is called
+        once, just before the first eager part: host work that only the eager parts need (the
+        GPU is already running the first graph meanwhile)."""
         for static, value in zip(self.inputs, values):
             if value is not None:
                 static.copy_(value, non_blocking=True)
         for piece in self.pieces:
             if isinstance(piece, tuple):
+                if before_eager is not None:
+                    before_eager()
+                    before_eager = None
                 part, out = piece
                 _fill(out, part())
             else:
                 piece.replay()
+        if before_eager is not None:
+            before_eager()
         return self.outputs
 
 

@@ -595,21 +595,28 @@ class ModelRunner:
         ids_pad, cu_pad, slots_pad, cu_q_dev, cu_k_dev, starts, slots, rows = self._upload(
             ids + array("q", bytes(8 * (Tb - T))), cu_q + [T] * (Nmax - N), slots + [self.scratch_slot] * (Nmax - N),
             cu_q, cu_k, starts, slots, rows)
-        batch = self._prefill_batch(cu_q_dev, cu_k_dev, starts, slots, torch.tensor(cu_q), torch.tensor(cu_k))
-        batch.slot_mapping = torch.nn.functional.pad(batch.slot_mapping, (0, Tb - T),
-                                                     value=self.scratch_block * self.block_size)
         pass_ = self._prefill_passes.get(Tb)
         if pass_ is None:
             pass_ = self._prefill_passes[Tb] = _PaddedPrefill(self, Tb)
+
+        def attention_batch() -> None:
+            """What the eager attention parts read (nothing captured does): computed once the first
+            graph piece runs, so that its host time (~25 launches) overlaps the GPU's work."""
+            batch = self._prefill_batch(cu_q_dev, cu_k_dev, starts, slots, torch.tensor(cu_q), torch.tensor(cu_k))
+            batch.slot_mapping = torch.nn.functional.pad(batch.slot_mapping, (0, Tb - T),
+                                                         value=self.scratch_block * self.block_size)
+            vars(pass_.batch).update(vars(batch))
+
+        # the capture's runs read the pass's first batch (one chunk in the scratch slot and block)
         graph = self._prefill_graphs.get_or_capture(Tb, lambda pool: PiecewiseGraph(
             pass_.forward, [pass_.ids, pass_.cu, pass_.slots], pool))
-        vars(pass_.batch).update(vars(batch))  # what the eager attention parts read
         if graph is None:
             if self.device.type == "cuda":  # the capture failed (a warning said why): padding
                 self.pad_prefill = False      # no longer buys anything
+            attention_batch()
             hidden, bank = pass_.forward(EagerPieces(), ids_pad[None], cu_pad, slots_pad)
         else:
-            hidden, bank = graph.run(ids_pad[None], cu_pad, slots_pad)
+            hidden, bank = graph.run(ids_pad[None], cu_pad, slots_pad, before_eager=attention_batch)
         return hidden[0, :T], rows, cu_q, [b[:, :T] for b in bank]
 
     def _prefill_batch(self, cu_q: torch.Tensor, cu_k: torch.Tensor, starts: torch.Tensor,
