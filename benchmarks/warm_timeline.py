@@ -32,7 +32,7 @@ ACTIVE = [False]
 
 
 def mark(label: str) -> None:
-    if ACTIVE[0]:
+    if ACTIVE[0] and not torch.cuda.is_current_stream_capturing():
         e = torch.cuda.Event(enable_timing=True)
         e.record()
         MARKS.append((label, time.perf_counter(), e))
