@@ -5,7 +5,8 @@
     first prompt, which captures the prefill graphs, reported apart), and with a
     cached prefix (a request of the prefix alone ran before): 31744 tokens (a hit inside
     physical block 5 of 6144: copy-on-write of 1024 rows) and 30720 (the edge of block 5: no
-    copy). Target: warm under 10% of cold.
+    copy), each the best of four runs with a new prefix (the first meets new shapes; all four
+    are reported). Target: warm under 10% of cold.
 (b) decode: generation throughput of ``small`` (random weights) at batch 1, 32, 128 with
     128-token prompts and 128 new tokens, CUDA graphs on and off; and, in the same run, a
     Kimi-Linear-format model of similar size (transformers' ``KimiLinearForCausalLM``, random
