@@ -147,13 +147,14 @@ def combine_pairs_triton(ys: torch.Tensor, position: torch.Tensor, topk_weight: 
 
 
 # ``group_pairs`` without autograd: the expert order of the (token, choice) pairs as two kernels
-# over blocks of ROUTE_BLOCK pairs, each block's one-hot [block, E] tile in registers. A block
+# over blocks of ``route_block(E)`` pairs, each block's one-hot [block, E] tile in registers. A block
 # tile and the second kernel's tile of every block's histogram [blocks, E] stay within
 # ROUTE_MAX_TILE elements (``route_fits``): `small`'s 64 experts up to 65,536 pairs.
 ROUTE_MAX_TILE = 16384
 
 
 def route_block(num_experts: int) -> int:
+    """Pairs per block of the routing kernels: 256 for up to 64 experts, fewer for more."""
     return max(16, min(256, ROUTE_MAX_TILE // triton.next_power_of_2(num_experts)))
 
 
