@@ -11,6 +11,8 @@
 # 3: call 2's failures fixed (the capture read the step's batch; a test's expectation): the GPU
 #    tests again, the timeline (also a new prefix's first hit), serve_bench.py --parts ttft peer.
 # 4: the committed code: serve_bench.py --parts ttft (a second machine).
+# 5: not run (no device time left): after merging the branch decode-down-sum, its GPU tests,
+#    moe_decode_bench.py, the batch-1 census and serve_bench.py --parts decode.
 source "$(dirname "$0")/device_common.sh"
 case "${1:?phase}" in
 1)
@@ -44,6 +46,16 @@ case "${1:?phase}" in
   timeout -k 5 120 python3 benchmarks/serve_bench.py --parts ttft > "$OUT/serve.log" 2>&1
   echo "== rc $?" >> "$OUT/serve.log"
   ;;
-*) echo "phase 1, 2, 3 or 4" >&2; exit 2 ;;
+5)  # with the branch decode-down-sum merged (the routed experts' down GEMV and slot sum in one
+    # kernel): its GPU tests, the decode GEMVs against the floor, the batch-1 census, decode
+  gpu_tests 150 tests/ops/test_moe.py -k "gemv or routed_experts or triton_reads"
+  timeout -k 5 90 python3 benchmarks/moe_decode_bench.py --presets small --tokens 1 8 32 128 > "$OUT/moe_decode.log" 2>&1
+  echo "== rc $?" >> "$OUT/moe_decode.log"
+  timeout -k 5 90 python3 benchmarks/decode_census.py --preset small --batch 1 > "$OUT/census.log" 2>&1
+  echo "== rc $?" >> "$OUT/census.log"
+  timeout -k 5 150 python3 benchmarks/serve_bench.py --parts decode > "$OUT/serve.log" 2>&1
+  echo "== rc $?" >> "$OUT/serve.log"
+  ;;
+*) echo "phase 1 to 5" >&2; exit 2 ;;
 esac
 summary
