@@ -34,19 +34,25 @@ BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES = 64, 64, 64, 4, 3
 
 
 @triton.jit
-def _tile_of(ends_ptr, E, tile, E_POW2: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Row tile ``tile``'s expert, first row and the expert's end row; the expert is E or more
-    for a tile past the last one."""
+def _tile(ends_ptr, E, N_OUT, stride_we, stride_wn, E_POW2: tl.constexpr, BLOCK_M: tl.constexpr,
+          BLOCK_N: tl.constexpr):
+    """This program's tile: its expert (E or more past the last row tile: nothing to do), rows
+    ``m`` of xs and output columns ``n`` (of N_OUT) with their masks, and the offsets of its
+    expert's weight rows ``n`` (strides of the weight's expert and output dims)."""
     e = tl.arange(0, E_POW2)
     ends = tl.load(ends_ptr + e, mask=e < E, other=0)
     starts = tl.load(ends_ptr + e - 1, mask=(e > 0) & (e < E), other=0)
-    tiles = (ends - starts + BLOCK_M - 1) // BLOCK_M
+    tiles = (ends - starts + BLOCK_M - 1) // BLOCK_M                 # row tiles of each expert
     cum = tl.cumsum(tiles, axis=0)                                   # tiles of experts 0 .. e
+    tile = tl.program_id(0)
     expert = tl.sum((cum <= tile).to(tl.int32), axis=0)
     mine = e == expert
     first_tile = tl.sum(tl.where(mine, cum - tiles, 0), axis=0)
-    row0 = tl.sum(tl.where(mine, starts, 0), axis=0) + (tile - first_tile) * BLOCK_M
-    return expert, row0, tl.sum(tl.where(mine, ends, 0), axis=0)
+    m = tl.sum(tl.where(mine, starts, 0), axis=0) + (tile - first_tile) * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok, n_ok = m < tl.sum(tl.where(mine, ends, 0), axis=0), n < N_OUT
+    w_cols = expert.to(tl.int64) * stride_we + n[None, :].to(tl.int64) * stride_wn   # [1, BLOCK_N]
+    return expert, m, n, m_ok, n_ok, w_cols
 
 
 @triton.jit
@@ -55,13 +61,9 @@ def _gate_up_kernel(xs_ptr, w1_ptr, w3_ptr, ends_ptr, h_ptr, E, F, D,
                     SITU: tl.constexpr, BETA1: tl.constexpr, BETA2: tl.constexpr, E_POW2: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     NUM_STAGES: tl.constexpr):
-    expert, row0, row_end = _tile_of(ends_ptr, E, tl.program_id(0), E_POW2, BLOCK_M)
+    expert, m, n, m_ok, n_ok, w_cols = _tile(ends_ptr, E, F, stride_we, stride_wf, E_POW2, BLOCK_M, BLOCK_N)
     if expert >= E:
         return
-    m = row0 + tl.arange(0, BLOCK_M)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_ok, n_ok = m < row_end, n < F
-    w_cols = expert.to(tl.int64) * stride_we + n[None, :].to(tl.int64) * stride_wf   # [1, BLOCK_N]
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in tl.range(0, D, BLOCK_K, num_stages=NUM_STAGES):
@@ -82,13 +84,9 @@ def _gate_up_kernel(xs_ptr, w1_ptr, w3_ptr, ends_ptr, h_ptr, E, F, D,
 def _down_kernel(h_ptr, w2_ptr, ends_ptr, y_ptr, E, D, F, stride_h, stride_we, stride_wd, stride_wf, stride_y,
                  E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  NUM_STAGES: tl.constexpr):
-    expert, row0, row_end = _tile_of(ends_ptr, E, tl.program_id(0), E_POW2, BLOCK_M)
+    expert, m, n, m_ok, n_ok, w_cols = _tile(ends_ptr, E, D, stride_we, stride_wd, E_POW2, BLOCK_M, BLOCK_N)
     if expert >= E:
         return
-    m = row0 + tl.arange(0, BLOCK_M)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_ok, n_ok = m < row_end, n < D
-    w_cols = expert.to(tl.int64) * stride_we + n[None, :].to(tl.int64) * stride_wd
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in tl.range(0, F, BLOCK_K, num_stages=NUM_STAGES):
         k = k0 + tl.arange(0, BLOCK_K)
