@@ -1,23 +1,21 @@
 """Triton kernels of ``openk3.ops.moe.moe_gemv`` (imported only on the CUDA fast path: CPU
 installs have no triton).
 
-Each program owns one (token, slot) pair p and ``ROWS`` output rows of it, and streams the
-matching rows of its expert's weights (a memory-bound GEMV: products accumulate elementwise
-in an fp32 ``[ROWS, COLS]`` tile, reduced across columns once at the end):
+The gate/up kernel's programs own one (token, slot) pair p and ``ROWS`` output rows of it,
+and stream the matching rows of its expert's weights (a memory-bound GEMV: products accumulate
+elementwise in an fp32 ``[ROWS, COLS]`` tile, reduced across columns once at the end):
 
 1. ``_gate_up_kernel``, grid (P, F / ROWS): ``h[p] = act(W1[e_p] x[t_p], W3[e_p] x[t_p])``,
    ``[P, F]`` fp32.
-2. ``_down_kernel``, grid (P, D / ROWS): ``y_pairs[p] = w_p W2[e_p] h[p]``, ``[P, D]`` fp32.
-3. ``y = y_pairs.view(N, k, D).sum(1)``.
+2. ``_down_sum_kernel``, grid (N, D / rows): ``y[t] = sum_j w_j W2[e_j] h[t, j]``, ``[N, D]``
+   fp32: a program owns a token and a few output rows and holds all k slots' weight rows in one
+   ``[k, rows, COLS]`` tile, so the slots' loads go out together and their sum (a fixed tree
+   over the slots: the same bits at every run) needs no kernel of its own. (Before: a per-pair
+   down kernel into a ``[P, D]`` buffer, then ``sum(1)``: one launch more per MoE layer.)
 
-The sum over a token's k slots is a separate reduction rather than fp32 atomics into y:
-atomics need y zeroed first (one more graph node as well) and add in whatever order the
-programs finish, so the same inputs could give different bits; the buffer is P x D x 4 bytes
-(256 KB for 16 K3 pairs) and the sum is always in slot order.
-
-Pairs are the fastest grid axis (CUDA starts blocks in that order): the programs of one row
-block of all pairs run together, so pairs that chose the same expert read the same weight rows
-at about the same time, and all but the first read come from L2.
+Pairs are the fastest grid axis of the gate/up kernel (CUDA starts blocks in that order): the
+programs of one row block of all pairs run together, so pairs that chose the same expert read
+the same weight rows at about the same time, and all but the first read come from L2.
 
 Expert offsets are computed in int64: K3's stacked W1 holds 896 x 3072 x 3584 = 9.9e9 elements.
 """
@@ -30,6 +28,9 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 ROWS = 16        # output rows per program: >= 1,500 programs for one K3 token, 64 for `small`
+# the down kernel's [slots, rows, columns] tile: 4 x 4 x 128 for `small` (128 programs a token, as
+# the per-pair kernel had), 16 x 1 x 128 for K3
+DOWN_SUM_TILE = 2048
 COLS = 128       # input columns per step: one 16-byte load of 8 bf16 per thread per row
 NUM_WARPS = 4
 
@@ -69,23 +70,31 @@ def _gate_up_kernel(x_ptr, w1_ptr, w3_ptr, idx_ptr, h_ptr, F, D, K,
 
 
 @triton.jit
-def _down_kernel(h_ptr, w2_ptr, idx_ptr, weight_ptr, y_ptr, F, D,
-                 stride_we, stride_wd, stride_wf,
-                 ROWS: tl.constexpr, COLS: tl.constexpr):
-    pair = tl.program_id(0)
-    expert = tl.load(idx_ptr + pair).to(tl.int64)
-    h_row = h_ptr + pair.to(tl.int64) * F
+def _down_sum_kernel(h_ptr, w2_ptr, idx_ptr, weight_ptr, y_ptr, F, D, K,
+                     stride_we, stride_wd, stride_wf,
+                     K_POW2: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """y[t, d] = sum_j w_j W2[e_j][d] h_j over token t's K slots: the K experts' rows in one
+    [K, ROWS, COLS] tile, so the slots' loads are issued together (a loop over the slots, tried
+    in the eleventh session, ran them one after another)."""
+    t = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, K_POW2)                                         # [K_POW2] slots
+    j_ok = j < K
+    pair = t * K + j
+    expert = tl.load(idx_ptr + pair, mask=j_ok, other=0).to(tl.int64)
+    w = tl.load(weight_ptr + pair, mask=j_ok, other=0.0).to(tl.float32)
     d = tl.program_id(1) * ROWS + tl.arange(0, ROWS)                 # [ROWS]
-    w_rows = expert * stride_we + d[:, None].to(tl.int64) * stride_wd  # [ROWS, 1]
-    acc = tl.zeros([ROWS, COLS], dtype=tl.float32)
+    w_rows = (expert[:, None, None] * stride_we
+              + d[None, :, None].to(tl.int64) * stride_wd)            # [K_POW2, ROWS, 1]
+    row_ok = j_ok[:, None, None] & (d < D)[None, :, None]
+    acc = tl.zeros([K_POW2, ROWS, COLS], dtype=tl.float32)
     for f0 in range(0, F, COLS):
         f = f0 + tl.arange(0, COLS)                                  # [COLS]
-        h = tl.load(h_row + f, mask=f < F, other=0.0)
-        mask = (d[:, None] < D) & (f[None, :] < F)
-        w2 = tl.load(w2_ptr + w_rows + f[None, :] * stride_wf, mask=mask, other=0.0)
-        acc += w2.to(tl.float32) * h[None, :]
-    y = tl.sum(acc, axis=1) * tl.load(weight_ptr + pair).to(tl.float32)
-    tl.store(y_ptr + pair.to(tl.int64) * D + d, y, mask=d < D)
+        h = tl.load(h_ptr + pair[:, None] * F + f[None, :], mask=j_ok[:, None] & (f < F)[None, :], other=0.0)
+        w2 = tl.load(w2_ptr + w_rows + f[None, None, :] * stride_wf,
+                     mask=row_ok & (f < F)[None, None, :], other=0.0)
+        acc += w2.to(tl.float32) * h[:, None, :]
+    y = tl.sum(tl.sum(acc, axis=2) * w[:, None], axis=0)            # [ROWS]
+    tl.store(y_ptr + t * D + d, y, mask=d < D)
 
 
 def moe_gemv_triton(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
@@ -99,15 +108,17 @@ def moe_gemv_triton(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: tor
     experts = topk_idx.contiguous().view(P)                          # no copy: the router's
     weights = topk_weight.contiguous().view(P)                       # outputs are contiguous
     h = torch.empty(P, F, device=x.device, dtype=torch.float32)
-    y_pairs = torch.empty(P, D, device=x.device, dtype=torch.float32)
+    y = torch.empty(N, D, device=x.device, dtype=torch.float32)
     _gate_up_kernel[(P, triton.cdiv(F, ROWS))](
         x, w1, w3, experts, h, F, D, k, *x.stride(), *w1.stride(),
         SITU=hidden_act == "situ", BETA1=situ_beta1, BETA2=situ_beta2,
         ROWS=ROWS, COLS=COLS, num_warps=NUM_WARPS)
-    _down_kernel[(P, triton.cdiv(D, ROWS))](
-        h, w2, experts, weights, y_pairs, F, D, *w2.stride(),
-        ROWS=ROWS, COLS=COLS, num_warps=NUM_WARPS)
-    return y_pairs.view(N, k, D).sum(1)
+    k_pow2 = triton.next_power_of_2(k)
+    rows = max(1, DOWN_SUM_TILE // (k_pow2 * COLS))
+    _down_sum_kernel[(N, triton.cdiv(D, rows))](
+        h, w2, experts, weights, y, F, D, k, *w2.stride(),
+        K_POW2=k_pow2, ROWS=rows, COLS=COLS, num_warps=NUM_WARPS)
+    return y
 
 
 # ``combine_pairs`` without autograd (prefill): tokens per program and the widest column tile
