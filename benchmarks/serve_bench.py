@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import sys
 import tempfile
 import time
 import traceback
@@ -326,8 +327,44 @@ def part_peer() -> None:
         record(peer)
 
 
+def timed_steps(eng: LLMEngine) -> LLMEngine:
+    """``eng`` with each step's (start, end, prefill tokens, decode sequences) in ``eng.step_log``
+    (``step`` and ``generate`` both run ``_step``; the scheduler's output is read as it leaves)."""
+    step, schedule, eng.step_log = eng._step, eng.scheduler.step, []
+
+    def scheduled():
+        out = schedule()
+        # the scheduler has advanced num_computed_tokens by the step's tokens (as LLMEngine counts)
+        prefill = sum(n for s, n in out.scheduled if s.num_computed_tokens <= s.num_prompt_tokens)
+        decode = sum(1 for s, _ in out.scheduled if s.num_computed_tokens > s.num_prompt_tokens)
+        eng.step_log.append([0.0, 0.0, prefill, decode])
+        return out
+
+    def timed(stream):
+        t = time.perf_counter()
+        outs = step(stream)
+        if eng.step_log and eng.step_log[-1][0] == 0.0:
+            eng.step_log[-1][:2] = t, time.perf_counter()
+        return outs
+
+    eng._step, eng.scheduler.step = timed, scheduled
+    return eng
+
+
+def step_summary(log: list) -> dict:
+    """Steps, prefill steps, the steps' wall seconds summed, first start to last end, and the
+    mean decode batch: where a served workload's time goes against the engine alone's."""
+    log = [r for r in log if r[1]]
+    if not log:
+        return {}
+    prefill = [r for r in log if r[2]]
+    return {"steps": len(log), "prefill_steps": len(prefill), "steps_s": sum(b - a for a, b, _, _ in log),
+            "prefill_steps_s": sum(b - a for a, b, _, _ in prefill), "span_s": log[-1][1] - log[0][0],
+            "mean_decode_batch": sum(r[3] for r in log) / len(log)}
+
+
 def part_server(model, streams: int = 64, new: int = 128, prompt_len: int = 128,
-                client_procs: tuple[int, ...] = (1, 8)) -> None:
+                client_procs: tuple[int, ...] = (1, 8), switch_intervals: tuple[float, ...] = (0.005,)) -> None:
     """What the OpenAI server adds over the engine: the same 64 requests (128-token prompts, 128
     greedy tokens each) through ``LLMEngine.generate``, then as 64 concurrent streams of the
     official ``openai`` client (a thread per stream) against ``openk3 serve``'s app (uvicorn in
@@ -335,7 +372,10 @@ def part_server(model, streams: int = 64, new: int = 128, prompt_len: int = 128,
     interpreter's GIL: a round with all streams in one client process, then one with the streams
     shared among ``client_procs[1]`` processes. One process's GIL bounds the client at ~220 us
     per chunk (``benchmarks/openai_clients.py``); ``client_cpu_max_s`` near ``server_s`` says a
-    round measured the client."""
+    round measured the client. Each round's engine steps are logged (``timed_steps``) beside
+    the engine's alone: how many, how many prefill, their wall, the mean decode batch. Rounds run
+    for each of ``switch_intervals`` (``sys.setswitchinterval``: how long the event loop may keep
+    the GIL once the engine thread, back from the GPU, asks for it; CPython's default 5 ms)."""
     import socket
     import threading
 
@@ -348,12 +388,14 @@ def part_server(model, streams: int = 64, new: int = 128, prompt_len: int = 128,
     vocab = model.cfg.vocab_size
     prompts = [random_ids(prompt_len, vocab, 300 + i) for i in range(streams)]
     kw = dict(max_num_seqs=streams, max_model_len=1024)
-    eng = engine(model, **kw)
+    eng = timed_steps(engine(model, **kw))
     eng.generate(prompts[:streams], SamplingParams(temperature=0, max_tokens=8))  # warm-up: graphs
+    eng.step_log.clear()
     t = time.perf_counter()
     eng.generate(prompts, SamplingParams(temperature=0, max_tokens=new))
     engine_s = time.perf_counter() - t
-    async_engine = AsyncEngine(engine(model, **kw))
+    alone = step_summary(eng.step_log)
+    async_engine = AsyncEngine(timed_steps(engine(model, **kw)))
     server = uvicorn.Server(uvicorn.Config(build_app(async_engine, "bench"), log_level="warning"))
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
@@ -361,14 +403,20 @@ def part_server(model, streams: int = 64, new: int = 128, prompt_len: int = 128,
     while not server.started:
         time.sleep(0.05)
     try:
-        for procs in client_procs:
+        for interval, procs in ((i, p) for i in switch_intervals for p in client_procs):
+            sys.setswitchinterval(interval)
             with Clients(sock.getsockname()[1], prompts, new, "threads", procs) as clients:
+                async_engine.engine.step_log.clear()  # after the clients' warm-up round
                 row = clients.round()
             server_s = row.pop("seconds")
+            under = step_summary(async_engine.engine.step_log)
             record({"part": "server", "streams": streams, "new_tokens": new, "engine_s": engine_s,
                     "server_s": server_s, "server_over_engine": server_s / engine_s, **row,
-                    "engine_tok_s": streams * new / engine_s, "server_tok_s": streams * new / server_s})
+                    "engine_tok_s": streams * new / engine_s, "server_tok_s": streams * new / server_s,
+                    "switch_interval_s": sys.getswitchinterval(),
+                    **{f"alone_{k}": v for k, v in alone.items()}, **{f"served_{k}": v for k, v in under.items()}})
     finally:
+        sys.setswitchinterval(0.005)
         server.should_exit = True
         async_engine.shutdown()
 
@@ -385,6 +433,8 @@ def main() -> None:
                     help="the 'million' part's max_num_batched_tokens (prefill chunk)")
     ap.add_argument("--client-procs", type=int, nargs="+", default=[1, 8],
                     help="the 'server' part's client processes, one round per value")
+    ap.add_argument("--switch-intervals", type=float, nargs="+", default=[0.005],
+                    help="the 'server' part's sys.setswitchinterval values, the rounds for each")
     args = ap.parse_args()
     print(environment())
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
@@ -401,7 +451,8 @@ def main() -> None:
         elif part == "long":
             part_long(model)
         elif part == "server":
-            part_server(model, client_procs=tuple(args.client_procs))
+            part_server(model, client_procs=tuple(args.client_procs),
+                        switch_intervals=tuple(args.switch_intervals))
         elif part == "million":
             for tokens in args.million_tokens:
                 part_million(model, tokens, args.million_chunk)
