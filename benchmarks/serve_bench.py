@@ -363,8 +363,15 @@ def step_summary(log: list) -> dict:
             "mean_decode_batch": sum(r[3] for r in log) / len(log)}
 
 
-def part_server(model, streams: int = 64, new: int = 128, prompt_len: int = 128,
-                client_procs: tuple[int, ...] = (1, 8), switch_intervals: tuple[float, ...] = (0.005,)) -> None:
+def bench_engine(name: str, device: str, dtype: str, **kw) -> LLMEngine:
+    """The benchmark's engine over a fresh random ``name`` model (what a ``ProcessEngine`` builds
+    in its own process; ``build_model``'s default seed: the weights ``main`` built)."""
+    return timed_steps(engine(build_model(preset(name), device=device, dtype=getattr(torch, dtype)), **kw))
+
+
+def part_server(model, name: str, streams: int = 64, new: int = 128, prompt_len: int = 128,
+                client_procs: tuple[int, ...] = (1, 8), switch_intervals: tuple[float, ...] = (0.005,),
+                engines: tuple[str, ...] = ("thread", "process")) -> None:
     """What the OpenAI server adds over the engine: the same 64 requests (128-token prompts, 128
     greedy tokens each) through ``LLMEngine.generate``, then as 64 concurrent streams of the
     official ``openai`` client (a thread per stream) against ``openk3 serve``'s app (uvicorn in
@@ -372,10 +379,16 @@ def part_server(model, streams: int = 64, new: int = 128, prompt_len: int = 128,
     interpreter's GIL: a round with all streams in one client process, then one with the streams
     shared among ``client_procs[1]`` processes. One process's GIL bounds the client at ~220 us
     per chunk (``benchmarks/openai_clients.py``); ``client_cpu_max_s`` near ``server_s`` says a
-    round measured the client. Each round's engine steps are logged (``timed_steps``) beside
-    the engine's alone: how many, how many prefill, their wall, the mean decode batch. Rounds run
-    for each of ``switch_intervals`` (``sys.setswitchinterval``: how long the event loop may keep
-    the GIL once the engine thread, back from the GPU, asks for it; CPython's default 5 ms)."""
+    round measured the client.
+
+    ``engines``: the app over ``AsyncEngine`` (``thread``: the engine's steps share this
+    process's GIL with the event loop) and over ``ProcessEngine`` (``process``: the engine in a
+    process of its own, ``openk3 serve``'s default). With the thread engine each round's engine
+    steps are logged (``timed_steps``) beside the engine's alone: how many, how many prefill,
+    their wall, the mean decode batch; its rounds run for each of ``switch_intervals``
+    (``sys.setswitchinterval``: how long the event loop may keep the GIL once the engine thread,
+    back from the GPU, asks for it; CPython's default 5 ms)."""
+    import functools
     import socket
     import threading
 
@@ -383,6 +396,7 @@ def part_server(model, streams: int = 64, new: int = 128, prompt_len: int = 128,
 
     from benchmarks.openai_clients import Clients
     from openk3.serve.engine import AsyncEngine
+    from openk3.serve.engine_process import ProcessEngine
     from openk3.serve.server import build_app
 
     vocab = model.cfg.vocab_size
@@ -395,30 +409,41 @@ def part_server(model, streams: int = 64, new: int = 128, prompt_len: int = 128,
     eng.generate(prompts, SamplingParams(temperature=0, max_tokens=new))
     engine_s = time.perf_counter() - t
     alone = step_summary(eng.step_log)
-    async_engine = AsyncEngine(timed_steps(engine(model, **kw)))
-    server = uvicorn.Server(uvicorn.Config(build_app(async_engine, "bench"), log_level="warning"))
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True).start()
-    while not server.started:
-        time.sleep(0.05)
-    try:
-        for interval, procs in ((i, p) for i in switch_intervals for p in client_procs):
-            sys.setswitchinterval(interval)
-            with Clients(sock.getsockname()[1], prompts, new, "threads", procs) as clients:
-                async_engine.engine.step_log.clear()  # after the clients' warm-up round
-                row = clients.round()
-            server_s = row.pop("seconds")
-            under = step_summary(async_engine.engine.step_log)
-            record({"part": "server", "streams": streams, "new_tokens": new, "engine_s": engine_s,
-                    "server_s": server_s, "server_over_engine": server_s / engine_s, **row,
-                    "engine_tok_s": streams * new / engine_s, "server_tok_s": streams * new / server_s,
-                    "switch_interval_s": sys.getswitchinterval(),
-                    **{f"alone_{k}": v for k, v in alone.items()}, **{f"served_{k}": v for k, v in under.items()}})
-    finally:
-        sys.setswitchinterval(0.005)
-        server.should_exit = True
-        async_engine.shutdown()
+    del eng
+    gc.collect()
+    for kind in engines:
+        if kind == "thread":
+            async_engine, intervals = AsyncEngine(timed_steps(engine(model, **kw))), switch_intervals
+        else:
+            weight = next(model.parameters())
+            dtype = str(weight.dtype).removeprefix("torch.")
+            async_engine = ProcessEngine(functools.partial(bench_engine, name, weight.device.type, dtype, **kw))
+            intervals = (sys.getswitchinterval(),)
+        server = uvicorn.Server(uvicorn.Config(build_app(async_engine, "bench"), log_level="warning"))
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True).start()
+        while not server.started:
+            time.sleep(0.05)
+        try:
+            for interval, procs in ((i, p) for i in intervals for p in client_procs):
+                sys.setswitchinterval(interval)
+                with Clients(sock.getsockname()[1], prompts, new, "threads", procs) as clients:
+                    if kind == "thread":
+                        async_engine.engine.step_log.clear()  # after the clients' warm-up round
+                    row = clients.round()
+                server_s = row.pop("seconds")
+                under = step_summary(async_engine.engine.step_log) if kind == "thread" else {}
+                record({"part": "server", "engine": kind, "streams": streams, "new_tokens": new,
+                        "engine_s": engine_s, "server_s": server_s, "server_over_engine": server_s / engine_s,
+                        **row, "engine_tok_s": streams * new / engine_s, "server_tok_s": streams * new / server_s,
+                        "switch_interval_s": sys.getswitchinterval(),
+                        **{f"alone_{k}": v for k, v in alone.items()},
+                        **{f"served_{k}": v for k, v in under.items()}})
+        finally:
+            sys.setswitchinterval(0.005)
+            server.should_exit = True
+            async_engine.shutdown()
 
 
 def main() -> None:
@@ -434,7 +459,9 @@ def main() -> None:
     ap.add_argument("--client-procs", type=int, nargs="+", default=[1, 8],
                     help="the 'server' part's client processes, one round per value")
     ap.add_argument("--switch-intervals", type=float, nargs="+", default=[0.005],
-                    help="the 'server' part's sys.setswitchinterval values, the rounds for each")
+                    help="the 'server' part's sys.setswitchinterval values, the thread engine's rounds for each")
+    ap.add_argument("--server-engines", nargs="+", choices=("thread", "process"), default=["thread", "process"],
+                    help="the 'server' part's engines: AsyncEngine (a thread) and ProcessEngine")
     args = ap.parse_args()
     print(environment())
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
@@ -451,8 +478,8 @@ def main() -> None:
         elif part == "long":
             part_long(model)
         elif part == "server":
-            part_server(model, client_procs=tuple(args.client_procs),
-                        switch_intervals=tuple(args.switch_intervals))
+            part_server(model, args.preset, client_procs=tuple(args.client_procs),
+                        switch_intervals=tuple(args.switch_intervals), engines=tuple(args.server_engines))
         elif part == "million":
             for tokens in args.million_tokens:
                 part_million(model, tokens, args.million_chunk)

@@ -262,10 +262,9 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    from openk3.serve.chat import ChatTemplate
-    from openk3.serve.engine import AsyncEngine, LLMEngine
-    from openk3.serve.server import serve
+def _serve_engine(args: argparse.Namespace):
+    """``openk3 serve``'s engine, built where it will run (the engine process by default)."""
+    from openk3.serve.engine import LLMEngine
 
     model, tok, name = _load_model(args)
     config = EngineConfig(**_config_flags_given(args, EngineConfig))
@@ -273,8 +272,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
     cache = ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in engine.runner.cache_bytes().items())
     print(f"openk3 serve: {engine.model_name} on {engine.runner.device}, context {engine.max_model_len} tokens, "
           f"{config.max_num_seqs} sequences at once; cache: {cache}", file=sys.stderr)
+    return engine
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from openk3.serve.chat import ChatTemplate
+    from openk3.serve.server import serve
+
+    if args.engine == "process":
+        from openk3.serve.engine_process import ProcessEngine
+
+        try:  # the engine's ValueErrors (config, checkpoint) are raised here as they were there
+            async_engine = ProcessEngine(functools.partial(_serve_engine, args))
+        except RuntimeError as e:
+            print(f"openk3 serve: {e}", file=sys.stderr)
+            return 1
+    else:
+        from openk3.serve.engine import AsyncEngine
+
+        async_engine = AsyncEngine(_serve_engine(args))
     chat_template = ChatTemplate.from_checkpoint(checkpoint_dir(args.checkpoint)) if args.checkpoint else None
-    serve(AsyncEngine(engine), engine.model_name, host=args.host, port=args.port,
+    serve(async_engine, async_engine.model_name, host=args.host, port=args.port,
           api_key=args.api_key or os.environ.get("OPENK3_API_KEY"), chat_template=chat_template)
     return 0
 
@@ -323,6 +341,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $OPENK3_API_KEY, else none)")
     s.add_argument("--served-model-name", default=None,
                    help="the model's name in the API (default: checkpoint directory name, or openk3-PRESET)")
+    s.add_argument("--engine", choices=("process", "thread"), default="process",
+                   help="process: the engine steps in a process of its own, the HTTP server's event loop "
+                        "in this one (no shared interpreter lock); thread: both in this process")
     _add_config_flags(s, EngineConfig)
     s.set_defaults(fn=cmd_serve)
 

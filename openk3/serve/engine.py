@@ -44,13 +44,13 @@ from openk3.serve.block_manager import BlockManager
 from openk3.serve.config import EngineConfig
 from openk3.serve.draft import Drafter, DraftProposer
 from openk3.serve.eagle import EagleDrafter
+from openk3.serve.inputs import RequestInputs
 from openk3.serve.model_runner import ModelRunner, PromptLogprobs, StepResult
-from openk3.serve.multimodal import ImageLike, MultiModalInput, open_image, place_images, special_token_id
+from openk3.serve.multimodal import ImageLike, MultiModalInput
 from openk3.serve.sampler import InvalidRequest, SamplingParams, make_generator, sample, token_logprobs
 from openk3.serve.scheduler import Scheduler, SchedulerOutput
 from openk3.serve.sequence import Sequence, SequenceStatus
 from openk3.serve.speculative import sampling_probs, speculative_sample
-from openk3.vision.preprocess import pack_images
 
 
 @dataclass
@@ -145,6 +145,8 @@ class LLMEngine:
         self.block_manager = BlockManager(config, self.runner.num_blocks, num_state_slots=config.max_num_seqs)
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
         self.drafter = self._make_drafter(draft_model)
+        self.inputs = RequestInputs(tokenizer, cfg, config, self.max_model_len,
+                                    speculative=self.drafter is not None)
         if self.drafter is not None:
             self.runner.feature_blocks = self.drafter.feature_blocks
         self.requests: dict[str, _Request] = {}
@@ -174,90 +176,18 @@ class LLMEngine:
     # Requests.
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
-        return list(prompt)
-
-    def _vision_config(self):
-        if self.model.cfg.vision_config is None:
-            raise InvalidRequest("images", "this model has no vision tower (its config has no vision_config)")
-        return self.model.cfg.vision_config
+        return self.inputs.tokenize(prompt)
 
     def prepare_images(self, prompt: str | list[int], images: list[ImageLike]) -> tuple[list[int], MultiModalInput]:
-        """The prompt's token ids with its images' placeholders (``multimodal.place_images``: one
-        placeholder per image in the prompt, expanded where it is, or none, the images first) and
-        the images, decoded and packed. Raises ``InvalidRequest`` naming ``images[k]`` or the
-        prompt. Touches no engine state."""
-        vcfg = self._vision_config()
-        if self.drafter is not None:
-            raise InvalidRequest("images", "images with speculative decoding are not supported")
-        if isinstance(images, (str, bytes)) or not images:
-            raise InvalidRequest("images", "must be a non-empty list of images")
-        try:
-            pics = [open_image(im, f"images[{k}]", self.config.max_image_bytes) for k, im in enumerate(images)]
-        except ValueError as e:
-            raise InvalidRequest("images", str(e)) from e
-        packed = pack_images(pics, vcfg)
-        if isinstance(prompt, str) and not prompt:
-            prompt = []
-        cfg = self.model.cfg
-        try:
-            ids, spans = place_images(self.tokenize(prompt), packed, [p.size for p in pics],
-                                      packed.tokens_per_image(vcfg), vcfg.media_placeholder_token_id,
-                                      self.tokenizer.encode, lambda name: special_token_id(self.tokenizer, name),
-                                      cfg.bos_token_id)
-        except ValueError as e:
-            raise InvalidRequest("prompt", str(e)) from e
-        return ids, MultiModalInput(packed, spans)
+        """``RequestInputs.prepare_images``: the prompt's ids with its images placed, and the
+        images decoded and packed. Touches no engine state."""
+        return self.inputs.prepare_images(prompt, images)
 
     def validate(self, prompt: str | list[int], params: SamplingParams,
                  images: MultiModalInput | None = None) -> list[int]:
-        """Token ids of ``prompt``; raises ``InvalidRequest`` naming the parameter at fault.
-        With ``images`` (``prepare_images``) the prompt must be the ids it returned.
-        Touches no engine state (the async server calls it from its own thread)."""
-        return self._validated(prompt, params, images)[0]
-
-    def _validated(self, prompt: str | list[int], params: SamplingParams,
-                   images: MultiModalInput | None) -> tuple[list[int], array]:
-        """``validate``, and the ids as an int64 ``array`` (what prefill passes upload)."""
-        if isinstance(prompt, str) and not prompt:
-            raise InvalidRequest("prompt", "is empty")
-        ids = self.tokenize(prompt)
-        vocab = self.model.cfg.vocab_size
-        if not ids:
-            raise InvalidRequest("prompt", "is empty")
-        bad = InvalidRequest("prompt", f"token ids must be integers in [0, {vocab})")
-        # C loops, 32K ids in ~0.9 ms: the int64 array (a float, string or None raises TypeError,
-        # an int beyond int64 OverflowError; integer types such as numpy's convert) and its range
-        # (min and max of the list: 1.3 ms). Bools convert too, to 0 and 1: only the positions
-        # holding those values are looked at (a scan of every id's type was another 0.75 ms)
-        try:
-            packed = array("q", ids)
-        except (TypeError, OverflowError):
-            raise bad from None
-        values = torch.frombuffer(packed, dtype=torch.long)
-        lo, hi = values.aminmax()
-        if lo < 0 or hi >= vocab:
-            raise bad
-        if lo <= 1 and any(type(ids[i]) is bool for i in (values <= 1).nonzero()[:, 0].tolist()):
-            raise bad
-        if images is not None:
-            pad = self._vision_config().media_placeholder_token_id
-            if (ids.count(pad) != sum(s.length for s in images.spans)
-                    or any(ids[s.offset:s.offset + s.length] != [pad] * s.length for s in images.spans)):
-                raise InvalidRequest("prompt", f"the image placeholders (id {pad}) do not match the "
-                                               "images (use LLMEngine.prepare_images)")
-        if params.max_tokens > self.config.max_tokens_limit:
-            raise InvalidRequest("max_tokens", f"{params.max_tokens} exceeds the limit "
-                                               f"{self.config.max_tokens_limit}")
-        if len(ids) >= self.max_model_len:
-            raise InvalidRequest("prompt", f"{len(ids)} tokens do not fit the context of "
-                                           f"{self.max_model_len} tokens (one is needed to generate)")
-        if len(ids) + params.max_tokens > self.max_model_len:
-            raise InvalidRequest("max_tokens", f"prompt ({len(ids)} tokens) + max_tokens "
-                                               f"({params.max_tokens}) exceeds the context of "
-                                               f"{self.max_model_len} tokens")
-        return ids, packed
+        """Token ids of ``prompt``; raises ``InvalidRequest`` naming the parameter at fault
+        (``RequestInputs.validate``). Touches no engine state."""
+        return self.inputs.validate(prompt, params, images)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None,
@@ -269,11 +199,11 @@ class LLMEngine:
         params = params or SamplingParams()
         if images is not None and not isinstance(images, MultiModalInput):
             prompt, images = self.prepare_images(prompt, images)
-        return self._add(*self._validated(prompt, params, images), params, request_id, images)
+        return self._add(*self.inputs.checked(prompt, params, images), params, request_id, images)
 
     def _add(self, ids: list[int], packed: array, params: SamplingParams, request_id: str | None,
              images: MultiModalInput | None) -> str:
-        """``add_request`` of a prompt ``_validated`` returned (ids, packed)."""
+        """``add_request`` of a prompt ``RequestInputs.checked`` returned (ids, packed)."""
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.requests:
             raise InvalidRequest("request_id", f"{rid!r} already exists")
@@ -536,8 +466,10 @@ def _deliver(deliveries: list[tuple[asyncio.Queue, object]]) -> None:
         q.put_nowait(item)
 
 
-class AsyncEngine:
-    """``LLMEngine`` on a background thread, for asyncio servers.
+class StreamingEngine:
+    """What the asyncio engines share (``AsyncEngine``: ``LLMEngine`` on a thread;
+    ``openk3.serve.engine_process.ProcessEngine``: in a process of its own): a stream per request
+    fed from the engine's side by ``_push``.
 
     ``generate`` validates in the caller (raising ``InvalidRequest`` before anything is queued),
     then yields ``RequestOutput`` objects as steps produce them; outputs that queued up while
@@ -545,20 +477,103 @@ class AsyncEngine:
     collector does), so a lagging server writes one chunk per stream per wake-up, not one per
     step. If the consumer stops early
     (client disconnect: the async generator is closed or cancelled), the request is aborted.
+    Subclasses set ``inputs`` and implement ``_submit``, ``abort``, ``stats``, ``is_alive`` and
+    ``shutdown``.
     """
 
-    def __init__(self, engine: LLMEngine):
-        self.engine = engine
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+    inputs: RequestInputs
+
+    def __init__(self) -> None:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+
+    @property
+    def tokenizer(self):
+        return self.inputs.tokenizer
+
+    def validate(self, prompt: str | list[int], params: SamplingParams,
+                 images: MultiModalInput | None = None) -> list[int]:
+        """``generate`` validates only when first iterated; servers call this first to answer
+        bad input before a stream starts."""
+        return self.inputs.validate(prompt, params, images)
+
+    def stats(self) -> EngineStats:
+        raise NotImplementedError
+
+    @property
+    def is_alive(self) -> bool:
+        raise NotImplementedError
+
+    def _submit(self, request_id: str, valid: tuple[list[int], array], params: SamplingParams,
+                images: MultiModalInput | None) -> None:
+        """Hand a checked request (``RequestInputs.checked``'s ids and array) to the engine."""
+        raise NotImplementedError
+
+    def abort(self, request_id: str) -> None:
+        raise NotImplementedError
+
+    def shutdown(self) -> None:
+        raise NotImplementedError
+
+    def _push(self, items: list[tuple[str, object]]) -> None:
+        """Hand ``(request id, output or exception)`` pairs to their streams: one wake-up of each
+        event loop per engine step, however many streams it serves. Any thread may call it."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for rid, item in items:
+            target = self._streams.get(rid)
+            if target is not None:
+                by_loop.setdefault(target[0], []).append((target[1], item))
+        for loop, deliveries in by_loop.items():
+            loop.call_soon_threadsafe(_deliver, deliveries)
+
+    def fail_all(self, error: BaseException) -> None:
+        """End every open stream with ``error`` (raised to its consumer, which aborts the
+        request): the server's shutdown after its grace period."""
+        self._push([(rid, error) for rid in list(self._streams)])
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
+                       images: MultiModalInput | None = None) -> AsyncIterator[RequestOutput]:
+        """``images``: from ``RequestInputs.prepare_images``, with ``prompt`` the ids it returned."""
+        valid = self.inputs.checked(prompt, params, images)  # here, not on the engine's side
+        if request_id in self._streams:
+            raise InvalidRequest("request_id", f"{request_id!r} is already running")
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), q)
+        finished = False
+        try:
+            self._submit(request_id, valid, params, images)
+            while not finished:
+                items = [await q.get()]
+                while not q.empty():  # a consumer slower than the engine: one output for all
+                    items.append(q.get_nowait())
+                out = None
+                for item in items:
+                    if isinstance(item, BaseException):
+                        if out is not None:
+                            yield out
+                        raise item
+                    out = item if out is None else _coalesce(out, item)
+                finished = out.finished
+                yield out
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+
+class AsyncEngine(StreamingEngine):
+    """``LLMEngine`` on a background thread of this process (``StreamingEngine``: the streams).
+    Its steps share the interpreter's lock with the caller's event loop; ``ProcessEngine`` runs
+    them in a process of their own."""
+
+    def __init__(self, engine: LLMEngine):
+        super().__init__()
+        self.engine = engine
+        self.inputs, self.model_name = engine.inputs, engine.model_name
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="openk3-engine", daemon=True)
         self._thread.start()
-
-    @property
-    def tokenizer(self):
-        return self.engine.tokenizer
 
     def stats(self) -> EngineStats:
         return self.engine.snapshot_stats()
@@ -567,12 +582,6 @@ class AsyncEngine:
     def is_alive(self) -> bool:
         """The engine thread runs (False after ``shutdown`` or if it died)."""
         return self._thread.is_alive() and not self._stop
-
-    def validate(self, prompt: str | list[int], params: SamplingParams,
-                 images: MultiModalInput | None = None) -> list[int]:
-        """``generate`` validates only when first iterated; servers call this first to answer
-        bad input before a stream starts."""
-        return self.engine.validate(prompt, params, images)
 
     def _loop(self) -> None:
         eng = self.engine
@@ -585,7 +594,7 @@ class AsyncEngine:
                 if cmd == "add":
                     rid, (ids, packed), params, images = args
                     try:
-                        eng._add(ids, packed, params, rid, images)  # validated by ``generate``
+                        eng._add(ids, packed, params, rid, images)  # checked by ``generate``
                     except Exception as e:  # noqa: BLE001 - fail this request only
                         self._push([(rid, e)])
                 else:
@@ -604,51 +613,9 @@ class AsyncEngine:
                 continue
             self._push([(o.request_id, o) for o in outputs])
 
-    def _push(self, items: list[tuple[str, object]]) -> None:
-        """Hand ``(request id, output or exception)`` pairs to their streams: one wake-up of each
-        event loop per engine step, however many streams it serves."""
-        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        for rid, item in items:
-            target = self._streams.get(rid)
-            if target is not None:
-                by_loop.setdefault(target[0], []).append((target[1], item))
-        for loop, deliveries in by_loop.items():
-            loop.call_soon_threadsafe(_deliver, deliveries)
-
-    def fail_all(self, error: BaseException) -> None:
-        """End every open stream with ``error`` (raised to its consumer, which aborts the
-        request): the server's shutdown after its grace period."""
-        self._push([(rid, error) for rid in list(self._streams)])
-
-    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
-                       images: MultiModalInput | None = None) -> AsyncIterator[RequestOutput]:
-        """``images``: from ``LLMEngine.prepare_images``, with ``prompt`` the ids it returned."""
-        valid = self.engine._validated(prompt, params, images)  # here, not on the engine's thread
-        if request_id in self._streams:
-            raise InvalidRequest("request_id", f"{request_id!r} is already running")
-        q: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = (asyncio.get_running_loop(), q)
+    def _submit(self, request_id, valid, params, images) -> None:
         self._commands.put(("add", request_id, valid, params, images))
         self._wake.set()
-        finished = False
-        try:
-            while not finished:
-                items = [await q.get()]
-                while not q.empty():  # a consumer slower than the engine: one output for all
-                    items.append(q.get_nowait())
-                out = None
-                for item in items:
-                    if isinstance(item, BaseException):
-                        if out is not None:
-                            yield out
-                        raise item
-                    out = item if out is None else _coalesce(out, item)
-                finished = out.finished
-                yield out
-        finally:
-            self._streams.pop(request_id, None)
-            if not finished:
-                self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))

@@ -297,7 +297,7 @@ class OpenAIServer:
             parts.append((part, where))
             return slot
 
-        take_image = image_slot if self.engine.engine.model.cfg.vision_config is not None else None
+        take_image = image_slot if self.engine.inputs.model_config.vision_config is not None else None
         messages = [{**m.model_dump(exclude_none=True), "content": message_text(m, i, take_image)}
                     for i, m in enumerate(req.messages)]
         text = self.chat_template.render(messages)
@@ -309,7 +309,7 @@ class OpenAIServer:
         limit = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if max_tokens is None:
-            max_tokens = max(1, self.engine.engine.max_model_len - len(ids))
+            max_tokens = max(1, self.engine.inputs.max_model_len - len(ids))
         if max_tokens < 1:
             raise APIError(400, f"{limit}: {max_tokens} must be >= 1", limit)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -326,14 +326,14 @@ class OpenAIServer:
         """The prompt ids of rendered chat ``text`` whose ``slot``s stand for the image ``parts``
         ((content part, where) in order) and the packed images: each slot becomes the image's
         block (``image_prompt_ids``, the release's format), its placeholders expanded."""
-        engine = self.engine.engine
-        pad = engine.model.cfg.vision_config.media_placeholder_token_id
-        pics = [image_from_part(part, where, engine.config.max_image_bytes) for part, where in parts]
+        inputs = self.engine.inputs
+        pad = inputs.vision_config.media_placeholder_token_id
+        pics = [image_from_part(part, where, inputs.config.max_image_bytes) for part, where in parts]
         encode = self.tokenizer.encode
         blocks = [image_prompt_ids(functools.partial(special_token_id, self.tokenizer), encode,
                                    [p.size], [1], pad) for p in pics]
         try:
-            return engine.prepare_images(encode_with_images(text, slot, blocks, encode), pics)
+            return inputs.prepare_images(encode_with_images(text, slot, blocks, encode), pics)
         except InvalidRequest as e:  # the prompt is the messages'
             raise APIError(400, f"messages: {e.message}", "messages") from e
 
@@ -342,7 +342,7 @@ class OpenAIServer:
     async def models(self) -> dict:
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
                                             "owned_by": "openk3",
-                                            "max_model_len": self.engine.engine.max_model_len}]}
+                                            "max_model_len": self.engine.inputs.max_model_len}]}
 
     async def health(self) -> Response:
         if not self.engine.is_alive:

@@ -54,7 +54,7 @@ def test_serve_flags_reach_the_engine(monkeypatch):
     assert main(["serve", "--random-init", "--max-num-seqs", "3", "--max-num-batched-tokens", "40",
                  "--physical-block-size", "32", "--hash-block-size", "8", "--kda-checkpoint-interval", "16",
                  "--num-kda-checkpoints", "5", "--max-model-len", "200", "--no-enable-prefix-caching",
-                 "--no-cuda-graphs", "--cache-memory-gb", "0.5"]) == 0
+                 "--no-cuda-graphs", "--cache-memory-gb", "0.5", "--engine", "thread"]) == 0
     engine = served["engine"].engine
     served["engine"].shutdown()
     assert served["name"] == "openk3-debug"
