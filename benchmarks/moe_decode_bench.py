@@ -100,11 +100,7 @@ def run(name: str, ex: RoutedExperts, N: int, rows_options: list[int]) -> dict:
 
 def run_router(name: str, N: int) -> dict:
     """One MoE layer's router on N bf16 tokens: logits by the GEMV, by cuBLAS's fp32 GEMM and by
-    the split bf16 GEMM, then top-k; and logits and top-k in one kernel (``route``'s fused one,
-    ``fused_us``; ``gemv_over_fused`` > 1 where it beat the GEMV and top-k kernels, the data for
-    ``openk3.ops.router.ROUTE_FUSED_MAX_TOKENS``)."""
-    from openk3.ops.router import route
-
+    the split bf16 GEMM, then top-k."""
     cfg = preset(name)
     E, d, k = cfg.num_experts, cfg.hidden_size, cfg.num_experts_per_token
     weight = torch.randn(E, d, device="cuda") * d ** -0.5  # fp32, as K3's router
@@ -116,12 +112,9 @@ def run_router(name: str, N: int) -> dict:
             times[backend] = graph_time(lambda: router_topk(
                 router_logits(x, weight, backend=backend), bias, k, cfg.moe_renormalize,
                 cfg.routed_scaling_factor))
-        times["fused"] = graph_time(lambda: route(x, weight, bias, k, cfg.moe_renormalize,
-                                                  cfg.routed_scaling_factor, backend="fused"))
     floor = E * d * 4 / BANDWIDTH  # the fp32 weight read once
-    return {"layer": name, "tokens": N, "gemv_us": 1e6 * times["triton"], "fused_us": 1e6 * times["fused"],
+    return {"layer": name, "tokens": N, "gemv_us": 1e6 * times["triton"],
             "cublas_us": 1e6 * times["torch"], "split_us": 1e6 * times["split"], "floor_us": 1e6 * floor,
-            "gemv_over_fused": times["triton"] / times["fused"],
             "cublas_over_gemv": times["torch"] / times["triton"],
             "cublas_over_split": times["torch"] / times["split"]}
 

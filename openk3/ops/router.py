@@ -13,9 +13,6 @@ from the unbiased ones.
   ``LOGITS_GEMV_MAX_TOKENS`` tokens, one Triton kernel reading x in its own dtype instead of a
   cast and cuBLAS's two fp32 GEMV kernels; for more tokens of bf16 x, bf16 GEMMs on the fp32
   weight split in two bf16 halves (``backend="split"``, below).
-* ``route``: the two in turn from the hidden states; without autograd on CUDA, for up to
-  ``ROUTE_FUSED_MAX_TOKENS`` tokens, one Triton kernel for both (``route_kernel``: decode's
-  router in one launch per MoE layer instead of two; its design in ``router_triton.py``).
 """
 
 from __future__ import annotations
@@ -23,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from openk3.ops.fast import compile_disabled, launch_device, needs_grad, use_fast_path
+from openk3.ops.fast import compile_disabled, needs_grad, use_fast_path
 from openk3.ops.moe import triton_available
 
 RENORM_EPS = 1e-20
@@ -35,14 +32,6 @@ RENORM_EPS = 1e-20
 # changes in it), so it stays on cuBLAS.
 LOGITS_GEMV_MAX_TOKENS = 32
 LOGITS_ROWS, LOGITS_COLS = 4, 256  # experts per program (>= 16 programs per `small` token), columns per step
-# The most tokens whose router `route` runs as one kernel (logits and choice). Its logits are the
-# GEMV's programs (the same reads and sums) and it saves the top-k's launch, so it starts at the
-# GEMV's limit; not measured yet: `benchmarks/moe_decode_bench.py --router` times it beside the
-# two kernels (`fused_us`).
-ROUTE_FUSED_MAX_TOKENS = 32
-# route_kernel's per-token arrival counters, one int32 buffer per device (kept zero between
-# launches): the most tokens one call of route(backend="fused") takes
-ROUTE_TICKETS = 1024
 TOPK_TILE = 1024  # router_topk_kernel's tokens x experts per program
 # kth_largest_kernel unrolls k rounds over a row: up to this k (and rows up to 4 tiles) it is
 # the kernel; beyond, kth_largest_long_kernel's 32 counts over a row held in registers (rows up
@@ -257,100 +246,6 @@ def _router_topk_triton(logits, bias, k, renormalize, scale, write_scores: bool 
             float(scale), K=k, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(k), TOKENS=tokens,
             RENORMALIZE=renormalize, WRITE_SCORES=write_scores)
     return scores, idx, weight
-
-
-def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int, renormalize: bool = True,
-          scale: float = 1.0, *, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The router from the hidden states: ``router_topk(router_logits(x, weight), bias, k,
-    renormalize, scale)``, in one kernel for a few tokens on CUDA (decode).
-
-    Args:
-        x: ``[N, d]`` activations (bf16 or fp32 for the fused kernel, any float dtype otherwise).
-        weight: ``[E, d]`` router weight (fp32 in K3).
-        bias: ``[E]`` fp32 balancing bias, or ``[N, E]`` per token (group-limited routing: the
-            two steps).
-        k, renormalize, scale: as in ``router_topk``.
-        backend: ``"fused"`` one Triton kernel (``route_kernel``; no autograd, a bias ``[E]``,
-            bf16 or fp32 x, at most ``ROUTE_TICKETS`` tokens), ``"auto"``: fused on CUDA (unless
-            ``OPENK3_REFERENCE=1``) for the inputs it takes of at most ``ROUTE_FUSED_MAX_TOKENS``
-            tokens, else ``router_logits`` then ``router_topk``, each with its own ``"auto"``.
-
-    Returns:
-        scores ``[N, E]`` fp32, topk_idx ``[N, k]`` int64, weights ``[N, k]`` fp32, as
-        ``router_topk``. The fused kernel's are the two Triton kernels' (``backend="triton"``)
-        bit for bit: the same logits sums and choice (the kernels share their jit functions).
-        Against the reference the logits are fp32 sums in another order (~1e-7 relative), so
-        biased scores that near-tie may be chosen in the other order.
-
-    Example::
-
-        >>> x, weight = torch.tensor([[1.0, 0.0]]), torch.tensor([[0.0, 1.0], [2.0, 0.0], [-1.0, 0.0]])
-        >>> scores, idx, w = route(x, weight, torch.zeros(3), k=2)
-        >>> idx.tolist(), round(w.sum().item(), 6)
-        ([[1, 0]], 1.0)
-    """
-    if backend not in ("auto", "fused"):
-        raise ValueError(f"`backend` must be 'auto' or 'fused', got {backend!r}")
-    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
-        raise ValueError(f"route: `x` must be [N, d] and `weight` [E, d], got {list(x.shape)} and "
-                         f"{list(weight.shape)}")
-    N, E = x.shape[0], weight.shape[0]
-    if bias.shape not in ((E,), (N, E)):
-        raise ValueError(f"route: `bias` must be [E] or [N, E] = {[E]} or {[N, E]}, got {list(bias.shape)}")
-    if not 1 <= k <= E:
-        raise ValueError(f"route: k = {k} must be in 1..E = 1..{E}")
-    why_not = _why_not_fused(x, weight, bias)
-    if backend == "auto" and not (why_not is None and N <= ROUTE_FUSED_MAX_TOKENS and use_fast_path(x)
-                                  and triton_available()):
-        return router_topk(router_logits(x, weight), bias, k, renormalize, scale)
-    if why_not is not None:
-        raise ValueError(f"route: the fused kernel {why_not}")
-    return _route_fused(x, weight, bias, k, renormalize, scale)
-
-
-def _why_not_fused(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> str | None:
-    """Why ``route_kernel`` does not take these inputs (None when it does)."""
-    if bias.dim() != 1:
-        return "takes one bias [E] (group-limited routing: backend='auto')"
-    if needs_grad(x, weight, bias):
-        return "has no backward (backend='auto' takes the two steps)"
-    if x.dtype not in (torch.bfloat16, torch.float32):
-        return f"takes bf16 or fp32 `x`, got {x.dtype}"
-    if x.shape[0] > ROUTE_TICKETS:
-        return f"takes at most ROUTE_TICKETS = {ROUTE_TICKETS} tokens, got {x.shape[0]}"
-    return None
-
-
-# route_kernel's arrival counters per device (ROUTE_TICKETS int32 zeros). Each launch leaves
-# them zero (the last program of a token resets its counter), so one buffer serves every launch
-# and CUDA graph replay; two launches on one device must not run at once (on two streams), as
-# they would share counters; decode runs its layers in turn on one stream.
-_TICKETS: dict[torch.device, torch.Tensor] = {}
-
-
-@compile_disabled("a Triton kernel launched as it is")
-def _route_fused(x, weight, bias, k, renormalize, scale):
-    import triton
-
-    from openk3.ops.router_triton import route_kernel
-
-    N, D = x.shape
-    E = weight.shape[0]
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
-    scores = torch.empty(N, E, device=x.device, dtype=torch.float32)
-    idx = torch.empty(N, k, device=x.device, dtype=torch.int64)
-    topk_weight = torch.empty(N, k, device=x.device, dtype=torch.float32)
-    if x.device not in _TICKETS:  # at the first call: decode's warm-up, before its graphs' capture
-        _TICKETS[x.device] = torch.zeros(ROUTE_TICKETS, device=x.device, dtype=torch.int32)
-    if N:
-        with launch_device(x):
-            route_kernel[(N, triton.cdiv(E, LOGITS_ROWS))](
-                x, weight, bias.contiguous(), scores, idx, topk_weight, _TICKETS[x.device], E, D,
-                x.stride(0), weight.stride(0), RENORM_EPS, float(scale), K=k,
-                BLOCK_E=triton.next_power_of_2(E), BLOCK_K=triton.next_power_of_2(k), ROWS=LOGITS_ROWS,
-                COLS=LOGITS_COLS, RENORMALIZE=renormalize)
-    return scores, idx, topk_weight
 
 
 def kth_largest(x: torch.Tensor, k: int, *, backend: str = "auto") -> torch.Tensor:

@@ -1,6 +1,6 @@
 """The MoE router's choice (``openk3.ops.router``): the reference on hand-made numbers, the
-group-limited routing of ``Router``, and the Triton kernels against the reference (in Triton's
-interpreter on the CPU, and on the GPU); ``route``'s one kernel against the two it fuses."""
+group-limited routing of ``Router``, and the Triton kernel against the reference (in Triton's
+interpreter on the CPU, and on the GPU)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import openk3.ops.router as router_ops
 from openk3 import preset
 from openk3.model.moe import Router
 from openk3.ops.router import router_logits, router_topk, router_topk_ref
-from tests.ops.checks import nan_poisoned_empty, run_doctests, run_triton_interpreted
+from tests.ops.checks import run_doctests, run_triton_interpreted
 
 
 def test_reference_on_hand_made_numbers():
@@ -134,56 +134,6 @@ def test_split_logits_reject_other_dtypes():
         router_logits(torch.randn(3, 8), torch.randn(4, 8), backend="split")
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(x=torch.randn(3, 8, 1)), "must be"),
-    (dict(weight=torch.randn(4, 7)), "must be"),
-    (dict(bias=torch.zeros(5)), "bias"),
-    (dict(bias=torch.zeros(2, 4)), "bias"),
-    (dict(k=0), "k = 0"),
-    (dict(k=5), "k = 5"),
-    (dict(backend="triton"), "backend"),
-    (dict(bias=torch.zeros(3, 4), backend="fused"), "one bias"),
-    (dict(weight=torch.randn(4, 8, requires_grad=True), backend="fused"), "no backward"),
-    (dict(x=torch.randn(3, 8).half(), backend="fused"), "float16"),
-    (dict(x=torch.randn(router_ops.ROUTE_TICKETS + 1, 8), backend="fused"), "ROUTE_TICKETS"),
-])
-def test_route_rejects_bad_arguments(kwargs, match):
-    args = {"x": torch.randn(3, 8), "weight": torch.randn(4, 8), "bias": torch.zeros(4), "k": 2, **kwargs}
-    with pytest.raises(ValueError, match=match):
-        router_ops.route(**args)
-
-
-def test_route_without_the_kernel_is_the_two_steps():
-    x, w = torch.randn(5, 16), torch.randn(6, 16)
-    for bias in (0.1 * torch.randn(6), torch.zeros(5, 6).index_fill_(1, torch.tensor([1, 4]), float("-inf"))):
-        got = router_ops.route(x, w, bias, 3, False, 2.0)
-        want = router_topk_ref(router_logits(x, w), bias, 3, False, 2.0)
-        for g, t in zip(got, want):
-            assert torch.equal(g, t)
-
-
-@pytest.mark.parametrize("N,dtype,bias_dims,grad,fused", [
-    (router_ops.ROUTE_FUSED_MAX_TOKENS, torch.bfloat16, 1, False, True),
-    (1, torch.float32, 1, False, True),
-    (router_ops.ROUTE_FUSED_MAX_TOKENS + 1, torch.bfloat16, 1, False, False),
-    (1, torch.float16, 1, False, False),
-    (1, torch.bfloat16, 2, False, False),
-    (1, torch.bfloat16, 1, True, False),
-])
-def test_route_auto_takes_the_fused_kernel_where_it_should(N, dtype, bias_dims, grad, fused):
-    """The dispatch alone (the kernels mocked): the fused kernel for what it takes up to
-    ROUTE_FUSED_MAX_TOKENS tokens, the two steps otherwise."""
-    x, w = torch.randn(N, 8).to(dtype), torch.randn(4, 8, requires_grad=grad)
-    bias = torch.zeros((N, 4)[2 - bias_dims:])
-    with mock.patch.object(router_ops, "use_fast_path", return_value=True), \
-            mock.patch.object(router_ops, "triton_available", return_value=True), \
-            mock.patch.object(router_ops, "_route_fused", return_value="fused") as one, \
-            mock.patch.object(router_ops, "router_topk", return_value="steps"), \
-            mock.patch.object(router_ops, "router_logits"):
-        assert router_ops.route(x, w, bias, 2) == ("fused" if fused else "steps")
-    assert one.called == fused
-
-
 def test_docstring_examples_run():
     run_doctests(router_ops)
 
@@ -268,81 +218,6 @@ def test_kernel_in_the_triton_interpreter():
     run_triton_interpreted(_INTERPRETED)
 
 
-_INTERPRETED_ROUTE = """
-import torch
-import openk3.ops.router as router_ops
-from openk3.ops.router import _router_logits_triton, _router_topk_triton, route, router_logits, router_topk_ref
-from tests.ops.checks import nan_poisoned_empty
-torch.manual_seed(0)
-tickets = router_ops._TICKETS
-
-
-def fused(x, w, bias, k, renorm=True, scale=1.0):
-    # the one kernel; its outputs NaN until written (a score no program wrote would rank first)
-    with nan_poisoned_empty():
-        got = route(x, w, bias, k, renorm, scale, backend="fused")
-    two = _router_topk_triton(_router_logits_triton(x, w), bias, k, renorm, scale)
-    for g, t in zip(got, two):  # the two kernels' results bit for bit (NaN where theirs are)
-        torch.testing.assert_close(g, t, rtol=0, atol=0, equal_nan=True)
-    assert not tickets[x.device].any(), tickets[x.device]  # the counters are zero again
-    return got
-
-
-# small's router (d 1024, 64 experts, 4 per token) on bf16 tokens; sizes that fill no tile (d 300
-# over columns of 256, 37 experts over rows of 4) on fp32 tokens, strided, not renormalised,
-# scaled; K3's 896 experts and 16 per token (over a short d: the interpreter is slow); k = E
-for N, D, E, k, dtype, renorm, scale in ((3, 1024, 64, 4, torch.bfloat16, True, 1.0),
-                                         (3, 300, 37, 5, torch.float32, False, 2.5),
-                                         (2, 260, 896, 16, torch.bfloat16, True, 1.0),
-                                         (2, 64, 7, 7, torch.float32, True, 1.0)):
-    x = torch.randn(N, D + 40)[:, :D].to(dtype)  # rows D + 40 apart
-    w, bias = torch.randn(E, D) * D ** -0.5, 0.1 * torch.randn(E)
-    got = fused(x, w, bias, k, renorm, scale)
-    # the reference: its logits sum in another order (~1e-7), so only these tie-free inputs
-    # promise the same ids
-    want = router_topk_ref(router_logits(x, w), bias, k, renorm, scale)
-    assert torch.equal(got[1], want[1]), (got[1], want[1])
-    for g, t in zip(got[::2], want[::2]):
-        assert (g - t).abs().max() < 1e-6, (g - t).abs().max()
-# ties: the first index among equal biased scores, as router_topk_kernel (equal weight rows give
-# equal logits in any summation order); all experts tied: the first k
-x, w = torch.randn(4, 96), torch.randn(11, 96)
-w[7] = w[3]
-bias = torch.zeros(11)
-bias[[3, 7]] = 5.0
-_, idx, weight = fused(x, w, bias, 3)
-assert (idx[:, :2] == torch.tensor([3, 7])).all(), idx
-assert torch.equal(weight[:, 0], weight[:, 1]), weight
-_, idx, weight = fused(torch.zeros(2, 96), w, torch.zeros(11), 4)
-assert torch.equal(idx, torch.arange(4).expand(2, 4)) and (weight == 0.25).all(), (idx, weight)
-# a bias of -inf on all but two experts: still k distinct experts
-bias = torch.full((11,), float("-inf"))
-bias[[2, 9]] = 0.0
-_, idx, _ = fused(x, w, bias, 4)
-assert all(len(set(row)) == 4 and set(row[:2]) == {2, 9} for row in idx.tolist()), idx
-# NaN ranks first and every id stays in 0..E-1: a NaN hidden state (row 0), a NaN weight row
-# (expert 5: every token's first)
-x[0] = float("nan")
-w[5, 17] = float("nan")
-scores, idx, _ = fused(x, w, torch.zeros(11), 4)
-assert scores[0].isnan().all() and scores[1:, 5].isnan().all() and not scores[1:, :5].isnan().any()
-assert ((idx >= 0) & (idx < 11)).all() and all(row.unique().numel() == 4 for row in idx), idx
-assert (idx[1:, 0] == 5).all(), idx
-# no tokens: no launch
-assert [t.shape for t in route(torch.randn(0, 8), torch.randn(4, 8), torch.zeros(4), 2, backend="fused")] == [
-    (0, 4), (0, 2), (0, 2)]
-print("ok")
-"""
-
-
-def test_fused_route_kernel_in_the_triton_interpreter():
-    """``route_kernel`` on the CPU (TRITON_INTERPRET=1, one program after another): the two
-    kernels' scores, ids and weights bit for bit, the reference's ids on tie-free inputs and its
-    scores and weights within 1e-6; ties, -inf biases, NaN; the counters zero after each launch.
-    The interpreter runs the programs in turn, so the last program is always the grid's last:
-    the atomic's ordering across SMs is the GPU tests' to check."""
-    run_triton_interpreted(_INTERPRETED_ROUTE)
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("N,E,k", [(1, 64, 4), (128, 64, 4), (32, 896, 16)])
@@ -418,65 +293,3 @@ def test_logits_kernel_matches_reference_gpu(N, D, E):
                                   (ws.grad, g64.T @ x64, g64.abs().T @ x64.abs(), 2 ** -15),
                                   (xs.grad, g64 @ w64, g64.abs() @ w64.abs(), 2 ** -7)):
         assert ((got.double() - want).abs() <= rel * scale).all(), ((got.double() - want).abs() / scale).max()
-
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("N,D,E,k,dtype", [
-    (1, 1024, 64, 4, torch.bfloat16), (32, 1024, 64, 4, torch.bfloat16), (4, 1024, 64, 4, torch.float32),
-    (1, 7168, 896, 16, torch.bfloat16), (32, 7168, 896, 16, torch.bfloat16), (3, 300, 37, 5, torch.bfloat16)])
-def test_route_fused_matches_the_two_kernels_gpu(N, D, E, k, dtype):
-    """`small`'s router, K3's (896 experts x 7168, 16 per token) and sizes that fill no tile:
-    the fused kernel's scores, ids and weights are the two kernels' bit for bit, in 50 launches
-    in a row (into NaN-filled outputs: a program that read a score before its writer's release
-    took effect would choose differently); within the reference's tolerances; the counters
-    zero after."""
-    torch.manual_seed(0)
-    x, w = torch.randn(N, D, device="cuda").to(dtype), torch.randn(E, D, device="cuda") * D ** -0.5
-    bias = 0.1 * torch.randn(E, device="cuda")
-    with torch.inference_mode():
-        two = router_topk(router_logits(x, w, backend="triton"), bias, k, backend="triton")
-        with nan_poisoned_empty():
-            runs = [router_ops.route(x, w, bias, k, backend="fused") for _ in range(50)]
-        ref = router_topk(router_logits(x, w, backend="torch"), bias, k, backend="torch")
-    for got in runs:
-        for g, t in zip(got, two):
-            assert torch.equal(g, t), (g - t).abs().max()
-    assert not router_ops._TICKETS[x.device].any()
-    # against the reference: the logits sum in another order, so near-ties may swap; the chosen
-    # biased scores are compared, as in test_kernel_matches_reference_gpu, and the weights of the
-    # tokens whose experts are the reference's
-    scores, idx, weight = runs[0]
-    torch.testing.assert_close(scores, ref[0], rtol=1e-5, atol=1e-6)
-    biased = ref[0] + bias
-    torch.testing.assert_close(biased.gather(1, idx), biased.gather(1, ref[1]), rtol=1e-5, atol=1e-6)
-    same = (idx == ref[1]).all(-1)
-    assert same.float().mean() >= 0.9, same
-    torch.testing.assert_close(weight[same], ref[2][same], rtol=1e-5, atol=1e-7)
-    x[0] = float("nan")  # a NaN hidden state still names k distinct experts in range
-    idx = router_ops.route(x, w, bias, k, backend="fused")[1]
-    assert ((idx >= 0) & (idx < E)).all() and idx[0].unique().numel() == k
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_route_fused_in_a_cuda_graph_gpu():
-    """Decode's use: "auto" takes the fused kernel for one token, captured in a CUDA graph; each
-    replay (new tokens copied in) gives the eager result (the counters reset themselves)."""
-    E, D, k = 64, 1024, 4
-    w, bias = torch.randn(E, D, device="cuda") * D ** -0.5, 0.1 * torch.randn(E, device="cuda")
-    x = torch.randn(1, D, device="cuda", dtype=torch.bfloat16)
-    with torch.inference_mode():
-        with mock.patch.object(router_ops, "_route_fused", wraps=router_ops._route_fused) as one:
-            router_ops.route(x, w, bias, k)  # warm-up: compilation, the counters' allocation
-        assert one.called
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = router_ops.route(x, w, bias, k)
-        for _ in range(5):
-            x.copy_(torch.randn_like(x))
-            graph.replay()
-            want = router_ops.route(x, w, bias, k)
-            for g, t in zip(out, want):
-                assert torch.equal(g, t)

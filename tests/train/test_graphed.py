@@ -286,11 +286,10 @@ def test_graphed_steps_match_eager_steps(monkeypatch):
     instances' first steps identical with the split logits, eighteenth session,
     docs/benchmarks.md); this test has not run with the split logits since, so it keeps the
     setting it passed with. The graphs capture the split logits' GEMMs like any other."""
-    import openk3.ops.router as router
+    import openk3.model.moe as moe
     from openk3.train.graphed import GraphedTrainStep, set_capturable
 
-    # the router calls openk3.ops.router.route, which reads router_logits from its own module
-    monkeypatch.setattr(router, "router_logits", functools.partial(router.router_logits, backend="torch"))
+    monkeypatch.setattr(moe, "router_logits", functools.partial(moe.router_logits, backend="torch"))
 
     runs = {name: _gpu_training(grad_accum=2) for name in ("eager", "twin", "graphed")}
     cfg = runs["eager"][1]
