@@ -9,7 +9,7 @@ step), in the checkpoint's own layout, stacked over the experts:
     w2_packed [E, D, F/2]              w2_scale [E, D, F/32]             (down)
 
 On CUDA they run through the Triton kernels of ``openk3.ops.mx_moe`` (decode GEMVs for up to
-``GEMV_MAX_PAIRS`` (token, expert) pairs, else a grouped GEMM over expert-sorted rows), which
+``PACKED_GEMV_MAX_PAIRS`` (token, expert) pairs, else a grouped GEMM over expert-sorted rows), which
 dequantise in registers; on the CPU (or with ``OPENK3_REFERENCE=1``) each used expert is decoded and
 multiplied as ``RoutedExperts`` does, so a CPU model gives the same outputs either way.
 
@@ -41,7 +41,7 @@ from torch import nn
 from openk3.config import ModelConfig
 from openk3.model.moe import MoE, RoutedExperts
 from openk3.ops.fast import use_fast_path
-from openk3.ops.moe import GEMV_MAX_PAIRS, combine_rows, group_pairs, needs_grad
+from openk3.ops.moe import combine_rows, group_pairs, needs_grad
 from openk3.ops.mx import MX_BLOCK_SIZE
 from openk3.ops.mx_moe import (
     MXFP4Weight,
@@ -51,6 +51,12 @@ from openk3.ops.mx_moe import (
 )
 
 PROJECTIONS = ("w1", "w3", "w2")
+
+# The most pairs whose packed experts run as GEMVs: the bf16 kernels' threshold from when their
+# grouped path was grouped_mm behind a sort (benchmarks/moe_decode_bench.py, 2026-11-30: the
+# GEMVs won at 512 pairs); the packed grouped path is not the bf16 one's Triton kernels, so it
+# was not lowered with openk3.ops.moe.GEMV_MAX_PAIRS (not re-measured: benchmarks/mxfp4_bench.py)
+PACKED_GEMV_MAX_PAIRS = 512
 
 
 def expert_shapes(cfg: ModelConfig, dim: int) -> dict[str, tuple[int, int]]:
@@ -107,13 +113,13 @@ class PackedRoutedExperts(nn.Module):
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor) -> torch.Tensor:
         """x: [N, D]; topk_idx, topk_weight: [N, k]. Returns sum_j w_j E_j(x) in fp32, [N, D].
 
-        On CUDA, up to ``GEMV_MAX_PAIRS`` pairs run as GEMVs by expert id (CUDA-graph safe),
-        more through ``forward_sorted``; on the CPU always ``forward_sorted``."""
+        On CUDA, up to ``PACKED_GEMV_MAX_PAIRS`` pairs run as GEMVs by expert id (CUDA-graph
+        safe), more through ``forward_sorted``; on the CPU always ``forward_sorted``."""
         if needs_grad(x, topk_weight):
             raise ValueError("PackedRoutedExperts (MXFP4 experts) serve only: run the model under "
                              "torch.no_grad() or torch.inference_mode(), or load the checkpoint with "
                              "experts='dequantize' to train")
-        if use_fast_path(x) and topk_idx.numel() <= GEMV_MAX_PAIRS and mx_triton_available():
+        if use_fast_path(x) and topk_idx.numel() <= PACKED_GEMV_MAX_PAIRS and mx_triton_available():
             w1, w3, w2 = (self.weight(n) for n in PROJECTIONS)
             return mxfp4_moe_gemv(x, w1, w3, w2, topk_idx, topk_weight, **self._act(),
                                   backend="triton")

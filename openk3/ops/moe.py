@@ -52,11 +52,13 @@ from openk3.ops.fast import needs_grad, use_fast_path
 from openk3.ops.situ import situ_glu_ref, swiglu_ref
 
 # The most (token, expert) pairs that take the GEMV path in RoutedExperts: above it the grouped
-# path's single read of each used expert beats re-reading shared experts per pair. Measured with
-# benchmarks/moe_decode_bench.py on one H200 (2026-11-30, docs/benchmarks.md): the GEMVs win at
-# 512 pairs (small: 92 vs 114 us; K3: 7.96 vs 8.17 ms) and lose at 2048 (K3: 31.0 vs 16.1 ms).
-# 512 pairs is 128 decode tokens of `small` (k = 4) and 32 of K3 (k = 16).
-GEMV_MAX_PAIRS = 512
+# path (group_pairs and the grouped Triton kernels: each used expert read once) wins.
+# benchmarks/moe_decode_bench.py on one H200 (twenty-fifth session, docs/benchmarks.md), GEMVs
+# against grouped: `small` 23.7 vs 32.9 us at 64 pairs, 38.1 vs 34.1 at 128, 95.1 vs 43.2 at
+# 512; K3 331 vs 471 us at 16 pairs, 2.34 vs 1.94 ms at 128. (It was 512 while the grouped path
+# was grouped_mm behind a sort: 92 vs 114 us at 512 pairs of `small`.) 64 pairs is 16 decode
+# tokens of `small` (k = 4) and 4 of K3 (k = 16).
+GEMV_MAX_PAIRS = 64
 # The most pairs that ``group_pairs`` orders with its Triton kernels rather than a sort: as many
 # as their tiles hold for 64 experts. benchmarks/moe_route_bench.py on the H200 (docs/benchmarks.md,
 # twenty-fourth session): 10.3 against 36.3 us at 4,096 pairs, 19.5 against 60.6 at 65,536.

@@ -12,8 +12,8 @@ import openk3.model.packed_experts
 import openk3.ops.mx_moe
 from openk3 import preset
 from openk3.model.moe import RoutedExperts
-from openk3.model.packed_experts import PackedRoutedExperts, pack_experts
-from openk3.ops.moe import GEMV_MAX_PAIRS, moe_gemv_ref
+from openk3.model.packed_experts import PACKED_GEMV_MAX_PAIRS, PackedRoutedExperts, pack_experts
+from openk3.ops.moe import moe_gemv_ref
 from openk3.ops.mx_moe import (
     MXFP4Weight,
     mxfp4_grouped_experts,
@@ -430,7 +430,7 @@ def test_grouped_triton_is_no_worse_than_grouped_mm_on_dequantised_bf16_weights(
     dense = RoutedExperts(config(E, k, F), D).cuda().to(torch.bfloat16).requires_grad_(False)
     for name, w in zip(("w1", "w3", "w2"), (w1, w3, w2)):
         getattr(dense, name).copy_(w.dequantize(torch.bfloat16))
-    N = GEMV_MAX_PAIRS // k + 1  # past the GEMVs: RoutedExperts takes grouped_mm
+    N = PACKED_GEMV_MAX_PAIRS // k + 1  # past the GEMVs of both: the grouped paths
     x = torch.randn(N, D, device="cuda", dtype=torch.bfloat16)
     topk_idx, topk_weight = routing(N, E, k, "cuda")
     packed = packed_module(config(E, k, F), D, (w1, w3, w2), "cuda")
