@@ -366,7 +366,9 @@ def step_summary(log: list) -> dict:
 def bench_engine(name: str, device: str, dtype: str, **kw) -> LLMEngine:
     """The benchmark's engine over a fresh random ``name`` model (what a ``ProcessEngine`` builds
     in its own process; ``build_model``'s default seed: the weights ``main`` built)."""
-    return timed_steps(engine(build_model(preset(name), device=device, dtype=getattr(torch, dtype)), **kw))
+    eng = timed_steps(engine(build_model(preset(name), device=device, dtype=getattr(torch, dtype)), **kw))
+    eng.capture_graphs()  # as openk3 serve
+    return eng
 
 
 def part_server(model, name: str, streams: int = 64, new: int = 128, prompt_len: int = 128,
@@ -403,7 +405,8 @@ def part_server(model, name: str, streams: int = 64, new: int = 128, prompt_len:
     prompts = [random_ids(prompt_len, vocab, 300 + i) for i in range(streams)]
     kw = dict(max_num_seqs=streams, max_model_len=1024)
     eng = timed_steps(engine(model, **kw))
-    eng.generate(prompts[:streams], SamplingParams(temperature=0, max_tokens=8))  # warm-up: graphs
+    eng.capture_graphs()  # every engine here, as openk3 serve: no request waits for a capture
+    eng.generate(prompts[:streams], SamplingParams(temperature=0, max_tokens=8))  # warm-up
     eng.step_log.clear()
     t = time.perf_counter()
     eng.generate(prompts, SamplingParams(temperature=0, max_tokens=new))
@@ -413,7 +416,9 @@ def part_server(model, name: str, streams: int = 64, new: int = 128, prompt_len:
     gc.collect()
     for kind in engines:
         if kind == "thread":
-            async_engine, intervals = AsyncEngine(timed_steps(engine(model, **kw))), switch_intervals
+            eng = timed_steps(engine(model, **kw))
+            eng.capture_graphs()
+            async_engine, intervals = AsyncEngine(eng), switch_intervals
         else:
             weight = next(model.parameters())
             dtype = str(weight.dtype).removeprefix("torch.")

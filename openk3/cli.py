@@ -272,6 +272,15 @@ def _serve_engine(args: argparse.Namespace):
     cache = ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in engine.runner.cache_bytes().items())
     print(f"openk3 serve: {engine.model_name} on {engine.runner.device}, context {engine.max_model_len} tokens, "
           f"{config.max_num_seqs} sequences at once; cache: {cache}", file=sys.stderr)
+    decode, prefill = engine.runner.graph_sizes()
+    if decode or prefill:  # no request should wait for a capture
+        start = time.perf_counter()
+        print(f"openk3 serve: capturing CUDA graphs: decode batches {decode[0]}..{decode[-1]}"
+              + (f", prefill passes of {prefill[0]}..{prefill[-1]} tokens" if prefill else ""),
+              file=sys.stderr, flush=True)
+        engine.capture_graphs()
+        print(f"openk3 serve: {len(decode) + len(prefill)} graphs captured in "
+              f"{time.perf_counter() - start:.1f} s", file=sys.stderr)
     return engine
 
 

@@ -175,6 +175,12 @@ class LLMEngine:
 
     # Requests.
 
+    def capture_graphs(self, progress=None) -> None:
+        """Capture the runner's CUDA graphs now rather than when a request first needs each
+        (``ModelRunner.capture_graphs``; a no-op without graphs): ``openk3 serve`` does before it
+        listens."""
+        self.runner.capture_graphs(progress)
+
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         return self.inputs.tokenize(prompt)
 

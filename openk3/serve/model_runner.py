@@ -50,6 +50,7 @@ from __future__ import annotations
 import ctypes
 import math
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -595,9 +596,7 @@ class ModelRunner:
         ids_pad, cu_pad, slots_pad, cu_q_dev, cu_k_dev, starts, slots, rows = self._upload(
             ids + array("q", bytes(8 * (Tb - T))), cu_q + [T] * (Nmax - N), slots + [self.scratch_slot] * (Nmax - N),
             cu_q, cu_k, starts, slots, rows)
-        pass_ = self._prefill_passes.get(Tb)
-        if pass_ is None:
-            pass_ = self._prefill_passes[Tb] = _PaddedPrefill(self, Tb)
+        pass_ = self._prefill_pass(Tb)
 
         def attention_batch() -> None:
             """What the eager attention parts read (nothing captured does): computed once the first
@@ -607,9 +606,7 @@ class ModelRunner:
                                                          value=self.scratch_block * self.block_size)
             vars(pass_.batch).update(vars(batch))
 
-        # the capture's runs read the pass's first batch (one chunk in the scratch slot and block)
-        graph = self._prefill_graphs.get_or_capture(Tb, lambda pool: PiecewiseGraph(
-            pass_.forward, [pass_.ids, pass_.cu, pass_.slots], pool))
+        graph = self._prefill_graph(Tb)
         if graph is None:
             if self.device.type == "cuda":  # the capture failed (a warning said why): padding
                 self.pad_prefill = False      # no longer buys anything
@@ -618,6 +615,44 @@ class ModelRunner:
         else:
             hidden, bank = graph.run(ids_pad[None], cu_pad, slots_pad, before_eager=attention_batch)
         return hidden[0, :T], rows, cu_q, [b[:, :T] for b in bank]
+
+    def _prefill_pass(self, Tb: int) -> _PaddedPrefill:
+        pass_ = self._prefill_passes.get(Tb)
+        if pass_ is None:
+            pass_ = self._prefill_passes[Tb] = _PaddedPrefill(self, Tb)
+        return pass_
+
+    def _prefill_graph(self, Tb: int) -> PiecewiseGraph | None:
+        """The padded prefill pass of ``Tb`` tokens as a piecewise graph, captured on first use
+        (None: graphs are off, or a capture failed)."""
+        pass_ = self._prefill_pass(Tb)
+        # the capture's runs read the pass's first batch (one chunk in the scratch slot and block)
+        return self._prefill_graphs.get_or_capture(Tb, lambda pool: PiecewiseGraph(
+            pass_.forward, [pass_.ids, pass_.cu, pass_.slots], pool))
+
+    def graph_sizes(self) -> tuple[list[int], list[int]]:
+        """The decode batch buckets and padded prefill sizes this runner captures graphs for (both
+        empty without CUDA graphs)."""
+        if not self.use_graphs:
+            return [], []
+        decode = [1 << i for i in range(bucket(self.config.max_num_seqs).bit_length())]
+        prefill = sorted({prefill_bucket(n) for n in range(1, self.prefill_graph_tokens + 1)}) if self.pad_prefill else []
+        return decode, prefill
+
+    def capture_graphs(self, progress: Callable[[str, int], None] | None = None) -> None:
+        """Capture every decode and prefill graph now instead of on first use (``graph_sizes``), so
+        that no request waits for a capture (each costs a few of its passes and, for a prefill
+        size, its warm-up's autotuning) and the graphs' memory is taken before serving starts.
+        ``progress(kind, size)`` is called before each capture."""
+        decode, prefill = self.graph_sizes()
+        for B in decode:
+            if progress is not None:
+                progress("decode", B)
+            self._decode_graph(B)
+        for Tb in prefill:
+            if progress is not None:
+                progress("prefill", Tb)
+            self._prefill_graph(Tb)
 
     def _prefill_batch(self, cu_q: torch.Tensor, cu_k: torch.Tensor, starts: torch.Tensor,
                        slots: torch.Tensor, cu_q_cpu: torch.Tensor, cu_k_cpu: torch.Tensor) -> PrefillBatch:
@@ -656,13 +691,17 @@ class ModelRunner:
         reference attention reads that many positions). Returns logits [B, V] and the draft
         features [B, 3d] (None without ``feature_blocks``); under a CUDA graph both are static
         tensors that the next decode pass overwrites."""
-        B = inputs.shape[1]
-        graph = self._graphs.get_or_capture(B, lambda pool: CapturedGraph(
-            lambda x: self._decode_forward(x, self.max_blocks_per_seq),
-            [self.host_tensor([0] * B, [1] * B, [self.scratch_slot] * B).to(self.device)], pool))
+        graph = self._decode_graph(inputs.shape[1])
         if graph is not None:
             return graph.run(inputs)
         return self._decode_forward(inputs.to(self.device, non_blocking=True), _cdiv(max_context, self.block_size))
+
+    def _decode_graph(self, B: int) -> CapturedGraph | None:
+        """The decode pass of a batch bucket ``B`` as a CUDA graph, captured on first use (None:
+        graphs are off, or a capture failed)."""
+        return self._graphs.get_or_capture(B, lambda pool: CapturedGraph(
+            lambda x: self._decode_forward(x, self.max_blocks_per_seq),
+            [self.host_tensor([0] * B, [1] * B, [self.scratch_slot] * B).to(self.device)], pool))
 
     def _decode_forward(self, inputs: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """inputs [3, B] on the device: token ids, context lengths (the new token included), state

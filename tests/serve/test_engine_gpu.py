@@ -99,6 +99,26 @@ def test_cuda_graph_decode_equals_eager_decode():
     assert max(errs) < 5e-2, max(errs)
 
 
+def test_graphs_captured_at_start_serve_as_those_captured_on_first_use():
+    """``capture_graphs`` captures one graph per decode bucket and padded prefill size (what
+    ``openk3 serve`` does before it listens); requests then capture nothing more and generate what
+    an engine capturing on first use generates."""
+    prompts = [torch.randint(3, 4000, (n,)).tolist() for n in (7, 33, 150, 90, 1)]
+    params = SamplingParams(temperature=0, max_tokens=24)
+    lazy = make_engine(graphs=True)
+    expected = [o.token_ids for o in lazy.generate(prompts, params)]
+    eng = make_engine(graphs=True)
+    decode, prefill = eng.runner.graph_sizes()
+    assert decode == [1, 2, 4, 8] and prefill == [64, 128] and set(lazy.runner._graphs) < set(decode)
+    seen = []
+    eng.capture_graphs(lambda kind, size: seen.append((kind, size)))
+    assert seen == [("decode", b) for b in decode] + [("prefill", t) for t in prefill]
+    captured = (dict(eng.runner._graphs), dict(eng.runner._prefill_graphs))
+    assert set(captured[0]) == set(decode) and set(captured[1]) == set(prefill)
+    assert [o.token_ids for o in eng.generate(prompts, params)] == expected
+    assert (eng.runner._graphs, eng.runner._prefill_graphs) == captured  # the same graph objects
+
+
 class HostToDevice(TorchDispatchMode):
     """Counts host -> device copies."""
 
