@@ -12,6 +12,10 @@
 #    working tree):
 #    run(command="for d in .whl .triton-cache .warm; do ln -s ../$d .snap/$d; done; cd .snap &&
 #        bash benchmarks/device_s33.sh 2", carry=[".whl", ".triton-cache", ".warm", ".snap"])
+# 3: the fused router reverted, GEMV_MAX_PAIRS 64; graphs captured before serving
+#    (capture_graphs); the MoE output kernel (moe_output): GPU tests of each, moe_output_bench.py,
+#    serve_bench.py --parts decode server (every engine captures first), the batch-1 census.
+#    Run from a snapshot of HEAD (.snap), as phase 2.
 source "$(dirname "$0")/device_common.sh"
 case "${1:?phase}" in
 1)
@@ -37,6 +41,18 @@ case "${1:?phase}" in
     > "$OUT/moe_decode.log" 2>&1
   echo "== rc $?" >> "$OUT/moe_decode.log"
   ;;
-*) echo "phase 1 or 2" >&2; exit 2 ;;
+3)
+  gpu_tests 240 tests/ops/test_moe_output.py tests/serve/test_engine_gpu.py tests/ops/test_moe.py \
+    tests/ops/test_mx_kernels.py -k "moe_output or fused or graphs_captured or cuda_graph_decode \
+    or routed_experts or gemv or grouped_triton_is_no_worse or logprobs_match"
+  timeout -k 5 60 python3 benchmarks/moe_output_bench.py > "$OUT/moe_output.log" 2>&1
+  echo "== rc $?" >> "$OUT/moe_output.log"
+  timeout -k 5 240 python3 benchmarks/serve_bench.py --parts decode server --client-procs 8 \
+    --switch-intervals 0.005 0.0005 > "$OUT/serve.log" 2>&1
+  echo "== rc $?" >> "$OUT/serve.log"
+  timeout -k 5 60 python3 benchmarks/decode_census.py --preset small --batch 1 > "$OUT/census.log" 2>&1
+  echo "== rc $?" >> "$OUT/census.log"
+  ;;
+*) echo "phase 1 to 3" >&2; exit 2 ;;
 esac
 summary
