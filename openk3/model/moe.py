@@ -25,7 +25,6 @@ from openk3.model.fuse import add_linear_, fuse_weights, is_fused, project
 from openk3.model.mla import RMSNorm
 from openk3.ops.fast import use_fast_path
 from openk3.ops.moe import combine_rows, group_pairs, moe_gemv, needs_grad, use_grouped_triton, use_moe_gemv
-from openk3.ops.moe_output import moe_output, use_moe_output
 from openk3.ops.mx import (
     MX_BLOCK_SIZE,
     QAT_MODES,
@@ -267,8 +266,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """The MoE of x [..., d], plus ``residual`` when given: the caller's own tensor of x's
         shape, which may be accumulated into in place (``openk3.model.fuse.add_linear_``: at
-        inference the latent MoE's two output GEMMs add into it, no add kernel; for a few tokens on
-        CUDA one kernel computes the whole output, ``openk3.ops.moe_output``)."""
+        inference the latent MoE's two output GEMMs add into it, no add kernel)."""
         shape = x.shape
         xf = x.reshape(-1, shape[-1])  # [N, d]
         _, topk_idx, topk_weight = self.gate(xf)
@@ -278,13 +276,6 @@ class MoE(nn.Module):
         out = None if residual is None else residual.view(xf.shape)
         if is_fused(self.fused_proj, self.input_projections()):  # inference: one GEMM for three
             down, gate, up = project(xf, self.input_projections(), self.fused_proj)
-            shared_down, latent_up = self.shared_experts.down_proj.weight, self.routed_expert_up_proj.weight
-            if use_moe_output(xf, shared_down, latent_up):  # decode on CUDA: the four kernels below in one
-                norm, cfg = self.routed_expert_norm, self.cfg
-                out = moe_output(out, gate, up, self.experts(down, topk_idx, topk_weight), shared_down,
-                                 norm.weight, latent_up, norm_eps=norm.eps, hidden_act=cfg.hidden_act,
-                                 situ_beta1=cfg.situ_beta1, situ_beta2=cfg.situ_beta2)
-                return out.view(shape)
             out = self.shared_experts.output(gate, up, out)
         else:  # training: the shared experts' own forward on x's shape, as the dense MLPs' (one
             # compiled graph for both: openk3.parallel.compile)
