@@ -16,6 +16,8 @@
 #    (capture_graphs); the MoE output kernel (moe_output): GPU tests of each, moe_output_bench.py,
 #    serve_bench.py --parts decode server (every engine captures first), the batch-1 census.
 #    Run from a snapshot of HEAD (.snap), as phase 2.
+# 4: the MoE output kernel reverted; the capture test mended: its GPU test, the server over both
+#    engines twice (the rounds' spread), batch-1 decode. Run from a snapshot of HEAD (.snap).
 source "$(dirname "$0")/device_common.sh"
 case "${1:?phase}" in
 1)
@@ -53,6 +55,12 @@ case "${1:?phase}" in
   timeout -k 5 60 python3 benchmarks/decode_census.py --preset small --batch 1 > "$OUT/census.log" 2>&1
   echo "== rc $?" >> "$OUT/census.log"
   ;;
-*) echo "phase 1 to 3" >&2; exit 2 ;;
+4)
+  gpu_tests 150 tests/serve/test_engine_gpu.py -k "graphs_captured"
+  timeout -k 5 300 python3 benchmarks/serve_bench.py --parts decode server --client-procs 8 8 \
+    --switch-intervals 0.0005 > "$OUT/serve.log" 2>&1
+  echo "== rc $?" >> "$OUT/serve.log"
+  ;;
+*) echo "phase 1 to 4" >&2; exit 2 ;;
 esac
 summary
