@@ -14,7 +14,7 @@ import typing
 
 from openk3.checkpoint.hf import EXPERTS_MODES
 from openk3.config import PRESETS, preset
-from openk3.runtime import DTYPES, checkpoint_dir, load_model
+from openk3.runtime import DTYPES, checkpoint_dir, load_model, model_tokenizer
 from openk3.serve.config import EngineConfig
 from openk3.train.config import RunConfig, resolve_run_config
 
@@ -58,10 +58,13 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
                         "(default: the checkpoint's own; with --random-init, one whose every id is visible)")
 
 
+def _preset_name(args: argparse.Namespace) -> str | None:
+    return args.preset or ("debug" if args.random_init else None)
+
+
 def _load_model(args: argparse.Namespace, seed: int = 0):
     """``load_model`` from the flags of ``_add_model_flags``."""
-    preset_name = args.preset or ("debug" if args.random_init else None)
-    return load_model(args.checkpoint, preset_name, args.random_init, args.device, args.dtype, seed,
+    return load_model(args.checkpoint, _preset_name(args), args.random_init, args.device, args.dtype, seed,
                       args.tokenizer, args.experts)
 
 
@@ -291,6 +294,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.engine == "process":
         from openk3.serve.engine_process import ProcessEngine
 
+        # bad model flags fail here at once, not after the engine process has imported torch
+        model_tokenizer(args.checkpoint, _preset_name(args), args.random_init, args.tokenizer, args.experts)
         try:  # the engine's ValueErrors (config, checkpoint) are raised here as they were there
             async_engine = ProcessEngine(functools.partial(_serve_engine, args))
         except RuntimeError as e:

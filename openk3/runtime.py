@@ -84,6 +84,27 @@ def run_qat(path: str | Path) -> str:
         raise ValueError(f"{run_file}: cannot read the run's configuration ({e})") from e
 
 
+def model_tokenizer(checkpoint: str | Path | None = None, preset: str | None = None, random_init: bool = False,
+                    tokenizer: str | Path | None = None, experts: str = "dequantize"):
+    """``load_model``'s checks of its arguments and its tokenizer, without the model: what a
+    server process that leaves the model to its engine process checks first (quickly, in its own
+    words). Raises ValueError as ``load_model`` does."""
+    if checkpoint is not None and preset is not None:
+        raise ValueError(f"give checkpoint or preset, not both (checkpoint={str(checkpoint)!r}, "
+                         f"preset={preset!r})")
+    if checkpoint is None and preset is None:
+        raise ValueError("give checkpoint (a directory), or preset with random_init=True")
+    if checkpoint is not None and random_init:
+        raise ValueError("random_init=True applies to a preset; a checkpoint brings its weights")
+    if preset is not None and not random_init:
+        raise ValueError(f"preset={preset!r} has no weights: pass random_init=True for random ones")
+    if experts not in EXPERTS_MODES:
+        raise ValueError(f"experts={experts!r}: choose one of {list(EXPERTS_MODES)}")
+    if checkpoint is not None:
+        return load_tokenizer(tokenizer if tokenizer is not None else checkpoint_dir(checkpoint))
+    return load_tokenizer(tokenizer) if tokenizer is not None else VisibleTokenizer()
+
+
 def load_model(checkpoint: str | Path | None = None, preset: str | None = None, random_init: bool = False,
                device: str | torch.device | None = None, dtype: str | torch.dtype | None = None,
                seed: int = 0, tokenizer: str | Path | None = None, experts: str = "dequantize"):
@@ -106,26 +127,14 @@ def load_model(checkpoint: str | Path | None = None, preset: str | None = None, 
     ``openk3-PRESET``. Raises ValueError unless exactly one of ``checkpoint`` / ``preset`` is
     given, and ``random_init`` is set exactly when ``preset`` is.
     """
-    if checkpoint is not None and preset is not None:
-        raise ValueError(f"give checkpoint or preset, not both (checkpoint={str(checkpoint)!r}, "
-                         f"preset={preset!r})")
-    if checkpoint is None and preset is None:
-        raise ValueError("give checkpoint (a directory), or preset with random_init=True")
-    if checkpoint is not None and random_init:
-        raise ValueError("random_init=True applies to a preset; a checkpoint brings its weights")
-    if preset is not None and not random_init:
-        raise ValueError(f"preset={preset!r} has no weights: pass random_init=True for random ones")
-    if experts not in EXPERTS_MODES:
-        raise ValueError(f"experts={experts!r}: choose one of {list(EXPERTS_MODES)}")
+    tok = model_tokenizer(checkpoint, preset, random_init, tokenizer, experts)  # fails before the weights load
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     if checkpoint is not None:
         path = checkpoint_dir(checkpoint)
-        tok = load_tokenizer(tokenizer if tokenizer is not None else path)  # fails before the weights load
         model = load_pretrained(path, dtype=dtype, device=device, experts=experts)
         set_qat(model, run_qat(checkpoint))
         return model.eval(), tok, Path(checkpoint).resolve().name
-    tok = load_tokenizer(tokenizer) if tokenizer is not None else VisibleTokenizer()
     model = build_model(model_preset(preset), device=device, dtype=dtype, seed=seed)
     if experts == "packed":
         pack_experts(model)
