@@ -327,46 +327,21 @@ def part_peer() -> None:
         record(peer)
 
 
-def timed_steps(eng: LLMEngine) -> LLMEngine:
-    """``eng`` with each step's (start, end, prefill tokens, decode sequences) in ``eng.step_log``
-    (``step`` and ``generate`` both run ``_step``; the scheduler's output is read as it leaves)."""
-    step, schedule, eng.step_log = eng._step, eng.scheduler.step, []
-
-    def scheduled():
-        out = schedule()
-        # the scheduler has advanced num_computed_tokens by the step's tokens (as LLMEngine counts)
-        prefill = sum(n for s, n in out.scheduled if s.num_computed_tokens <= s.num_prompt_tokens)
-        decode = sum(1 for s, _ in out.scheduled if s.num_computed_tokens > s.num_prompt_tokens)
-        eng.step_log.append([0.0, 0.0, prefill, decode])
-        return out
-
-    def timed(stream):
-        t = time.perf_counter()
-        outs = step(stream)
-        if eng.step_log and eng.step_log[-1][0] == 0.0:
-            eng.step_log[-1][:2] = t, time.perf_counter()
-        return outs
-
-    eng._step, eng.scheduler.step = timed, scheduled
-    return eng
-
-
-def step_summary(log: list) -> dict:
-    """Steps, prefill steps, the steps' wall seconds summed, first start to last end, and the
-    mean decode batch: where a served workload's time goes against the engine alone's."""
-    log = [r for r in log if r[1]]
-    if not log:
-        return {}
-    prefill = [r for r in log if r[2]]
-    return {"steps": len(log), "prefill_steps": len(prefill), "steps_s": sum(b - a for a, b, _, _ in log),
-            "prefill_steps_s": sum(b - a for a, b, _, _ in prefill), "span_s": log[-1][1] - log[0][0],
-            "mean_decode_batch": sum(r[3] for r in log) / len(log)}
+def step_counts(before, after, seconds: float) -> dict:
+    """What the engine's steps did between two ``EngineStats`` (steps, prefill steps, their wall
+    seconds, tokens per step) and the share of ``seconds`` (a round's wall) they took."""
+    steps = after.num_steps - before.num_steps
+    busy = after.step_seconds - before.step_seconds
+    return {"steps": steps, "prefill_steps": after.prefill_steps - before.prefill_steps, "steps_s": busy,
+            "prefill_steps_s": after.prefill_step_seconds - before.prefill_step_seconds,
+            "tokens_per_step": (after.generation_tokens - before.generation_tokens) / max(steps, 1),
+            "busy_share": busy / seconds}
 
 
 def bench_engine(name: str, device: str, dtype: str, **kw) -> LLMEngine:
     """The benchmark's engine over a fresh random ``name`` model (what a ``ProcessEngine`` builds
     in its own process; ``build_model``'s default seed: the weights ``main`` built)."""
-    eng = timed_steps(engine(build_model(preset(name), device=device, dtype=getattr(torch, dtype)), **kw))
+    eng = engine(build_model(preset(name), device=device, dtype=getattr(torch, dtype)), **kw)
     eng.capture_graphs()  # as openk3 serve
     return eng
 
@@ -385,9 +360,9 @@ def part_server(model, name: str, streams: int = 64, new: int = 128, prompt_len:
 
     ``engines``: the app over ``AsyncEngine`` (``thread``: the engine's steps share this
     process's GIL with the event loop) and over ``ProcessEngine`` (``process``: the engine in a
-    process of its own, ``openk3 serve``'s default). With the thread engine each round's engine
-    steps are logged (``timed_steps``) beside the engine's alone: how many, how many prefill,
-    their wall, the mean decode batch; its rounds run for each of ``switch_intervals``
+    process of its own, ``openk3 serve``'s default). Each round's engine steps (``EngineStats``:
+    how many, how many prefill, their wall, tokens per step, the share of the round they took)
+    are reported beside the engine's alone; the thread engine's rounds run for each of ``switch_intervals``
     (``sys.setswitchinterval``: how long the event loop may keep the GIL once the engine thread,
     back from the GPU, asks for it; CPython's default 5 ms)."""
     import functools
@@ -404,19 +379,19 @@ def part_server(model, name: str, streams: int = 64, new: int = 128, prompt_len:
     vocab = model.cfg.vocab_size
     prompts = [random_ids(prompt_len, vocab, 300 + i) for i in range(streams)]
     kw = dict(max_num_seqs=streams, max_model_len=1024)
-    eng = timed_steps(engine(model, **kw))
+    eng = engine(model, **kw)
     eng.capture_graphs()  # every engine here, as openk3 serve: no request waits for a capture
     eng.generate(prompts[:streams], SamplingParams(temperature=0, max_tokens=8))  # warm-up
-    eng.step_log.clear()
+    before = eng.snapshot_stats()
     t = time.perf_counter()
     eng.generate(prompts, SamplingParams(temperature=0, max_tokens=new))
     engine_s = time.perf_counter() - t
-    alone = step_summary(eng.step_log)
+    alone = step_counts(before, eng.snapshot_stats(), engine_s)
     del eng
     gc.collect()
     for kind in engines:
         if kind == "thread":
-            eng = timed_steps(engine(model, **kw))
+            eng = engine(model, **kw)
             eng.capture_graphs()
             async_engine, intervals = AsyncEngine(eng), switch_intervals
         else:
@@ -434,11 +409,11 @@ def part_server(model, name: str, streams: int = 64, new: int = 128, prompt_len:
             for interval, procs in ((i, p) for i in intervals for p in client_procs):
                 sys.setswitchinterval(interval)
                 with Clients(sock.getsockname()[1], prompts, new, "threads", procs) as clients:
-                    if kind == "thread":
-                        async_engine.engine.step_log.clear()  # after the clients' warm-up round
+                    before = async_engine.stats()  # after the clients' warm-up round (a
+                    # ProcessEngine's counters come with each step's outputs: current once a round ends)
                     row = clients.round()
                 server_s = row.pop("seconds")
-                under = step_summary(async_engine.engine.step_log) if kind == "thread" else {}
+                under = step_counts(before, async_engine.stats(), server_s)
                 record({"part": "server", "engine": kind, "streams": streams, "new_tokens": new,
                         "engine_s": engine_s, "server_s": server_s, "server_over_engine": server_s / engine_s,
                         **row, "engine_tok_s": streams * new / engine_s, "server_tok_s": streams * new / server_s,

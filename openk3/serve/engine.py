@@ -33,6 +33,7 @@ import asyncio
 import itertools
 import queue
 import threading
+import time
 from array import array
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
@@ -92,6 +93,9 @@ class EngineStats:
     generation_tokens: int = 0
     num_preemptions: int = 0
     num_steps: int = 0
+    step_seconds: float = 0.0  # wall time inside steps (the host's and the GPU's)
+    prefill_steps: int = 0  # steps that computed prompt tokens (with or without decodes)
+    prefill_step_seconds: float = 0.0
     # speculative decoding: sequence-steps verified, draft tokens proposed, and accepted
     spec_verifications: int = 0
     spec_draft_tokens: int = 0
@@ -263,12 +267,14 @@ class LLMEngine:
     def _step(self, stream: bool) -> list[RequestOutput]:
         """``step``; with ``stream`` False only the finished requests' outputs are built (the
         others advance their text and stop-string state all the same)."""
+        start = time.perf_counter()
         out = self.scheduler.step()
         if not out.scheduled:
             return []
         self.stats.num_steps += 1
         self.stats.num_preemptions += len(out.preempted_ids)
-        self.stats.prompt_tokens += sum(n for s, n in out.scheduled if s.num_computed_tokens <= s.num_prompt_tokens)
+        prompt_tokens = sum(n for s, n in out.scheduled if s.num_computed_tokens <= s.num_prompt_tokens)
+        self.stats.prompt_tokens += prompt_tokens
         drafts = None
         if self.drafter is not None:
             vreqs = [self.requests[s.request_id] for s, _ in out.scheduled if s.request_id in out.num_draft_tokens]
@@ -284,6 +290,11 @@ class LLMEngine:
         if self.drafter is not None:  # every kept position's next token is known now
             self.drafter.observe(out, result)
         outputs = [self._output(self.requests[s.request_id], stream) for s in seqs]
+        elapsed = time.perf_counter() - start
+        self.stats.step_seconds += elapsed
+        if prompt_tokens:
+            self.stats.prefill_steps += 1
+            self.stats.prefill_step_seconds += elapsed
         return outputs if stream else [o for o in outputs if o is not None]
 
     def _sample(self, result: StepResult) -> list[list[int]]:

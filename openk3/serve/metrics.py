@@ -44,6 +44,13 @@ class _EngineCollector:
                                   value=s.num_preemptions)
         yield CounterMetricFamily("openk3_engine_steps_total", "Scheduler steps that ran a forward pass.",
                                   value=s.num_steps)
+        yield CounterMetricFamily("openk3_engine_step_seconds_total", "Wall time inside engine steps.",
+                                  value=s.step_seconds)
+        yield CounterMetricFamily("openk3_engine_prefill_steps_total", "Engine steps that computed prompt tokens.",
+                                  value=s.prefill_steps)
+        yield CounterMetricFamily("openk3_engine_prefill_step_seconds_total",
+                                  "Wall time inside engine steps that computed prompt tokens.",
+                                  value=s.prefill_step_seconds)
         yield CounterMetricFamily("openk3_spec_verifications_total",
                                   "Speculative decoding: sequence-steps whose drafts were verified.",
                                   value=s.spec_verifications)

@@ -242,6 +242,10 @@ def test_metrics_move(srv):
     assert delta['openk3_requests_finished_total{finish_reason="length"}'] == 2
     assert delta["openk3_prefix_cache_hits_total"] >= 1  # the second prompt hits the first one's prefix
     assert delta["openk3_prefix_cache_saved_tokens_total"] >= 1
+    # one step per token, plus a step for each prefill chunk that ends before its prompt does
+    prefill = delta["openk3_engine_prefill_steps_total"]
+    assert prefill >= 2 and delta["openk3_engine_steps_total"] == 14 + prefill - 2
+    assert delta["openk3_engine_step_seconds_total"] > delta["openk3_engine_prefill_step_seconds_total"] > 0
     assert after['openk3_time_to_first_token_seconds_bucket{le="+Inf"}'] == after[
         "openk3_time_to_first_token_seconds_count"]
 
