@@ -36,6 +36,7 @@ the engine's traceback.
 from __future__ import annotations
 
 import multiprocessing
+import signal
 import threading
 import traceback
 from array import array
@@ -86,7 +87,11 @@ def _raised(failure: tuple) -> BaseException:
 
 def _engine_main(factory: Callable[[], LLMEngine], conn) -> None:
     """The engine process: build the engine, then add, abort and step until told to stop (or the
-    server's end of the pipe closes)."""
+    server's end of the pipe closes). It ignores SIGINT and SIGTERM: a Ctrl-C in a terminal (or a
+    service manager's SIGTERM) reaches every process of the group, and the server, draining its
+    responses for a grace period, still needs its engine; the server stops it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         eng = factory()
         conn.send(("ready", EngineInfo(eng.inputs, eng.model_name, str(eng.runner.device),
@@ -138,7 +143,7 @@ def _engine_main(factory: Callable[[], LLMEngine], conn) -> None:
                     sent_logprobs.pop(o.request_id, None)
                     started.discard(o.request_id)
             conn.send(("step", deltas, eng.snapshot_stats()))
-    except (EOFError, OSError, KeyboardInterrupt):  # the server went away
+    except (EOFError, OSError):  # the server went away
         return
 
 

@@ -106,6 +106,8 @@ def test_an_abandoned_stream_aborts_its_request(engines):
         return first
 
     before = process.stats().generation_tokens
+    os.kill(process._proc.pid, signal.SIGINT)  # a terminal's Ctrl-C: the server stops its engine, not the signal
+    os.kill(process._proc.pid, signal.SIGTERM)
     assert asyncio.run(first_then_leave()).delta_token_ids
     for _ in range(200):  # the abort reaches the engine between its steps
         stats = process.stats()
