@@ -238,6 +238,14 @@ class LLMEngine:
         self.runner.drop_images(request_id)
         return self.scheduler.abort(request_id)
 
+    def abort_all(self) -> list[str]:
+        """Cancel every request (a step failed: the asyncio engines fail them all and keep
+        serving); returns their ids."""
+        ids = list(self.requests)
+        for rid in ids:
+            self.abort(rid)
+        return ids
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -623,10 +631,7 @@ class AsyncEngine(StreamingEngine):
             try:
                 outputs = eng.step()
             except Exception as e:  # noqa: BLE001 - fail every request, keep serving
-                failed = list(eng.requests)
-                for rid in failed:
-                    eng.abort(rid)
-                self._push([(rid, e) for rid in failed])
+                self._push([(rid, e) for rid in eng.abort_all()])
                 continue
             self._push([(o.request_id, o) for o in outputs])
 

@@ -99,8 +99,9 @@ def _engine_main(factory: Callable[[], LLMEngine], conn) -> None:
     except BaseException as e:  # noqa: BLE001 - reported to the server, which raises it
         conn.send(("error", (isinstance(e, ValueError), str(e), traceback.format_exc())))
         return
-    sent_logprobs: dict[str, int] = {}  # per request, log-probabilities already sent
-    started: set[str] = set()  # requests with an output sent (the prompt's log-probabilities went with it)
+    # per request with an output sent (the prompt's log-probabilities went with the first): how
+    # many of its log-probabilities were sent
+    sent: dict[str, int] = {}
     try:
         while True:
             # wait for a command while idle; between steps, take whatever has arrived
@@ -114,34 +115,28 @@ def _engine_main(factory: Callable[[], LLMEngine], conn) -> None:
                         conn.send(("failed", [(rid, _failure(e))]))
                 elif cmd == "abort":  # the server's counters see it even if no step follows
                     eng.abort(args[0])
-                    sent_logprobs.pop(args[0], None)
-                    started.discard(args[0])
+                    sent.pop(args[0], None)
                     conn.send(("stats", eng.snapshot_stats()))
                 else:  # "stop"
                     return
             try:
                 outputs = eng.step()
             except Exception as e:  # noqa: BLE001 - fail every request, keep serving
-                failed = list(eng.requests)
+                failed = eng.abort_all()
                 for rid in failed:
-                    eng.abort(rid)
-                    sent_logprobs.pop(rid, None)
-                    started.discard(rid)
+                    sent.pop(rid, None)
                 conn.send(("failed", [(rid, _failure(e)) for rid in failed]))
                 continue
             deltas = []
             for o in outputs:
-                new_logprobs = None
-                if o.logprobs is not None:
-                    done = sent_logprobs.get(o.request_id, 0)
-                    new_logprobs, sent_logprobs[o.request_id] = o.logprobs[done:], len(o.logprobs)
-                first = o.request_id not in started
+                first, done = o.request_id not in sent, sent.get(o.request_id, 0)
+                new_logprobs = None if o.logprobs is None else o.logprobs[done:]
                 deltas.append((o.request_id, o.delta_token_ids, o.delta_text, new_logprobs, o.finished,
                                o.finish_reason, o.num_cached_tokens, o.prompt_logprobs if first else None))
-                started.add(o.request_id)
                 if o.finished:
-                    sent_logprobs.pop(o.request_id, None)
-                    started.discard(o.request_id)
+                    sent.pop(o.request_id, None)
+                else:
+                    sent[o.request_id] = len(o.logprobs or ())
             conn.send(("step", deltas, eng.snapshot_stats()))
     except (EOFError, OSError):  # the server went away
         return
