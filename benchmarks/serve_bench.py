@@ -11,6 +11,8 @@
     128-token prompts and 128 new tokens, CUDA graphs on and off; and, in the same run, a
     Kimi-Linear-format model of similar size (transformers' ``KimiLinearForCausalLM``, random
     weights, saved and loaded by openk3) served by openk3 and by transformers' ``generate``.
+    ``decode-ab`` runs the decode part at batch 1, 4 and 32 with the graph's parallel branches
+    and the Triton GEMVs each off and on, twice.
 (c) floor: batch-1 decode time vs (bytes of weights read per token + KDA state read and
     written + MLA latents read) / 4.3 TB/s (the measured copy bandwidth of the H200).
 (d) long: batch-1 decode step (CUDA graphs) at 4K, 32K and 128K tokens of context: the paged
@@ -161,6 +163,28 @@ def part_decode(model, name: str, batches=(1, 32, 128), modes=(True, False)) -> 
             record(row)
             results[graphs, B] = row
     return results
+
+
+def part_decode_ab(model, batches=(1, 4, 32), rounds: int = 2) -> None:
+    """The decode step with each of the twenty-sixth session's two changes off and on, in one
+    run: the layers' independent parts as parallel branches of the graph
+    (``openk3.model.branch.ENABLED``) and the projections of a few rows as Triton GEMVs
+    (``openk3.ops.gemv.GEMV_MAX_ROWS``; 0: cuBLAS). The four variants run in turn, ``rounds``
+    times (engines of the same code measured apart differed by up to 0.15 ms a step)."""
+    from openk3.model import branch
+    from openk3.ops import gemv
+
+    saved = branch.ENABLED, gemv.GEMV_MAX_ROWS
+    try:
+        for _ in range(rounds):
+            for branches, rows in ((False, 0), (True, 0), (False, saved[1]), (True, saved[1])):
+                branch.ENABLED, gemv.GEMV_MAX_ROWS = branches, rows
+                part_decode(model, f"small, branches {'on' if branches else 'off'}, GEMV rows {rows}",
+                            batches=batches, modes=(True,))
+                gc.collect()
+                torch.cuda.empty_cache()
+    finally:
+        branch.ENABLED, gemv.GEMV_MAX_ROWS = saved
 
 
 def part_long(model, contexts=(4096, 32768, 131072), new: int = 64) -> None:
@@ -451,6 +475,8 @@ def main() -> None:
             rows = part_decode(model, "small", modes=(part == "decode",))
             if "ms_per_step" in rows[part == "decode", 1]:
                 record(bandwidth_floor(model, rows[part == "decode", 1]["ms_per_step"]))
+        elif part == "decode-ab":
+            part_decode_ab(model)
         elif part == "ttft":
             part_ttft(model)
         elif part == "peer":

@@ -28,10 +28,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from openk3.ops.fast import needs_grad
+from openk3.ops.gemv import linear, linear_add_
 
 
 def _views_of(fused: torch.Tensor, weights: list[torch.Tensor]) -> bool:
@@ -71,18 +71,20 @@ def is_fused(fused: torch.Tensor | None, modules: Sequence[nn.Module]) -> bool:
 
 def project(x: torch.Tensor, modules: Sequence[nn.Linear],
             fused: torch.Tensor | None) -> list[torch.Tensor]:
-    """``[m(x) for m in modules]``, as one GEMM when ``is_fused(fused, modules)``.
+    """``[m(x) for m in modules]``, as one GEMM when ``is_fused(fused, modules)`` (a GEMV for a
+    few rows: ``openk3.ops.gemv.linear``).
 
     x: ``[..., d]``; returns ``[..., out_i]`` per module (column views of one output when fused).
     """
     if not is_fused(fused, modules):
         return [m(x) for m in modules]
-    return list(F.linear(x, fused).split([m.out_features for m in modules], dim=-1))
+    return list(linear(x, fused).split([m.out_features for m in modules], dim=-1))
 
 
 def add_linear_(out: torch.Tensor, x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
     """``out + linear(x)``, accumulated into ``out`` in place where it can be: one GEMM that adds
-    in its epilogue (``addmm_``; the sum is rounded once) instead of a GEMM and an add kernel.
+    in its epilogue (``addmm_``, or the GEMV's for a few rows: ``openk3.ops.gemv.linear_add_``;
+    the sum is rounded once) instead of a GEMM and an add kernel.
     Used for the residual stream and the MoE's two outputs at inference (a decode step pays an
     add kernel per layer otherwise).
 
@@ -94,8 +96,7 @@ def add_linear_(out: torch.Tensor, x: torch.Tensor, linear: nn.Linear) -> torch.
             or not out.dtype == x.dtype == w.dtype or not out.is_contiguous()
             or out.shape != (*x.shape[:-1], w.shape[0])):
         return out + linear(x)
-    out.view(-1, w.shape[0]).addmm_(x.reshape(-1, x.shape[-1]), w.t())
-    return out
+    return linear_add_(out, x, w)
 
 
 def fuse_projections(model: nn.Module) -> nn.Module:

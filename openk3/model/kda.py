@@ -5,13 +5,14 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from openk3.config import ModelConfig
+from openk3.model.branch import Fork
 from openk3.model.cache import KDAState
 from openk3.model.fuse import fuse_weights, is_fused
 from openk3.ops.conv import causal_conv1d, causal_conv1d_update_
+from openk3.ops.gemv import linear
 from openk3.ops.kda import kda, kda_decode_, kda_verify
 from openk3.ops.norm import gated_rms_norm
 
@@ -120,7 +121,7 @@ class KDAttention(nn.Module):
         if not self.cfg.is_k3:
             gate = self.g_b_proj(gate)
         o = gated_rms_norm(o, self.o_norm.weight, gate.view(B, T, H, K), self.cfg.rms_norm_eps)
-        return self.o_proj(o.reshape(B, T, H * K))
+        return linear(o.reshape(B, T, H * K), self.o_proj.weight)  # a GEMV when decoding
 
     def _pooled_decode(self, x: torch.Tensor, recurrent: torch.Tensor, conv: torch.Tensor,
                        slots: torch.Tensor) -> torch.Tensor:
@@ -131,9 +132,12 @@ class KDAttention(nn.Module):
         B = x.shape[0]
         H, K = self.num_heads, self.head_dim
         qkv_in, gate, f, b = self._fused_inputs(x)
+        fork = Fork(x)  # in a captured graph, the decay's projection beside the convolution
+        with fork.side():
+            f = linear(f, self.f_b_proj.weight).view(B, 1, H, K)
         q, k, v = (t.view(B, 1, H, K) for t in
                    causal_conv1d_update_(qkv_in[:, 0], self.fused_conv, conv, slots, parts=3))
-        f = self.f_b_proj(f).view(B, 1, H, K)
+        fork.join()
         o = kda_decode_(q, k, v, f, b, self.A_log, self.dt_bias, recurrent, slots,
                         lower_bound=self.cfg.kda_gate_lower_bound)
         return self._output(o, gate)
@@ -142,7 +146,7 @@ class KDAttention(nn.Module):
         """The one GEMM of a fused layer: q|k|v before the convolution [B, T, 3*H*K], then the
         gate's first projection, f_a and beta's logits (``input_projections()[3:]``)."""
         HK = self.num_heads * self.head_dim
-        return F.linear(x, self.fused_proj).split(
+        return linear(x, self.fused_proj).split(
             [3 * HK] + [m.out_features for m in self.input_projections()[3:]], dim=-1)
 
     def _convolved_projections(self, x: torch.Tensor, st: KDAState) -> tuple[tuple, tuple, tuple, tuple]:

@@ -18,8 +18,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from openk3.config import ModelConfig
+from openk3.model.branch import Fork
 from openk3.model.cache import MLAState
 from openk3.model.fuse import fuse_weights, project
+from openk3.ops.gemv import linear
 from openk3.ops.norm import rms_norm
 from openk3.ops.situ import sigmoid_gate
 
@@ -75,7 +77,7 @@ class MLAttention(nn.Module):
         query LoRA) -> the queries [B, T, H, 192]."""
         B, T, _ = q.shape
         if self.cfg.q_lora_rank is not None:
-            q = self.q_b_proj(self.q_a_layernorm(q))
+            q = linear(self.q_a_layernorm(q), self.q_b_proj.weight)  # a GEMV when decoding
         return q.view(B, T, self.num_heads, self.nope + self.rope)
 
     def _latent(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,8 +92,11 @@ class MLAttention(nn.Module):
         generate path's ``MLAState`` or the serving engine's paged views."""
         B, T, _ = x.shape
         q, kv, *gate = project(x, self.input_projections(), self.fused_proj)  # gate: K3 only
-        q = self._query(q)
+        fork = Fork(x)  # in a captured decode graph, the queries beside the latents
+        with fork.side():
+            q = self._query(q)
         c, k_r = self._latent(kv)
+        fork.join()
         if state is None:
             o = self.attend_expanded(q, c, k_r, 0)
         else:
@@ -99,7 +104,7 @@ class MLAttention(nn.Module):
         o = o.reshape(B, T, self.num_heads * self.v_dim)
         if gate:
             o = sigmoid_gate(o, gate[0])  # one kernel on CUDA
-        return self.o_proj(o)
+        return linear(o, self.o_proj.weight)
 
     def attend_expanded(self, q: torch.Tensor, c: torch.Tensor, k_r: torch.Tensor,
                         past: int, mask: torch.Tensor | None = None) -> torch.Tensor:

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from openk3.config import ModelConfig
+from openk3.model.branch import Fork
 from openk3.model.fuse import add_linear_, fuse_weights, is_fused, project
 from openk3.model.mla import RMSNorm
 from openk3.ops.fast import use_fast_path
@@ -269,21 +270,30 @@ class MoE(nn.Module):
         inference the latent MoE's two output GEMMs add into it, no add kernel)."""
         shape = x.shape
         xf = x.reshape(-1, shape[-1])  # [N, d]
-        _, topk_idx, topk_weight = self.gate(xf)
         if self.cfg.moe_latent_size is None:
+            _, topk_idx, topk_weight = self.gate(xf)
             routed = self.experts(xf, topk_idx, topk_weight).to(x.dtype).view(shape)
             return self.shared_experts(x, routed if residual is None else routed + residual)
+        # in a captured decode graph, the router runs beside the input GEMM and the shared
+        # experts beside the routed ones (``openk3.model.branch``; elsewhere in order)
+        fork = Fork(xf)
+        with fork.side():
+            _, topk_idx, topk_weight = self.gate(xf)
         out = None if residual is None else residual.view(xf.shape)
         if is_fused(self.fused_proj, self.input_projections()):  # inference: one GEMM for three
             down, gate, up = project(xf, self.input_projections(), self.fused_proj)
-            out = self.shared_experts.output(gate, up, out)
+            fork.join()
+            with fork.side():
+                out = self.shared_experts.output(gate, up, out)
         else:  # training: the shared experts' own forward on x's shape, as the dense MLPs' (one
             # compiled graph for both: openk3.parallel.compile)
+            fork.join()
             down = self.routed_expert_down_proj(xf)
             out = self.shared_experts(x, residual)
         u = self.experts(down, topk_idx, topk_weight)
         norm = self.routed_expert_norm  # in fp32 (u is), cast to x's dtype in the same kernel
         u = rms_norm(u, norm.weight, norm.eps, out_dtype=x.dtype)
+        fork.join()
         out = add_linear_(out, u.view(*out.shape[:-1], u.shape[-1]), self.routed_expert_up_proj)
         # training's sum is a tensor of x's shape, returned as it is: a view of it would make FSDP2
         # warn that the layer returns a view (an in-place op on one would skip its all-gather)

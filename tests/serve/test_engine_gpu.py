@@ -166,3 +166,34 @@ def test_decode_step_copies_one_tensor_to_the_device_at_any_context(graphs):
         eng.generate([list(range(4, 4 + prompt_len))] * 3, SamplingParams(temperature=0, max_tokens=20))
     wrong = [c for c in counts if c[0] != c[1]]  # (copies, expected, batch, instruction counts)
     assert counts and not wrong, (len(counts), wrong[:12])
+
+
+def test_graph_branches_give_the_single_streams_bits():
+    """The decode and prefill graphs with the layers' independent parts as parallel branches
+    (``openk3.model.branch``) replay the same kernels as the single-stream graphs, only
+    concurrently: the same tokens and bit-equal log-probabilities. A missing wait (a branch
+    reading what is not yet written, memory reused under a running branch) changes them."""
+    from openk3.model import branch
+
+    active = []
+    side = branch.Fork.side
+
+    def recording_side(fork):
+        active.append(fork.active)
+        return side(fork)
+
+    prompts = [torch.randint(3, 4000, (n,)).tolist() for n in (7, 33, 150, 64, 1)]
+    params = SamplingParams(temperature=0, max_tokens=24, logprobs=2)
+    results = {}
+    for enabled in (False, True):
+        branch.ENABLED = enabled
+        try:
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(branch.Fork, "side", recording_side)
+                outs = make_engine(graphs=True).generate(prompts, params)
+        finally:
+            branch.ENABLED = True
+        results[enabled] = [(o.token_ids, [(lp.logprob, lp.top) for lp in o.logprobs]) for o in outs]
+        assert any(active) == enabled  # captures made branches only when enabled
+        active.clear()
+    assert results[True] == results[False]
