@@ -12,6 +12,8 @@
 #    outputs over 2,048 wide from 3 rows on, the add's old value loaded first: the GPU tests of
 #    the changed paths (engine, speculative verify and EAGLE graphs), decode-ab twice, decode
 #    (the default settings at batch 1, 32, 128), the warm/cold time to first token.
+# 4: the GEMV test's bound for cuBLAS where `linear` keeps it (mended), decode and the server over
+#    the engine process (two rounds of eight client processes).
 source "$(dirname "$0")/device_common.sh"
 case "${1:?phase}" in
 1)
@@ -37,6 +39,12 @@ case "${1:?phase}" in
   timeout -k 5 300 python3 benchmarks/serve_bench.py --parts decode-ab decode ttft > "$OUT/serve.log" 2>&1
   echo "== rc $?" >> "$OUT/serve.log"
   ;;
-*) echo "phase 1 to 3" >&2; exit 2 ;;
+4)
+  gpu_tests 100 tests/ops/test_gemv.py
+  timeout -k 5 300 python3 benchmarks/serve_bench.py --parts decode server --client-procs 8 8 \
+    --server-engines process > "$OUT/serve.log" 2>&1
+  echo "== rc $?" >> "$OUT/serve.log"
+  ;;
+*) echo "phase 1 to 4" >&2; exit 2 ;;
 esac
 summary

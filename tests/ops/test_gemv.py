@@ -100,8 +100,8 @@ def test_gemv_matches_reference_on_the_gpu(shape, dtype):
             fast = gemv_triton(x[:, 0], w, torch.full((M, N), float("nan"), device="cuda", dtype=dtype), False, *blocks)
             # cuBLAS at twice the tolerance: at 3 rows of [4232, 1024] it was measured one bf16
             # unit off (its sum is not rounded once), where the GEMV stays within half a unit
-            for name, got, bound in (("gemv", fast[:, None], tol), ("linear", linear(x, w), tol),
-                                     ("cublas", F.linear(x, w), 2 * tol)):
+            for name, got, bound in (("gemv", fast[:, None], tol), ("cublas", F.linear(x, w), 2 * tol),
+                                     ("linear", linear(x, w), tol if use_gemv(x, w) else 2 * tol)):
                 assert got.shape == (M, 1, N) and got.dtype == dtype
                 assert ((got.float() - ref).abs() <= bound).all(), (name, M, (got.float() - ref).abs().max().item())
             out = torch.randn(M, 1, N, device="cuda").to(dtype)
