@@ -6,13 +6,15 @@ although some only need the layer's input. Queued on a second stream during a CU
 capture, such work becomes a parallel branch of the graph (the stream's event waits are the
 graph's edges), and the replay runs it beside the main chain: the MoE's router beside its input
 GEMM and its shared experts beside the routed ones (SGLang and TensorRT-LLM run the shared
-experts on an auxiliary stream the same way), KDA's decay projection beside the convolution.
+experts on an auxiliary stream the same way), KDA's decay projection beside the convolution,
+MLA's queries beside the latents.
 
 ``Fork(x)`` is active only while the current stream captures a graph of at most
-``BRANCH_MAX_TOKENS`` rows that autograd does not record; otherwise (eager passes, the CPU, training, large
-prefill passes whose kernels fill the GPU alone) ``side()`` runs its block in place and
-``join()`` does nothing, so the kernels and their results are the same either way: only the
-order in which the GPU may run them changes.
+``BRANCH_MAX_TOKENS`` rows that autograd does not record; otherwise (eager passes, the CPU,
+training, large prefill passes whose kernels fill the GPU alone) ``side()`` runs its block in
+place and ``join()`` does nothing, so the kernels and their results are the same either way:
+only the order in which the GPU may run them changes. A fork must be joined before the capture
+ends or pauses (``PiecewiseGraph``'s eager parts): every user joins within its own function.
 
 Memory: allocations on the side stream during a capture come from the graph's pool (PyTorch's
 capture routes every stream of the capture there). A tensor made on one stream and read on the

@@ -1,13 +1,15 @@
 """A few rows times a weight: the projections of a decode step as one Triton GEMV each (issue P8).
 
-A batch-1 decode step of ``small`` runs ~110 one-row GEMMs on its critical path (the fused input
+A batch-1 decode step of ``small`` multiplies one row by 143 weights (the fused input
 projections, ``o_proj``, the MoE's output projections, ...). cuBLAS runs each as a GEMM whose
-tiles give a 1,024-wide output 16 thread blocks: ~4-5 us per projection for weights of 0.25-8 MB
-that the H200 reads in 0.1-2 us (docs/benchmarks.md, twenty-sixth session). ``linear`` takes
-openk3's GEMV kernel (``gemv_kernels.py``: a few hundred blocks, each streaming a few weight rows
-once for all M rows) for 1-2 rows, and 3-``GEMV_MAX_ROWS`` rows of outputs up to
-``GEMV_WIDE_N`` wide, of bf16/fp16 on CUDA without autograd, and ``F.linear`` otherwise; ``linear_add_`` is its ``addmm_`` (the product added into the
-caller's tensor, rounded once). ``gemv_ref`` is the reference: fp32 products and sums.
+tiles give a 1,024-wide output 16 thread blocks: 2.9-7.7 us per projection for weights of
+0.25-8.7 MB that the H200 reads in 0.06-2 us; 744 us a step, where this kernel takes 402 (floor
+90; docs/benchmarks.md, twenty-sixth session). ``linear`` takes openk3's GEMV kernel
+(``gemv_kernels.py``: hundreds of short programs, each streaming a few weight rows once for all
+M rows) for 1-2 rows, and for 3-``GEMV_MAX_ROWS`` rows of outputs up to ``GEMV_WIDE_N`` wide, of
+bf16/fp16 on CUDA without autograd; ``F.linear`` otherwise. ``linear_add_`` is its ``addmm_``
+(the product added into the caller's tensor, rounded once). ``gemv_ref`` is the reference:
+fp32 products and sums.
 """
 
 from __future__ import annotations
