@@ -21,12 +21,12 @@ from openk3.ops.gemv import gemv_blocks, gemv_ref
 from openk3.ops.gemv_kernels import gemv_triton
 
 torch.manual_seed(0)
-for N, K in [(5, 100), (100, 300), (1000, 17), (64, 1024), (1, 3)]:
+for N, K in [(5, 100), (37, 300), (1, 3)]:  # the interpreter runs programs one by one: few
     w = torch.randn(N, K) * K ** -0.5
-    for M in (1, 2, 3, 4):
+    for M in (1, 3):
         wide = torch.randn(M, K + 7)
         x = wide[:, 3:K + 3]                       # rows with a stride: a fused output's columns
-        for blocks in {gemv_blocks(M, N, K), (1, 16, 1), (4, 64, 2)}:
+        for blocks in {gemv_blocks(M, N, K), (4, 64, 2)}:
             out = torch.randn(M, N)
             want = gemv_ref(x, w, out)
             got = gemv_triton(x, w, out.clone(), True, *blocks)
@@ -40,7 +40,8 @@ print("ok")
 
 def test_kernel_in_the_triton_interpreter():
     """fp32 in the interpreter: products and sums in fp32 on both sides, so they differ only in
-    summation order. Strided rows, M of 1-4, several block choices, with and without the add."""
+    summation order. Strided rows, 1 and 3 rows (a padded row tile), masked edges in N and K, two
+    block choices, with and without the add (the GPU test runs `small`'s shapes)."""
     run_triton_interpreted(_INTERPRETED)
 
 
