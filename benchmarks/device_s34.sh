@@ -14,6 +14,9 @@
 #    (the default settings at batch 1, 32, 128), the warm/cold time to first token.
 # 4: the GEMV test's bound for cuBLAS where `linear` keeps it (mended), decode and the server over
 #    the engine process (two rounds of eight client processes).
+# 5 (not run: for the next session): the router's logits GEMV with fewer experts and wider steps
+#    per program (moe_decode_bench.py --router --logits-blocks), the router being the MoE layer's
+#    critical branch now.
 source "$(dirname "$0")/device_common.sh"
 case "${1:?phase}" in
 1)
@@ -45,6 +48,11 @@ case "${1:?phase}" in
     --server-engines process > "$OUT/serve.log" 2>&1
   echo "== rc $?" >> "$OUT/serve.log"
   ;;
-*) echo "phase 1 to 4" >&2; exit 2 ;;
+5)
+  timeout -k 5 90 python3 benchmarks/moe_decode_bench.py --router --presets small k3 --tokens 1 4 32 \
+    --logits-blocks 1x1024 2x512 2x1024 4x512 8x256 > "$OUT/router.log" 2>&1
+  echo "== rc $?" >> "$OUT/router.log"
+  ;;
+*) echo "phase 1 to 5" >&2; exit 2 ;;
 esac
 summary

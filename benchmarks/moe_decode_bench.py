@@ -22,7 +22,7 @@ beat the fp32 one without autograd (serving's batches between the two could keep
 
 Run on the device (K3's layer holds 59 GB of bf16 experts):
 ``python benchmarks/moe_decode_bench.py [--presets small k3] [--tokens 1 8 32 128] [--rows 4 8 32]
-[--router]``.
+[--router [--logits-blocks 1x1024 2x512]]``.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import torch
 from benchmarks.common import cuda_time, environment, write_results
 from openk3 import preset
 from openk3.model.moe import RoutedExperts
+from openk3.ops import router
 from openk3.ops.moe import GEMV_MAX_PAIRS, moe_gemv
 from openk3.ops.router import LOGITS_GEMV_MAX_TOKENS, router_logits, router_topk
 
@@ -98,9 +99,10 @@ def run(name: str, ex: RoutedExperts, N: int, rows_options: list[int]) -> dict:
             "grouped_over_gemv": grouped / gemv, **by_rows}
 
 
-def run_router(name: str, N: int) -> dict:
+def run_router(name: str, N: int, logits_blocks: list[tuple[int, int]] = ()) -> dict:
     """One MoE layer's router on N bf16 tokens: logits by the GEMV, by cuBLAS's fp32 GEMM and by
-    the split bf16 GEMM, then top-k."""
+    the split bf16 GEMM, then top-k; and the GEMV with each (experts, columns) per program of
+    ``logits_blocks`` (``openk3.ops.router.LOGITS_ROWS``, ``LOGITS_COLS``)."""
     cfg = preset(name)
     E, d, k = cfg.num_experts, cfg.hidden_size, cfg.num_experts_per_token
     weight = torch.randn(E, d, device="cuda") * d ** -0.5  # fp32, as K3's router
@@ -112,8 +114,18 @@ def run_router(name: str, N: int) -> dict:
             times[backend] = graph_time(lambda: router_topk(
                 router_logits(x, weight, backend=backend), bias, k, cfg.moe_renormalize,
                 cfg.routed_scaling_factor))
+        default_blocks = router.LOGITS_ROWS, router.LOGITS_COLS
+        try:
+            for blocks in logits_blocks:  # the launch reads them
+                router.LOGITS_ROWS, router.LOGITS_COLS = blocks
+                times[blocks] = graph_time(lambda: router_topk(
+                    router_logits(x, weight, backend="triton"), bias, k, cfg.moe_renormalize,
+                    cfg.routed_scaling_factor))
+        finally:
+            router.LOGITS_ROWS, router.LOGITS_COLS = default_blocks
     floor = E * d * 4 / BANDWIDTH  # the fp32 weight read once
     return {"layer": name, "tokens": N, "gemv_us": 1e6 * times["triton"],
+            **{f"gemv_us_blocks_{r}x{c}": 1e6 * times[r, c] for r, c in logits_blocks},
             "cublas_us": 1e6 * times["torch"], "split_us": 1e6 * times["split"], "floor_us": 1e6 * floor,
             "cublas_over_gemv": times["torch"] / times["triton"],
             "cublas_over_split": times["torch"] / times["split"]}
@@ -126,13 +138,17 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="*", default=[],
                     help="also time the GEMVs with these rows per program (powers of two)")
     ap.add_argument("--router", action="store_true", help="time the router instead of the experts")
+    ap.add_argument("--logits-blocks", nargs="*", default=[], metavar="ROWSxCOLS",
+                    help="with --router, also time its logits GEMV with these experts x columns per "
+                         "program (e.g. 1x1024 2x512)")
     args = ap.parse_args()
     print(environment())
     rows = []
     if args.router:
         for name in args.presets:
             for N in args.tokens:
-                rows.append(run_router(name, N))
+                blocks = [tuple(map(int, b.split("x"))) for b in args.logits_blocks]
+                rows.append(run_router(name, N, blocks))
                 write_results("moe_router_bench", rows)
         print(f"LOGITS_GEMV_MAX_TOKENS is {LOGITS_GEMV_MAX_TOKENS}; the largest batch where the GEMV won:")
         for name in args.presets:
