@@ -18,19 +18,11 @@ import torch
 import torch.nn.functional as F
 
 from openk3.ops.fast import needs_grad, use_fast_path
+from openk3.ops.moe import triton_available  # whether triton imports, as the router asks
 
 GEMV_MAX_ROWS = 4  # decode batches up to this many rows; cuBLAS's tiles fill the GPU beyond
 GEMV_WIDE_N = 2048  # from 3 rows on, outputs wider than this stay with cuBLAS (faster there)
 DTYPES = (torch.bfloat16, torch.float16)
-
-
-def triton_available() -> bool:
-    """Whether the kernel imports (CPU installs have no triton)."""
-    try:
-        import openk3.ops.gemv_kernels  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def gemv_blocks(M: int, N: int, K: int) -> tuple[int, int, int]:
