@@ -6,9 +6,12 @@ Each timed graph runs ``reps`` calls in stream order, each on its own copy of th
 copies together exceed the H200's 60 MB of L2, as a decode step's 24 layers of weights do), so
 a call's time is the graph's replay time over ``reps``: the latency one projection adds to a
 dependent chain. ``--sweep M ...`` also times, at those row counts, every (BLOCK_N, BLOCK_K, warps) of a small
-grid against ``gemv_blocks``' pick: the data for that heuristic.
+grid against ``gemv_blocks``' pick: the data for that heuristic. ``--norms`` times the two norms
+a decode step folds into its GEMVs (``openk3.ops.gemv.norm_linear``: the latent MoE's RMSNorm
+before its up projection, KDA's gated output norm before ``o_proj``) against the norm kernel
+followed by the GEMV (``FOLD_NORMS`` off), at each ``--rows``.
 
-Run on the device: ``python benchmarks/gemv_bench.py [--preset small] [--rows 1 4 8] [--sweep 1 4]``.
+Run on the device: ``python benchmarks/gemv_bench.py [--preset small] [--rows 1 4 8] [--sweep 1 4] [--norms]``.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ from benchmarks.moe_decode_bench import graph_time
 from openk3 import build_model, preset
 from openk3.model.fuse import fuse_projections
 from openk3.model.moe import MoE
-from openk3.ops.gemv import gemv_blocks, gemv_ref
+from openk3.ops import gemv
+from openk3.ops.gemv import gemv_blocks, gemv_ref, norm_linear
 
 BANDWIDTH = 4.3e12  # bytes/s: the H200's device-to-device copy (shared/NOTES.md)
 L2_BYTES = 60 << 20
@@ -60,8 +64,12 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=64)
     ap.add_argument("--sweep", type=int, nargs="*", default=[], metavar="M",
                     help="sweep the kernel's blocks at these row counts (of --rows)")
+    ap.add_argument("--norms", action="store_true", help="only the folded norms against norm + GEMV")
     args = ap.parse_args()
     print(environment())
+    if args.norms:
+        write_results("gemv_norms", norm_rows(args.preset, args.rows, args.reps))
+        return
     from openk3.ops.gemv_kernels import gemv_triton  # needs triton: the device
 
     rows = []
@@ -107,6 +115,33 @@ def main() -> None:
         print(summary, flush=True)
         rows.append(summary)
     write_results("gemv_bench", rows)
+
+
+def norm_rows(name: str, row_counts: list[int], reps: int) -> list[dict]:
+    """The folded norms of preset ``name``'s decode step against the norm kernel + the GEMV."""
+    cfg = preset(name)
+    H, V, d = cfg.linear_num_heads, cfg.linear_head_dim, cfg.hidden_size
+    cases = [("kda o_proj, gated norm", d, H * V, V, torch.bfloat16)]
+    if cfg.moe_latent_size is not None:
+        cases.append(("moe up_proj, rms norm, add", d, cfg.moe_latent_size, None, torch.float32))
+    rows = []
+    for label, N, K, G, x_dtype in cases:
+        copies = max(2, min(64, -(-2 * L2_BYTES // (N * K * 2))))
+        weights = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * K ** -0.5 for _ in range(copies)]
+        nw = torch.rand(G or K, device="cuda", dtype=torch.bfloat16) + 0.5
+        for M in row_counts:
+            x = torch.randn(M, K, device="cuda", dtype=x_dtype)
+            gate = None if G is None else torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+            out = None if G is not None else torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+            row = {"case": label, "N": N, "K": K, "M": M}
+            for fold in (False, True):
+                gemv.FOLD_NORMS = fold
+                row["folded_us" if fold else "norm_then_gemv_us"] = time_calls(
+                    lambda x_, w: norm_linear(x_, w, nw, 1e-6, gate=gate, out=out), weights, x, reps)
+            gemv.FOLD_NORMS = True
+            print(row, flush=True)
+            rows.append(row)
+    return rows
 
 
 def triton_pow2(n: int) -> int:

@@ -11,8 +11,10 @@
     128-token prompts and 128 new tokens, CUDA graphs on and off; and, in the same run, a
     Kimi-Linear-format model of similar size (transformers' ``KimiLinearForCausalLM``, random
     weights, saved and loaded by openk3) served by openk3 and by transformers' ``generate``.
-    ``decode-ab`` runs the decode part at batch 1, 4 and 32 with the graph's parallel branches
-    and the Triton GEMVs each off and on, twice.
+    ``decode-ab`` runs the decode part at batch 1, 4 and 32 with all decode-path changes on,
+    with the norms not folded into the GEMVs, and without branches and GEMVs, twice.
+    ``decode-split`` splits the decode step at batch 1, 4, 32 into its graph replay's GPU time
+    and the host time around it, the norms folded and not, three times.
 (c) floor: batch-1 decode time vs (bytes of weights read per token + KDA state read and
     written + MLA latents read) / 4.3 TB/s (the measured copy bandwidth of the H200).
 (d) long: batch-1 decode step (CUDA graphs) at 4K, 32K and 128K tokens of context: the paged
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import statistics
 import sys
 import tempfile
 import time
@@ -166,25 +169,88 @@ def part_decode(model, name: str, batches=(1, 32, 128), modes=(True, False)) -> 
 
 
 def part_decode_ab(model, batches=(1, 4, 32), rounds: int = 2) -> None:
-    """The decode step with each of the twenty-sixth session's two changes off and on, in one
-    run: the layers' independent parts as parallel branches of the graph
-    (``openk3.model.branch.ENABLED``) and the projections of a few rows as Triton GEMVs
-    (``openk3.ops.gemv.GEMV_MAX_ROWS``; 0: cuBLAS). The four variants run in turn, ``rounds``
-    times (engines of the same code measured apart differed by up to 0.15 ms a step)."""
+    """The decode step with the decode-path changes of the last sessions off and on, in one run,
+    ``rounds`` times in turn (engines of the same code measured apart differed by up to 0.2 ms a
+    step): everything on; the norms not folded into the GEMVs (``openk3.ops.gemv.FOLD_NORMS``,
+    twenty-seventh session); and the twenty-sixth session's base, without the parallel graph
+    branches (``openk3.model.branch.ENABLED``) and the Triton GEMVs (``GEMV_MAX_ROWS`` 0: cuBLAS)."""
     from openk3.model import branch
     from openk3.ops import gemv
 
-    saved = branch.ENABLED, gemv.GEMV_MAX_ROWS
+    saved = branch.ENABLED, gemv.GEMV_MAX_ROWS, gemv.FOLD_NORMS
+    variants = (("all on", saved), ("norms not folded", (True, saved[1], False)),
+                ("no branches, no GEMV", (False, 0, False)))
     try:
         for _ in range(rounds):
-            for branches, rows in ((False, 0), (True, 0), (False, saved[1]), (True, saved[1])):
-                branch.ENABLED, gemv.GEMV_MAX_ROWS = branches, rows
-                part_decode(model, f"small, branches {'on' if branches else 'off'}, GEMV rows {rows}",
-                            batches=batches, modes=(True,))
+            for name, settings in variants:
+                branch.ENABLED, gemv.GEMV_MAX_ROWS, gemv.FOLD_NORMS = settings
+                part_decode(model, f"small, {name}", batches=batches, modes=(True,))
                 gc.collect()
                 torch.cuda.empty_cache()
     finally:
-        branch.ENABLED, gemv.GEMV_MAX_ROWS = saved
+        branch.ENABLED, gemv.GEMV_MAX_ROWS, gemv.FOLD_NORMS = saved
+
+
+def decode_split(eng: LLMEngine, batch: int, steps: int = 64) -> dict:
+    """A decode step's wall time against its graph replay's GPU time (CUDA events around
+    ``CUDAGraph.replay``): the rest of the step is host work the GPU waits through (the step is
+    synchronous: scheduling, inputs, launch, sampling, the token's copy, bookkeeping). The
+    replay's time is the stable measure of a change to the graph's kernels."""
+    vocab = eng.model.cfg.vocab_size
+    for i in range(batch):
+        eng.add_request(random_ids(128, vocab, 300 + i), SamplingParams(temperature=0, max_tokens=steps + 8))
+    while eng.scheduler.num_waiting or any(s.num_uncomputed_tokens > 1 for s in eng.scheduler.running):
+        eng.step()
+    events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+    replay = torch.cuda.CUDAGraph.replay
+
+    def timed(graph):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        replay(graph)
+        b.record()
+        events.append((a, b))
+
+    walls, gpus = [], []
+    torch.cuda.CUDAGraph.replay = timed
+    try:
+        for _ in range(steps):
+            events.clear()
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            eng.step()
+            torch.cuda.synchronize()
+            walls.append(1e3 * (time.perf_counter() - t))
+            gpus.append(sum(a.elapsed_time(b) for a, b in events))
+    finally:
+        torch.cuda.CUDAGraph.replay = replay
+    eng.abort_all()
+    while eng.has_unfinished():
+        eng.step()
+    wall, gpu = statistics.median(walls), statistics.median(gpus)
+    return {"batch": batch, "step_ms": wall, "replay_gpu_ms": gpu, "host_ms": wall - gpu}
+
+
+def part_decode_split(model, batches=(1, 4, 32), rounds: int = 3) -> None:
+    """``decode_split`` with the norms folded into the GEMVs and not (``gemv.FOLD_NORMS``), one
+    engine each, in turn ``rounds`` times."""
+    from openk3.ops import gemv
+
+    saved = gemv.FOLD_NORMS
+    engines = {}
+    try:
+        for fold in (True, False):
+            gemv.FOLD_NORMS = fold
+            engines[fold] = engine(model, max_num_seqs=64, max_num_batched_tokens=8192, max_model_len=4096,
+                                   cuda_graphs=True)
+            for B in batches:  # captures each bucket's graph with this setting
+                decode_split(engines[fold], B, steps=4)
+        for _ in range(rounds):
+            for fold in (True, False):
+                for B in batches:
+                    record({"part": "decode-split", "norms_folded": fold, **decode_split(engines[fold], B)})
+    finally:
+        gemv.FOLD_NORMS = saved
 
 
 def part_long(model, contexts=(4096, 32768, 131072), new: int = 64) -> None:
@@ -477,6 +543,8 @@ def main() -> None:
                 record(bandwidth_floor(model, rows[part == "decode", 1]["ms_per_step"]))
         elif part == "decode-ab":
             part_decode_ab(model)
+        elif part == "decode-split":
+            part_decode_split(model)
         elif part == "ttft":
             part_ttft(model)
         elif part == "peer":

@@ -31,7 +31,8 @@ import torch
 from torch import nn
 
 from openk3.ops.fast import needs_grad
-from openk3.ops.gemv import linear, linear_add_
+from openk3.ops.gemv import linear, linear_add_, norm_linear
+from openk3.ops.norm import rms_norm
 
 
 def _views_of(fused: torch.Tensor, weights: list[torch.Tensor]) -> bool:
@@ -91,12 +92,27 @@ def add_linear_(out: torch.Tensor, x: torch.Tensor, linear: nn.Linear) -> torch.
     ``out`` must be the caller's own tensor of ``linear(x)``'s shape: its old value may be lost.
     Out of place (``out + linear(x)``, ``out`` untouched) where autograd would record the ops,
     under autocast, or when dtypes, shape or layout do not allow ``addmm_``. Use the result."""
-    w = linear.weight
-    if (needs_grad(out, x, w) or torch.is_autocast_enabled(x.device.type) or linear.bias is not None
-            or not out.dtype == x.dtype == w.dtype or not out.is_contiguous()
-            or out.shape != (*x.shape[:-1], w.shape[0])):
+    if not _adds_in_place(out, x, x.dtype, linear):
         return out + linear(x)
-    return linear_add_(out, x, w)
+    return linear_add_(out, x, linear.weight)
+
+
+def add_normed_linear_(out: torch.Tensor, x: torch.Tensor, norm: nn.Module, linear: nn.Linear,
+                       dtype: torch.dtype) -> torch.Tensor:
+    """``add_linear_(out, rms_norm(x, norm.weight, norm.eps, out_dtype=dtype), linear)``: the
+    latent MoE's output. Where ``add_linear_`` adds in place, one call of
+    ``openk3.ops.gemv.norm_linear``: for a few rows one GEMV kernel whose prologue is the norm."""
+    if not _adds_in_place(out, x, dtype, linear):
+        return out + linear(rms_norm(x, norm.weight, norm.eps, out_dtype=dtype))
+    return norm_linear(x, linear.weight, norm.weight, norm.eps, out=out)
+
+
+def _adds_in_place(out: torch.Tensor, x: torch.Tensor, dtype: torch.dtype, linear: nn.Linear) -> bool:
+    """``add_linear_``'s condition for ``addmm_`` into ``out`` (x's values in ``dtype``)."""
+    w = linear.weight
+    return not (needs_grad(out, x, w) or torch.is_autocast_enabled(x.device.type) or linear.bias is not None
+                or not out.dtype == dtype == w.dtype or not out.is_contiguous()
+                or out.shape != (*x.shape[:-1], w.shape[0]))
 
 
 def fuse_projections(model: nn.Module) -> nn.Module:

@@ -12,9 +12,8 @@ from openk3.model.branch import Fork
 from openk3.model.cache import KDAState
 from openk3.model.fuse import fuse_weights, is_fused
 from openk3.ops.conv import causal_conv1d, causal_conv1d_update_
-from openk3.ops.gemv import linear
+from openk3.ops.gemv import linear, norm_linear
 from openk3.ops.kda import kda, kda_decode_, kda_verify
-from openk3.ops.norm import gated_rms_norm
 
 
 class KDAttention(nn.Module):
@@ -120,8 +119,9 @@ class KDAttention(nn.Module):
         B, T, H, K = o.shape
         if not self.cfg.is_k3:
             gate = self.g_b_proj(gate)
-        o = gated_rms_norm(o, self.o_norm.weight, gate.view(B, T, H, K), self.cfg.rms_norm_eps)
-        return linear(o.reshape(B, T, H * K), self.o_proj.weight)  # a GEMV when decoding
+        # a GEMV whose prologue is the gated norm over the heads when decoding
+        return norm_linear(o.reshape(B, T, H * K), self.o_proj.weight, self.o_norm.weight,
+                           self.cfg.rms_norm_eps, gate=gate.reshape(B, T, H * K))
 
     def _pooled_decode(self, x: torch.Tensor, recurrent: torch.Tensor, conv: torch.Tensor,
                        slots: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,7 @@ from torch import nn
 
 from openk3.config import ModelConfig
 from openk3.model.branch import Fork
-from openk3.model.fuse import add_linear_, fuse_weights, is_fused, project
+from openk3.model.fuse import add_linear_, add_normed_linear_, fuse_weights, is_fused, project
 from openk3.model.mla import RMSNorm
 from openk3.ops.fast import use_fast_path
 from openk3.ops.moe import combine_rows, group_pairs, moe_gemv, needs_grad, use_grouped_triton, use_moe_gemv
@@ -32,7 +32,6 @@ from openk3.ops.mx import (
     fake_quant_mxfp4,
     fake_quant_mxfp8_e4m3,
 )
-from openk3.ops.norm import rms_norm
 from openk3.ops.router import router_logits, router_topk
 from openk3.ops.situ import situ_glu, swiglu_ref
 
@@ -291,10 +290,10 @@ class MoE(nn.Module):
             down = self.routed_expert_down_proj(xf)
             out = self.shared_experts(x, residual)
         u = self.experts(down, topk_idx, topk_weight)
-        norm = self.routed_expert_norm  # in fp32 (u is), cast to x's dtype in the same kernel
-        u = rms_norm(u, norm.weight, norm.eps, out_dtype=x.dtype)
         fork.join()
-        out = add_linear_(out, u.view(*out.shape[:-1], u.shape[-1]), self.routed_expert_up_proj)
+        # the norm in fp32 (u is), cast to x's dtype; for a few rows the up GEMV's prologue
+        out = add_normed_linear_(out, u.view(*out.shape[:-1], u.shape[-1]), self.routed_expert_norm,
+                                 self.routed_expert_up_proj, x.dtype)
         # training's sum is a tensor of x's shape, returned as it is: a view of it would make FSDP2
         # warn that the layer returns a view (an in-place op on one would skip its all-gather)
         return out if out.shape == shape else out.view(shape)

@@ -10,6 +10,11 @@ M rows) for 1-2 rows, and for 3-``GEMV_MAX_ROWS`` rows of outputs up to ``GEMV_W
 bf16/fp16 on CUDA without autograd; ``F.linear`` otherwise. ``linear_add_`` is its ``addmm_``
 (the product added into the caller's tensor, rounded once). ``gemv_ref`` is the reference:
 fp32 products and sums.
+
+``norm_linear`` is ``linear`` (or ``linear_add_``) of a normed row: the MoE's latent RMSNorm
+before its up projection, KDA's gated output norm before ``o_proj``. On the GEMV path the norm is
+the kernel's prologue (``FOLD_NORMS``), one dependent kernel less per layer in a decode step's
+chain; ``norm_linear_ref`` is its reference (the norm in fp32, not rounded before the product).
 """
 
 from __future__ import annotations
@@ -19,31 +24,65 @@ import torch.nn.functional as F
 
 from openk3.ops.fast import needs_grad, use_fast_path
 from openk3.ops.moe import triton_available  # whether triton imports, as the router asks
+from openk3.ops.norm import gated_rms_norm, rms_norm
 
 GEMV_MAX_ROWS = 4  # decode batches up to this many rows; cuBLAS's tiles fill the GPU beyond
 GEMV_WIDE_N = 2048  # from 3 rows on, outputs wider than this stay with cuBLAS (faster there)
 DTYPES = (torch.bfloat16, torch.float16)
+FOLD_NORMS = True  # norm_linear's norm as the GEMV's prologue (False: the norm kernel, then the GEMV)
+MAX_TILE = 4096  # fp32 products a program holds: M_POW2 x BLOCK_N x BLOCK_K
+# the fold's rows x whole-row step (M_POW2 x BLOCK_K) at most: KDA's o_proj (K 1,024) folds at 1-2
+# rows (4 rows took 9.7 us against 5.4 for the norm kernel and the GEMV), the MoE's up projection
+# (K 512) at 1-4 (docs/benchmarks.md, twenty-seventh session)
+FOLD_MAX_ROW_TILE = 2048
 
 
-def gemv_blocks(M: int, N: int, K: int) -> tuple[int, int, int]:
+def gemv_blocks(M: int, N: int, K: int, whole_rows: bool = False) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps) of the kernel for ``M`` rows of ``[N, K]``: whole rows of up
-    to 1,024 columns a step (512 for more than one row), a fp32 tile of at most 2,048 products a
-    row and 4,096 in all (``M_POW2 x BLOCK_N x BLOCK_K``), at least ~256 programs where N allows,
-    2 warps. Many short programs win: a projection of a few rows is bound by the latency of its
-    loads, not by bandwidth (``benchmarks/gemv_bench.py --sweep``, docs/benchmarks.md,
-    twenty-sixth session: these blocks were the best or within 10% at `small`'s shapes)."""
+    to 1,024 columns a step (512 for more than one row; with ``whole_rows``, all K, which the
+    norm prologue needs), a fp32 tile of at most 2,048 products a row and ``MAX_TILE`` in all
+    (``M_POW2 x BLOCK_N x BLOCK_K``), at least ~256 programs where N allows, 2 warps. Many
+    short programs win: a projection of a few rows is bound by the latency of its loads, not by
+    bandwidth (``benchmarks/gemv_bench.py --sweep``, docs/benchmarks.md, twenty-sixth session:
+    these blocks were the best or within 10% at `small`'s shapes)."""
     m_pow2 = 1 << (M - 1).bit_length()
-    block_k = min(1024 if M == 1 else 512, max(16, 1 << (K - 1).bit_length()))
-    block_n = max(1, min(2048 // block_k, 4096 // (m_pow2 * block_k), N // 256))
+    block_k = max(16, 1 << (K - 1).bit_length())
+    if not whole_rows:
+        block_k = min(1024 if M == 1 else 512, block_k)
+    block_n = max(1, min(2048 // block_k, MAX_TILE // (m_pow2 * block_k), N // 256))
     return 1 << (block_n.bit_length() - 1), block_k, 2
 
 
 def use_gemv(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether ``linear(x, w)`` runs the GEMV kernel."""
+    return x.dtype == w.dtype and _gemv_applies(x, w)
+
+
+def _gemv_applies(x: torch.Tensor, w: torch.Tensor, *others: torch.Tensor) -> bool:
     rows = x.numel() // max(1, x.shape[-1])
-    return (not torch.compiler.is_compiling() and x.dtype == w.dtype and x.dtype in DTYPES
+    return (not torch.compiler.is_compiling() and w.dtype in DTYPES
             and (rows <= 2 or rows <= GEMV_MAX_ROWS and w.shape[0] <= GEMV_WIDE_N) and w.dim() == 2
-            and w.stride(1) == 1 and use_fast_path(x) and not needs_grad(x, w) and triton_available())
+            and w.stride(1) == 1 and use_fast_path(x) and not needs_grad(x, w, *others)
+            and triton_available())
+
+
+def use_norm_gemv(x: torch.Tensor, w: torch.Tensor, norm_weight: torch.Tensor,
+                  gate: torch.Tensor | None = None) -> bool:
+    """Whether ``norm_linear`` folds the norm into the GEMV kernel: ``FOLD_NORMS``, the GEMV's
+    conditions (x may be fp32), the rows' whole-row step within ``FOLD_MAX_ROW_TILE`` and, with
+    a gate, groups of a power-of-two size that divides K."""
+    K = x.shape[-1]
+    rows = x.numel() // max(1, K)
+    if not (FOLD_NORMS and x.dtype in (*DTYPES, torch.float32) and K == w.shape[-1]
+            and (1 << (rows - 1).bit_length()) * max(16, 1 << (K - 1).bit_length()) <= FOLD_MAX_ROW_TILE):
+        return False
+    if gate is None:
+        shape_ok = norm_weight.shape == (K,)
+    else:
+        G = norm_weight.shape[0]
+        shape_ok = (norm_weight.dim() == 1 and G & (G - 1) == 0 and K % G == 0
+                    and gate.shape == x.shape and gate.stride(-1) == 1)
+    return shape_ok and norm_weight.stride(0) == 1 and _gemv_applies(x, w, norm_weight, *(() if gate is None else (gate,)))
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -75,6 +114,59 @@ def linear_add_(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Te
         x2 = _rows(x)
         gemv_triton(x2, w, o2, True, *gemv_blocks(x2.shape[0], w.shape[0], w.shape[1]))
     return out
+
+
+def norm_linear(x: torch.Tensor, w: torch.Tensor, norm_weight: torch.Tensor, eps: float, *,
+                gate: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``linear(norm(x), w)``, or with ``out`` ``linear_add_(out, norm(x), w)`` (the caller's own
+    tensor, added into in place: check ``fuse.add_linear_``'s conditions first).
+
+    norm: without ``gate``, the RMSNorm over x's last dim K with ``norm_weight`` [K]
+    (``rms_norm``, its output in w's dtype); with ``gate`` (x's shape), the gated RMSNorm over
+    groups of G = ``len(norm_weight)`` columns (``gated_rms_norm`` of x and gate viewed
+    [..., K / G, G], in x's dtype): KDA's output norm over its heads. Where ``use_norm_gemv``,
+    one GEMV kernel whose prologue is the norm (the normed row in fp32: ``norm_linear_ref``).
+    """
+    if not use_norm_gemv(x, w, norm_weight, gate):
+        normed = _norm_ref_ops(x, norm_weight, eps, gate, w.dtype)
+        return linear(normed, w) if out is None else linear_add_(out, normed, w)
+    from openk3.ops.gemv_kernels import gemv_triton
+
+    x2 = _rows(x)
+    g2 = None if gate is None else gate.reshape(-1, gate.shape[-1])
+    N = w.shape[0]
+    dest = torch.empty(x2.shape[0], N, dtype=w.dtype, device=x.device) if out is None else out.view(-1, N)
+    gemv_triton(x2, w, dest, out is not None, *gemv_blocks(x2.shape[0], N, x2.shape[1], whole_rows=True),
+                norm_weight=norm_weight, gate=g2, eps=eps)
+    return dest.view(*x.shape[:-1], N) if out is None else out
+
+
+def _norm_ref_ops(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate: torch.Tensor | None,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """``norm_linear``'s norm as the norm ops (their own fast paths)."""
+    if gate is None:
+        return rms_norm(x, norm_weight, eps, out_dtype=dtype)
+    G = norm_weight.shape[0]
+    grouped = (*x.shape[:-1], x.shape[-1] // G, G)
+    return gated_rms_norm(x.reshape(grouped), norm_weight, gate.reshape(grouped), eps).reshape(x.shape)
+
+
+def norm_linear_ref(x: torch.Tensor, w: torch.Tensor, norm_weight: torch.Tensor, eps: float, *,
+                    gate: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The reference of the folded kernel: the norm in fp32 (not rounded), then ``gemv_ref``'s
+    fp32 products and sums (plus ``out``), rounded once to w's dtype."""
+    xf = x.float()
+    if gate is None:
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.float()
+    else:
+        G = norm_weight.shape[0]
+        g = xf.unflatten(-1, (-1, G))
+        normed = (g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.float()
+                  * torch.sigmoid(gate.float().unflatten(-1, (-1, G)))).flatten(-2)
+    y = normed @ w.float().t()
+    if out is not None:
+        y = y + out.float()
+    return y.to(w.dtype)
 
 
 def gemv_ref(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -17,6 +17,7 @@ from openk3.model.fuse import add_linear_, fuse_projections
 from openk3.model.kda import KDAttention
 from openk3.model.mla import MLAttention
 from openk3.model.moe import MLP, MoE
+from openk3.ops.norm import rms_norm
 from openk3.serve.config import EngineConfig
 from openk3.serve.model_runner import ModelRunner
 from tests.ops.checks import run_doctests
@@ -246,6 +247,8 @@ def test_the_mlps_add_into_the_residual_in_their_gemms(arch, monkeypatch):
     with torch.no_grad():
         logits, fused = decode_step()
         monkeypatch.setattr(moe_mod, "add_linear_", lambda out, x, linear: out + linear(x))
+        monkeypatch.setattr(moe_mod, "add_normed_linear_", lambda out, x, norm, linear, dtype:
+                            out + linear(rms_norm(x, norm.weight, norm.eps, out_dtype=dtype)))
         expected, plain = decode_step()
     n_latent_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)) if cfg.is_k3 else 0
     saved = cfg.num_hidden_layers + n_latent_moe
