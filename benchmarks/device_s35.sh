@@ -5,11 +5,12 @@
 #    before its up projection, KDA's gated output norm before o_proj): the GEMV and engine GPU
 #    tests, the folded norms against norm + GEMV (gemv_bench.py --norms), the decode step with the
 #    fold off and on (serve_bench.py --parts decode-ab).
-# 2: the decode step split into its graph replay's GPU time and the host time around it, the
-#    norms folded (at most 2,048 of rows x K now) and not (serve_bench.py --parts decode-split); the
-#    warm request's timeline without a profiler (warm_timeline.py: the prompt's ids validated by
-#    struct now), the warm/cold time to first token, the router's logits GEMV at other blocks
-#    (moe_decode_bench.py --router --logits-blocks).
+# 2: the residual add after the attention's o_proj folded into its GEMV too (linear(x, w, add)),
+#    the norm fold at most 2,048 of rows x K: the GEMV and engine GPU tests; the decode step split
+#    into its graph replay's GPU time and the host time around it, each fold on and off
+#    (serve_bench.py --parts decode-split); the warm request's timeline without a profiler
+#    (warm_timeline.py: the prompt's ids validated by struct now); the warm/cold time to first token.
+# 3: the router's logits GEMV at other blocks (moe_decode_bench.py --router --logits-blocks).
 source "$(dirname "$0")/device_common.sh"
 case "${1:?phase}" in
 1)
@@ -20,16 +21,19 @@ case "${1:?phase}" in
   echo "== rc $?" >> "$OUT/serve.log"
   ;;
 2)
-  timeout -k 5 120 python3 benchmarks/serve_bench.py --parts decode-split > "$OUT/split.log" 2>&1
+  gpu_tests 170 tests/ops/test_gemv.py tests/serve/test_engine_gpu.py
+  timeout -k 5 110 python3 benchmarks/serve_bench.py --parts decode-split > "$OUT/split.log" 2>&1
   echo "== rc $?" >> "$OUT/split.log"
-  timeout -k 5 150 python3 benchmarks/warm_timeline.py > "$OUT/warm_timeline.log" 2>&1
+  timeout -k 5 110 python3 benchmarks/warm_timeline.py > "$OUT/warm_timeline.log" 2>&1
   echo "== rc $?" >> "$OUT/warm_timeline.log"
-  timeout -k 5 200 python3 benchmarks/serve_bench.py --parts ttft > "$OUT/serve.log" 2>&1
+  timeout -k 5 170 python3 benchmarks/serve_bench.py --parts ttft > "$OUT/serve.log" 2>&1
   echo "== rc $?" >> "$OUT/serve.log"
+  ;;
+3)
   timeout -k 5 90 python3 benchmarks/moe_decode_bench.py --router --presets small k3 --tokens 1 4 32 \
     --logits-blocks 1x1024 2x512 2x1024 4x512 8x256 > "$OUT/router.log" 2>&1
   echo "== rc $?" >> "$OUT/router.log"
   ;;
-*) echo "phase 1 or 2" >&2; exit 2 ;;
+*) echo "phase 1 to 3" >&2; exit 2 ;;
 esac
 summary

@@ -14,7 +14,7 @@
     ``decode-ab`` runs the decode part at batch 1, 4 and 32 with all decode-path changes on,
     with the norms not folded into the GEMVs, and without branches and GEMVs, twice.
     ``decode-split`` splits the decode step at batch 1, 4, 32 into its graph replay's GPU time
-    and the host time around it, the norms folded and not, three times.
+    and the host time around it, with the GEMV's folds (norms, residual adds) on and off, three times.
 (c) floor: batch-1 decode time vs (bytes of weights read per token + KDA state read and
     written + MLA latents read) / 4.3 TB/s (the measured copy bandwidth of the H200).
 (d) long: batch-1 decode step (CUDA graphs) at 4K, 32K and 128K tokens of context: the paged
@@ -232,25 +232,28 @@ def decode_split(eng: LLMEngine, batch: int, steps: int = 64) -> dict:
 
 
 def part_decode_split(model, batches=(1, 4, 32), rounds: int = 3) -> None:
-    """``decode_split`` with the norms folded into the GEMVs and not (``gemv.FOLD_NORMS``), one
-    engine each, in turn ``rounds`` times."""
+    """``decode_split`` with the GEMV folds on and off (``gemv.FOLD_NORMS``: the norms before
+    the MoE's up projection and KDA's ``o_proj``; ``gemv.FOLD_ADDS``: the residual add after
+    the attention's ``o_proj``), one engine each, in turn ``rounds`` times."""
     from openk3.ops import gemv
 
-    saved = gemv.FOLD_NORMS
+    saved = gemv.FOLD_NORMS, gemv.FOLD_ADDS
+    variants = {"norms and adds folded": (True, True), "norms folded": (True, False), "no folds": (False, False)}
     engines = {}
     try:
-        for fold in (True, False):
-            gemv.FOLD_NORMS = fold
-            engines[fold] = engine(model, max_num_seqs=64, max_num_batched_tokens=8192, max_model_len=4096,
+        for name, folds in variants.items():
+            gemv.FOLD_NORMS, gemv.FOLD_ADDS = folds
+            engines[name] = engine(model, max_num_seqs=64, max_num_batched_tokens=8192, max_model_len=4096,
                                    cuda_graphs=True)
-            for B in batches:  # captures each bucket's graph with this setting
-                decode_split(engines[fold], B, steps=4)
+            for B in batches:  # captures each bucket's graph with these folds
+                decode_split(engines[name], B, steps=4)
         for _ in range(rounds):
-            for fold in (True, False):
+            for name, folds in variants.items():
+                gemv.FOLD_NORMS, gemv.FOLD_ADDS = folds
                 for B in batches:
-                    record({"part": "decode-split", "norms_folded": fold, **decode_split(engines[fold], B)})
+                    record({"part": "decode-split", "variant": name, **decode_split(engines[name], B)})
     finally:
-        gemv.FOLD_NORMS = saved
+        gemv.FOLD_NORMS, gemv.FOLD_ADDS = saved
 
 
 def part_long(model, contexts=(4096, 32768, 131072), new: int = 64) -> None:

@@ -61,8 +61,11 @@ class KDAttention(nn.Module):
         self.fused_proj = fuse_weights(self.input_projections(), self.fused_proj)
         self.fused_conv = fuse_weights(self.short_convs(), self.fused_conv)
 
-    def forward(self, x: torch.Tensor, state: KDAState | None = None) -> torch.Tensor:
-        """x: [B, T, d]. With ``state``, continues from it and updates it in place.
+    def forward(self, x: torch.Tensor, state: KDAState | None = None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [B, T, d]. With ``state``, continues from it and updates it in place. With
+        ``residual`` ([B, T, d]), returns ``residual`` + the layer's output (a new tensor; when
+        decoding, the add is ``o_proj``'s GEMV's).
 
         ``state`` is anything with ``recurrent``, ``conv_q/k/v``, ``conv_qkv`` (the three side
         by side), ``cu_seqlens`` and ``cu_seqlens_cpu`` attributes: the generate path's
@@ -87,7 +90,7 @@ class KDAttention(nn.Module):
                 and is_fused(self.fused_conv, self.short_convs())):
             pools = decode_pools()
             if pools is not None:
-                return self._pooled_decode(x, *pools)
+                return self._pooled_decode(x, *pools, residual=residual)
         st = state or KDAState()
         (q, k, v), conv_state, (gate, f, b), conv_inputs = self._convolved_projections(x, st)
         q, k, v = (t.view(B, T, H, K) for t in (q, k, v))
@@ -111,20 +114,20 @@ class KDAttention(nn.Module):
                     state.conv_qkv = conv_state
                 else:
                     state.conv_q, state.conv_k, state.conv_v = conv_state
-        return self._output(o, gate)
+        return self._output(o, gate, residual)
 
-    def _output(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        """The gated output norm and ``o_proj``: o [B, T, H, V], gate the gate's first
-        projection [B, T, ...]; returns [B, T, d]."""
+    def _output(self, o: torch.Tensor, gate: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The gated output norm and ``o_proj`` (plus ``residual``): o [B, T, H, V], gate the
+        gate's first projection [B, T, ...]; returns [B, T, d]."""
         B, T, H, K = o.shape
         if not self.cfg.is_k3:
             gate = self.g_b_proj(gate)
         # a GEMV whose prologue is the gated norm over the heads when decoding
         return norm_linear(o.reshape(B, T, H * K), self.o_proj.weight, self.o_norm.weight,
-                           self.cfg.rms_norm_eps, gate=gate.reshape(B, T, H * K))
+                           self.cfg.rms_norm_eps, gate=gate.reshape(B, T, H * K), add=residual)
 
     def _pooled_decode(self, x: torch.Tensor, recurrent: torch.Tensor, conv: torch.Tensor,
-                       slots: torch.Tensor) -> torch.Tensor:
+                       slots: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """One token per row (x [B, 1, d]) of a fused layer, the states of rows ``slots`` of the
         pools (recurrent ``[n, H, K, V]``, conv ``[n, 3*H*K, W-1]``) read and written in place:
         one GEMM, one convolution kernel, ``f_b_proj``, one KDA kernel, the output. The same
@@ -140,7 +143,7 @@ class KDAttention(nn.Module):
         fork.join()
         o = kda_decode_(q, k, v, f, b, self.A_log, self.dt_bias, recurrent, slots,
                         lower_bound=self.cfg.kda_gate_lower_bound)
-        return self._output(o, gate)
+        return self._output(o, gate, residual)
 
     def _fused_inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The one GEMM of a fused layer: q|k|v before the convolution [B, T, 3*H*K], then the

@@ -85,8 +85,11 @@ class MLAttention(nn.Module):
         c, k_r = kv.split([self.rank, self.rope], dim=-1)
         return self.kv_a_layernorm(c), k_r
 
-    def forward(self, x: torch.Tensor, state: MLAState | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, state: MLAState | None = None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
         """x: [B, T, d]. With ``state``, attends over the cached latents too and appends to them.
+        With ``residual`` ([B, T, d]), returns ``residual`` + the layer's output (a new tensor;
+        when decoding, the add is ``o_proj``'s GEMV's).
 
         ``state.attend(self, q, c, k_r)`` stores the new latents and picks the form: the
         generate path's ``MLAState`` or the serving engine's paged views."""
@@ -104,7 +107,7 @@ class MLAttention(nn.Module):
         o = o.reshape(B, T, self.num_heads * self.v_dim)
         if gate:
             o = sigmoid_gate(o, gate[0])  # one kernel on CUDA
-        return linear(o, self.o_proj.weight)
+        return linear(o, self.o_proj.weight, residual)
 
     def attend_expanded(self, q: torch.Tensor, c: torch.Tensor, k_r: torch.Tensor,
                         past: int, mask: torch.Tensor | None = None) -> torch.Tensor:

@@ -77,11 +77,10 @@ class DecoderLayer(nn.Module):
             h = p + self.self_attn(self.input_layernorm(p), state)
             return self.mlp(self.post_attention_layernorm(h), residual=h)  # h + MLP(...)
         x = self.self_attention_res(bank + [p], eps, self.input_layernorm) if bank else self.input_layernorm(p)
-        attn_out = self.self_attn(x, state)
         if self.starts_block:
-            bank, p = bank + [p], attn_out
-        else:
-            p = p + attn_out
+            bank, p = bank + [p], self.self_attn(x, state)
+        else:  # p + attention, a new tensor (when decoding, o_proj's GEMV adds p)
+            p = self.self_attn(x, state, residual=p)
         # p + MLP(...): p is this call's own tensor (attn_out, or the sum above), so the MLP
         # may add into it in place (one GEMM instead of GEMM + add at inference)
         return self.mlp(self.mlp_res(bank + [p], eps, self.post_attention_layernorm), residual=p)

@@ -30,6 +30,7 @@ GEMV_MAX_ROWS = 4  # decode batches up to this many rows; cuBLAS's tiles fill th
 GEMV_WIDE_N = 2048  # from 3 rows on, outputs wider than this stay with cuBLAS (faster there)
 DTYPES = (torch.bfloat16, torch.float16)
 FOLD_NORMS = True  # norm_linear's norm as the GEMV's prologue (False: the norm kernel, then the GEMV)
+FOLD_ADDS = True  # linear's ``add`` in the GEMV's epilogue (False: the GEMV, then an add kernel)
 MAX_TILE = 4096  # fp32 products a program holds: M_POW2 x BLOCK_N x BLOCK_K
 # the fold's rows x whole-row step (M_POW2 x BLOCK_K) at most: KDA's o_proj (K 1,024) folds at 1-2
 # rows (4 rows took 9.7 us against 5.4 for the norm kernel and the GEMV), the MoE's up projection
@@ -90,16 +91,29 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
-def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``x @ w.T`` (``F.linear`` without bias): x ``[..., K]``, w ``[N, K]`` -> ``[..., N]``."""
-    if not use_gemv(x, w):
-        return F.linear(x, w)
+def linear(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ w.T`` (``F.linear`` without bias): x ``[..., K]``, w ``[N, K]`` -> ``[..., N]``;
+    with ``add`` (the output's shape and dtype), ``add + x @ w.T`` in a new tensor (the GEMV
+    adds it before its one rounding: the residual stream's add kernel folded away)."""
+    if not (use_gemv(x, w) and _addable(add, x, w)):
+        return F.linear(x, w) if add is None else add + F.linear(x, w)
     from openk3.ops.gemv_kernels import gemv_triton
 
     x2 = _rows(x)
     out = torch.empty(x2.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
-    return gemv_triton(x2, w, out, False, *gemv_blocks(x2.shape[0], w.shape[0], w.shape[1])).view(
-        *x.shape[:-1], w.shape[0])
+    return gemv_triton(x2, w, out, add is not None, *gemv_blocks(x2.shape[0], w.shape[0], w.shape[1]),
+                       add=_add_rows(add, w)).view(*x.shape[:-1], w.shape[0])
+
+
+def _addable(add: torch.Tensor | None, x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether the GEMV can add ``add`` in its epilogue: the output's shape and w's dtype, rows
+    of unit stride, no autograd."""
+    return add is None or (FOLD_ADDS and add.shape == (*x.shape[:-1], w.shape[0]) and add.dtype == w.dtype
+                           and add.stride(-1) == 1 and not needs_grad(add))
+
+
+def _add_rows(add: torch.Tensor | None, w: torch.Tensor) -> torch.Tensor | None:
+    return None if add is None else add.reshape(-1, w.shape[0])
 
 
 def linear_add_(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -117,9 +131,10 @@ def linear_add_(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Te
 
 
 def norm_linear(x: torch.Tensor, w: torch.Tensor, norm_weight: torch.Tensor, eps: float, *,
-                gate: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``linear(norm(x), w)``, or with ``out`` ``linear_add_(out, norm(x), w)`` (the caller's own
-    tensor, added into in place: check ``fuse.add_linear_``'s conditions first).
+                gate: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                add: torch.Tensor | None = None) -> torch.Tensor:
+    """``linear(norm(x), w, add)``, or with ``out`` ``linear_add_(out, norm(x), w)`` (the caller's
+    own tensor, added into in place: check ``fuse.add_linear_``'s conditions first).
 
     norm: without ``gate``, the RMSNorm over x's last dim K with ``norm_weight`` [K]
     (``rms_norm``, its output in w's dtype); with ``gate`` (x's shape), the gated RMSNorm over
@@ -127,17 +142,20 @@ def norm_linear(x: torch.Tensor, w: torch.Tensor, norm_weight: torch.Tensor, eps
     [..., K / G, G], in x's dtype): KDA's output norm over its heads. Where ``use_norm_gemv``,
     one GEMV kernel whose prologue is the norm (the normed row in fp32: ``norm_linear_ref``).
     """
-    if not use_norm_gemv(x, w, norm_weight, gate):
+    if out is not None and add is not None:
+        raise ValueError("norm_linear: give `out` (added into in place) or `add`, not both")
+    if not (use_norm_gemv(x, w, norm_weight, gate) and _addable(add, x, w)):
         normed = _norm_ref_ops(x, norm_weight, eps, gate, w.dtype)
-        return linear(normed, w) if out is None else linear_add_(out, normed, w)
+        return linear(normed, w, add) if out is None else linear_add_(out, normed, w)
     from openk3.ops.gemv_kernels import gemv_triton
 
     x2 = _rows(x)
     g2 = None if gate is None else gate.reshape(-1, gate.shape[-1])
     N = w.shape[0]
     dest = torch.empty(x2.shape[0], N, dtype=w.dtype, device=x.device) if out is None else out.view(-1, N)
-    gemv_triton(x2, w, dest, out is not None, *gemv_blocks(x2.shape[0], N, x2.shape[1], whole_rows=True),
-                norm_weight=norm_weight, gate=g2, eps=eps)
+    gemv_triton(x2, w, dest, out is not None or add is not None,
+                *gemv_blocks(x2.shape[0], N, x2.shape[1], whole_rows=True),
+                add=_add_rows(add, w), norm_weight=norm_weight, gate=g2, eps=eps)
     return dest.view(*x.shape[:-1], N) if out is None else out
 
 

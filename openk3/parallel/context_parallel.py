@@ -43,7 +43,6 @@ from openk3.model.kda import KDAttention
 from openk3.model.mla import MLAttention
 from openk3.ops.conv import causal_conv1d
 from openk3.ops.fast import compile_disabled
-from openk3.ops.norm import gated_rms_norm
 from openk3.parallel.kcp import kcp_kda
 
 
@@ -195,8 +194,9 @@ class KDAttentionCP(KDAttention):
     cp: ContextParallel
     kcp_method = "correct"  # or "rerun" (``kcp.kcp_kda``)
 
-    def forward(self, x: torch.Tensor, state=None) -> torch.Tensor:
-        """x: [B, T_r, d], this rank's tokens of the batch in flight. Collective."""
+    def forward(self, x: torch.Tensor, state=None, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [B, T_r, d], this rank's tokens of the batch in flight (plus ``residual``, as
+        ``KDAttention.forward``). Collective."""
         if state is not None:
             raise ValueError("a context-parallel KDA layer runs whole training sequences; "
                              "decoding state is not supported")
@@ -217,10 +217,7 @@ class KDAttentionCP(KDAttention):
                        lower_bound=self.cfg.kda_gate_lower_bound, cu_seqlens=shard.cu_seqlens,
                        cu_seqlens_cpu=shard.cu_seqlens_cpu, continues=shard.continues,
                        method=self.kcp_method)
-        if not self.cfg.is_k3:
-            gate = self.g_b_proj(gate)
-        o = gated_rms_norm(o, self.o_norm.weight, gate.view(B, T, H, K), self.cfg.rms_norm_eps)
-        return self.o_proj(o.reshape(B, T, H * K))
+        return self._output(o, gate, residual)
 
 
 class _GlobalCausalAttention:
@@ -279,12 +276,13 @@ class MLAttentionCP(MLAttention):
 
     cp: ContextParallel
 
-    def forward(self, x: torch.Tensor, state=None) -> torch.Tensor:
-        """x: [B, T_r, d], this rank's tokens of the batch in flight. Collective."""
+    def forward(self, x: torch.Tensor, state=None, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [B, T_r, d], this rank's tokens of the batch in flight (plus ``residual``, as
+        ``MLAttention.forward``). Collective."""
         if state is not None:
             raise ValueError("a context-parallel MLA layer runs whole training sequences; "
                              "decoding state is not supported")
-        return super().forward(x, _GlobalCausalAttention(self.cp))
+        return super().forward(x, _GlobalCausalAttention(self.cp), residual)
 
 
 def apply_context_parallel(model: nn.Module, cp: ContextParallel) -> None:

@@ -120,6 +120,8 @@ class Sequence:
     def image_keys(self, start: int, end: int) -> tuple[tuple[bytes, int], ...]:
         """(content digest, offset) of the images with positions in [start, end): with the token
         ids, the prefix-cache key of those positions (equal ids, other image: another key)."""
+        if not self.image_spans:  # a text prompt (a 32K prompt's hash chain asks 126 times)
+            return ()
         return tuple((s.content_hash, s.offset) for s in self.image_spans
                      if s.offset < end and start < s.offset + s.length)
 

@@ -33,7 +33,8 @@ for N, K in [(5, 100), (37, 300), (1, 3)]:  # the interpreter runs programs one 
             want = gemv_ref(x, w, out)
             got = gemv_triton(x, w, out.clone(), True, *blocks)
             plain = gemv_triton(x, w, torch.full((M, N), float("nan")), False, *blocks)
-            for a, b in ((got, want), (plain, gemv_ref(x, w))):
+            added = gemv_triton(x, w, torch.full((M, N), float("nan")), True, *blocks, add=out)
+            for a, b in ((got, want), (plain, gemv_ref(x, w)), (added, want)):
                 err = ((a - b).norm() / b.norm()).item()
                 assert err < 1e-6, (N, K, M, blocks, err)
 print("ok")
@@ -71,7 +72,8 @@ print("ok")
 def test_kernel_in_the_triton_interpreter():
     """fp32 in the interpreter: products and sums in fp32 on both sides, so they differ only in
     summation order. Strided rows, 1 and 3 rows (a padded row tile), masked edges in N and K, two
-    block choices, with and without the add (the GPU test runs `small`'s shapes)."""
+    block choices, with and without the add, in place and from another tensor (the GPU test
+    runs `small`'s shapes)."""
     run_triton_interpreted(_INTERPRETED)
 
 
@@ -126,13 +128,16 @@ def test_norm_linear_off_the_fast_path_is_the_norm_then_the_projection():
 
 
 def test_off_the_fast_path_it_is_torchs_own_op():
-    """On the CPU (and with autograd, or more rows) ``linear`` is ``F.linear`` and
-    ``linear_add_`` is ``addmm_``: the same bits."""
+    """On the CPU (and with autograd, or more rows) ``linear`` is ``F.linear`` (plus ``add``,
+    out of place) and ``linear_add_`` is ``addmm_``: the same bits."""
     torch.manual_seed(0)
     w = torch.randn(7, 5)
     for x in (torch.randn(1, 5), torch.randn(2, 1, 5), torch.randn(9, 5)):
         assert not use_gemv(x, w)
         assert torch.equal(linear(x, w), F.linear(x, w))
+        residual = torch.randn(*x.shape[:-1], 7)
+        kept = residual.clone()
+        assert torch.equal(linear(x, w, residual), kept + F.linear(x, w)) and torch.equal(residual, kept)
         out = torch.randn(*x.shape[:-1], 7)
         want = out.view(-1, 7).clone().addmm_(x.reshape(-1, 5), w.t()).view(out.shape)
         got = linear_add_(out, x, w)
@@ -178,6 +183,13 @@ def test_gemv_matches_reference_on_the_gpu(shape, dtype):
             assert ((got.float() - want[:, 0]).abs() <= bound[:, 0]).all(), M
             assert linear_add_(out, x, w) is out
             assert ((out.float() - want).abs() <= 2 * bound).all(), M
+            residual = torch.randn(M, 1, N, device="cuda").to(dtype)
+            kept = residual.clone()
+            want = gemv_ref(x, w, residual).float()
+            got = linear(x, w, residual)  # out of place: residual untouched
+            bound = ulp * want.abs() + 1e-3 * want.abs().max()
+            assert torch.equal(residual, kept) and got.shape == residual.shape
+            assert ((got.float() - want).abs() <= (bound if use_gemv(x, w) else 2 * bound)).all(), M
 
 
 @pytest.mark.gpu
