@@ -10,7 +10,11 @@
 #    into its graph replay's GPU time and the host time around it, each fold on and off
 #    (serve_bench.py --parts decode-split); the warm request's timeline without a profiler
 #    (warm_timeline.py: the prompt's ids validated by struct now); the warm/cold time to first token.
-# 3: the router's logits GEMV at other blocks (moe_decode_bench.py --router --logits-blocks).
+# 3: overlapped decoding (EngineConfig.overlap_decode: the next decode step launched before this
+#    step's tokens reach the host): the engine's GPU tests; the decode step's period against its
+#    replay's GPU time with the session's changes on and off (serve_bench.py --parts
+#    decode-split); the decode part at batch 1 / 32 / 128 (no synchronisation per step now).
+# 4: the router's logits GEMV at other blocks (moe_decode_bench.py --router --logits-blocks).
 source "$(dirname "$0")/device_common.sh"
 case "${1:?phase}" in
 1)
@@ -30,10 +34,17 @@ case "${1:?phase}" in
   echo "== rc $?" >> "$OUT/serve.log"
   ;;
 3)
+  gpu_tests 200 tests/serve/test_engine_gpu.py
+  timeout -k 5 150 python3 benchmarks/serve_bench.py --parts decode-split > "$OUT/split.log" 2>&1
+  echo "== rc $?" >> "$OUT/split.log"
+  timeout -k 5 180 python3 benchmarks/serve_bench.py --parts decode > "$OUT/serve.log" 2>&1
+  echo "== rc $?" >> "$OUT/serve.log"
+  ;;
+4)
   timeout -k 5 90 python3 benchmarks/moe_decode_bench.py --router --presets small k3 --tokens 1 4 32 \
     --logits-blocks 1x1024 2x512 2x1024 4x512 8x256 > "$OUT/router.log" 2>&1
   echo "== rc $?" >> "$OUT/router.log"
   ;;
-*) echo "phase 1 to 3" >&2; exit 2 ;;
+*) echo "phase 1 to 4" >&2; exit 2 ;;
 esac
 summary

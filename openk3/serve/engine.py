@@ -130,6 +130,67 @@ class _Request:
     finish_reason: str | None = None
 
 
+@dataclass
+class _Tokens:
+    """One step's sampled tokens: ``device`` [n] and their copy to the host (pinned on CUDA),
+    queued behind the sampling with an event, so that reading them waits for this step only,
+    not for work queued after (an overlapped step). ``rows``: the rows of ``host`` to read (an
+    adopted step whose batch lost sequences), else all."""
+
+    device: torch.Tensor
+    host: torch.Tensor
+    event: torch.cuda.Event | None
+    rows: list[int] | None = None
+
+    @classmethod
+    def copy_of(cls, tokens: torch.Tensor) -> _Tokens:
+        cuda = tokens.is_cuda
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=cuda)
+        host.copy_(tokens, non_blocking=cuda)
+        event = None
+        if cuda:
+            event = torch.cuda.Event()
+            event.record()
+        return cls(tokens, host, event)
+
+    def tolist(self) -> list[int]:
+        if self.event is not None:
+            self.event.synchronize()
+        values = self.host.tolist()
+        return values if self.rows is None else [values[i] for i in self.rows]
+
+
+@dataclass
+class _Ahead:
+    """A decode step launched before the previous step's tokens reached the host: its
+    sequences (rows, in order), logits and sampled tokens."""
+
+    seqs: list[Sequence]
+    logits: torch.Tensor
+    tokens: _Tokens
+
+    def adopt(self, out: SchedulerOutput) -> tuple[StepResult, _Tokens]:
+        """The result of ``out``, the scheduler's step for this one (``admit=False``): its
+        sequences are these, less any that finished or were aborted meanwhile, one token each,
+        with no instruction for the runner (the launch checked that none would be due)."""
+        row = {s.request_id: i for i, s in enumerate(self.seqs)}
+        rows = [row.get(s.request_id) for s, _ in out.scheduled]
+        scheduled = {s.request_id for s, _ in out.scheduled}
+        if (None in rows or any(n != 1 for _, n in out.scheduled) or out.block_table_updates
+                or out.block_copies or out.kda_restores or out.kda_resets or out.kda_saves
+                or out.preempted_ids or out.num_draft_tokens
+                or any(s.status is SequenceStatus.RUNNING and s.request_id not in scheduled for s in self.seqs)):
+            raise RuntimeError("overlapped decoding: the scheduler's step differs from the one launched "
+                               "ahead (an engine bug); the launch's checks must exclude this")
+        sampled = [s for s, _ in out.scheduled]
+        if rows == list(range(len(self.seqs))):
+            return StepResult(self.logits, sampled=sampled), self.tokens
+        index = torch.tensor(rows, device=self.logits.device)
+        t = self.tokens
+        return (StepResult(self.logits[index], sampled=sampled),
+                _Tokens(t.device[index], t.host, t.event, [i if t.rows is None else t.rows[i] for i in rows]))
+
+
 class LLMEngine:
     """``draft_model``: the draft for speculative decoding as a model object, a
     ``KimiForCausalLM`` (a separate draft model, ``Drafter``) or an ``Eagle3Draft`` of this target
@@ -156,6 +217,9 @@ class LLMEngine:
         self.requests: dict[str, _Request] = {}
         self.stats = EngineStats()
         self._ids = itertools.count()
+        self._ahead: _Ahead | None = None  # a decode step in flight (overlapped decoding)
+        self.overlap_decode = (config.overlap_decode if config.overlap_decode is not None
+                               else self.runner.device.type == "cuda")
 
     def _make_drafter(self, draft_model) -> DraftProposer | None:
         config, K = self.config, self.config.num_speculative_tokens
@@ -244,6 +308,7 @@ class LLMEngine:
         ids = list(self.requests)
         for rid in ids:
             self.abort(rid)
+        self._ahead = None  # its sequences are gone
         return ids
 
     def has_unfinished(self) -> bool:
@@ -276,28 +341,38 @@ class LLMEngine:
         """``step``; with ``stream`` False only the finished requests' outputs are built (the
         others advance their text and stop-string state all the same)."""
         start = time.perf_counter()
-        out = self.scheduler.step()
+        ahead, self._ahead = self._ahead, None
+        out = self.scheduler.step(admit=ahead is None)
         if not out.scheduled:
             return []
         self.stats.num_steps += 1
         self.stats.num_preemptions += len(out.preempted_ids)
         prompt_tokens = sum(n for s, n in out.scheduled if s.num_computed_tokens <= s.num_prompt_tokens)
         self.stats.prompt_tokens += prompt_tokens
-        drafts = None
-        if self.drafter is not None:
-            vreqs = [self.requests[s.request_id] for s, _ in out.scheduled if s.request_id in out.num_draft_tokens]
-            drafts = self.drafter.propose(out, [r.params for r in vreqs], [r.generator for r in vreqs])
-        result = self.runner.execute(out, None if drafts is None else drafts[0])
-        for rid, piece in result.prompt_logprobs.items():
-            self._record_prompt_logprobs(self.requests[rid], piece)
+        drafts = tokens = None
+        if ahead is not None:  # this step ran already: its logits and tokens are on the way
+            result, tokens = ahead.adopt(out)
+        else:
+            if self.drafter is not None:
+                vreqs = [self.requests[s.request_id] for s, _ in out.scheduled if s.request_id in out.num_draft_tokens]
+                drafts = self.drafter.propose(out, [r.params for r in vreqs], [r.generator for r in vreqs])
+            result = self.runner.execute(out, None if drafts is None else drafts[0])
+            for rid, piece in result.prompt_logprobs.items():
+                self._record_prompt_logprobs(self.requests[rid], piece)
+            if result.sampled:
+                tokens = self._launch_sample(result.logits, result.sampled)
         seqs = result.sampled + result.verified
         if seqs:
-            new_token_ids = self._sample(result) + (self._verify(result, out, *drafts) if result.verified else [])
+            if tokens is not None:
+                self._ahead = self._launch_ahead(out, result.sampled, tokens)
+            new_token_ids = self._sampled(result, tokens) + (self._verify(result, out, *drafts) if result.verified else [])
             self.scheduler.postprocess([s.request_id for s in seqs], new_token_ids)
             self.stats.generation_tokens += sum(map(len, new_token_ids))
         if self.drafter is not None:  # every kept position's next token is known now
             self.drafter.observe(out, result)
         outputs = [self._output(self.requests[s.request_id], stream) for s in seqs]
+        if self._ahead is not None and not any(s.status is SequenceStatus.RUNNING for s in self._ahead.seqs):
+            self._ahead = None  # every sequence it ran for has finished: nothing to adopt
         elapsed = time.perf_counter() - start
         self.stats.step_seconds += elapsed
         if prompt_tokens:
@@ -305,15 +380,46 @@ class LLMEngine:
             self.stats.prefill_step_seconds += elapsed
         return outputs if stream else [o for o in outputs if o is not None]
 
-    def _sample(self, result: StepResult) -> list[list[int]]:
-        """One token for each of ``result.sampled``."""
+    def _launch_sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> _Tokens:
+        """One token for each of ``seqs`` (rows of ``logits``), sampled on the device, its copy
+        to the host queued."""
+        reqs = [self.requests[s.request_id] for s in seqs]
+        tokens, _ = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
+        return _Tokens.copy_of(tokens)
+
+    def _sampled(self, result: StepResult, tokens: _Tokens | None) -> list[list[int]]:
+        """The tokens of ``result.sampled`` (the step's one wait for the device), with their
+        log-probabilities where asked for."""
         if not result.sampled:
             return []
-        reqs = [self.requests[s.request_id] for s in result.sampled]
-        tokens, _ = sample(result.logits, [r.params for r in reqs], [r.generator for r in reqs])
-        runs = [[t] for t in tokens.tolist()]  # the step's one device -> host copy of tokens
-        self._record_logprobs(reqs, result.logits, runs)
+        runs = [[t] for t in tokens.tolist()]
+        self._record_logprobs([self.requests[s.request_id] for s in result.sampled], result.logits, runs)
         return runs
+
+    def _launch_ahead(self, out: SchedulerOutput, seqs: list[Sequence], tokens: _Tokens) -> _Ahead | None:
+        """Overlapped decoding (``EngineConfig.overlap_decode``): when the next step can only be
+        one more token for each of ``seqs`` (this step's sampled sequences, every running one;
+        nothing waits) and needs nothing but the decode pass (its token fits the sequence's
+        blocks, no KDA checkpoint is due, nobody asked for log-probabilities), launch it now,
+        its input tokens read on the device, and sample it. The next ``step`` adopts it: the
+        scheduler schedules exactly these sequences (less any that finish now), and the outputs
+        are those of plain stepping."""
+        sched, bm = self.scheduler, self.block_manager
+        if (not self.overlap_decode or self.drafter is not None or out.num_draft_tokens
+                or len(out.scheduled) != len(seqs) or sched.num_waiting or len(sched.running) != len(seqs)
+                or len(seqs) > self.config.max_num_batched_tokens):
+            return None
+        cap = bm.block_size
+        for s in seqs:
+            r = self.requests.get(s.request_id)
+            L = len(s.token_ids)  # the position of this step's token
+            if (r is None or r.logprobs is not None or s.wants_prompt_logprobs
+                    or L + 1 > len(s.block_table) * cap or bm.next_kda_checkpoint_boundary(s, L) == L + 1):
+                return None
+        if all(len(s.token_ids) + 1 >= s.num_prompt_tokens + s.max_tokens for s in seqs):
+            return None  # this step's token ends every sequence
+        logits = self.runner.decode_ahead(seqs, tokens.device)
+        return _Ahead(seqs, logits, self._launch_sample(logits, seqs))
 
     def _record_logprobs(self, reqs: list[_Request], logits: torch.Tensor, runs: list[list[int]]) -> None:
         """Log-probabilities of each request's new tokens ``runs[i]``; ``logits`` [B, V] (one

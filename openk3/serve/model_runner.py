@@ -684,6 +684,23 @@ class ModelRunner:
         logits, features = self.decode_rows(inputs, max(s.num_computed_tokens for s in seqs))
         return logits[:n], None if features is None else features[:n]
 
+    def decode_ahead(self, seqs: list[Sequence], tokens: torch.Tensor) -> torch.Tensor:
+        """Logits [len(seqs), V] of the decode step after this one, launched before this step's
+        tokens reach the host (``LLMEngine``'s overlapped decoding): ``tokens`` [len(seqs)], on
+        the device, are each sequence's next token, fed at position ``len(seq.token_ids)`` (it is
+        not appended yet); the states and caches advance as ``execute``'s decode step would.
+        The caller has checked that the step needs no instruction (new block, checkpoint save).
+        Under CUDA graphs the logits are the graph's static output (the next decode overwrites)."""
+        n = len(seqs)
+        B = bucket(n) if self.use_graphs else n
+        pad = B - n
+        inputs = self.host_tensor([0] * B, [len(s.token_ids) + 1 for s in seqs] + [1] * pad,
+                                  [s.state_slot for s in seqs] + [self.scratch_slot] * pad)
+        inputs = inputs.to(self.device, non_blocking=True)
+        inputs[0, :n] = tokens
+        logits, _ = self.decode_rows(inputs, max(len(s.token_ids) + 1 for s in seqs))
+        return logits[:n]
+
     def decode_rows(self, inputs: torch.Tensor, max_context: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The decode pass: inputs [3, B] (token ids, context lengths with the new token, state
         slots; padding rows: 0, 1, ``scratch_slot``), on the host (pinned) or the device, B a

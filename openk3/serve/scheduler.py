@@ -165,7 +165,10 @@ class Scheduler:
             out.block_table_updates.append(
                 BlockTableUpdate(seq.state_slot, start, tuple(seq.block_table[start:])))
 
-    def step(self) -> SchedulerOutput:
+    def step(self, admit: bool = True) -> SchedulerOutput:
+        """The next step's work: running sequences first (decodes, then prefill chunks), then
+        waiting ones while the budget, memory and ``max_num_seqs`` allow, unless ``admit`` is
+        False (the engine adopts a decode step it launched ahead: ``LLMEngine``)."""
         self._register_computed()  # in case the engine skipped postprocess (nothing sampled)
         bm, out = self.block_manager, SchedulerOutput()
         budget = self.config.max_num_batched_tokens
@@ -202,7 +205,7 @@ class Scheduler:
             budget -= n
 
         # Waiting sequences, strictly FIFO; none while memory is short enough to preempt.
-        while (self.waiting and budget > 0 and not out.preempted_ids
+        while (admit and self.waiting and budget > 0 and not out.preempted_ids
                and len(self.running) < self.config.max_num_seqs):
             seq = self.waiting[0]
             allocation = bm.admit(seq)

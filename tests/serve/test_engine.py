@@ -231,13 +231,15 @@ _REFERENCE: dict[tuple, list[int]] = {}
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(st.tuples(st.integers(0, 3), st.integers(1, 70), st.integers(1, 12),
                           st.one_of(st.none(), st.integers(0, 6))), min_size=1, max_size=7),
-       st.integers(5, 12))
-def test_no_leaks_under_random_workloads(model, requests, num_blocks):
+       st.integers(5, 12), st.booleans())
+def test_no_leaks_under_random_workloads(model, requests, num_blocks, overlap):
     """Random prompts (some sharing prefixes), lengths, cancellations, and a pool small enough to
-    preempt: every request that ran to the end gives exactly the plain generate path's tokens,
-    the runner's device block table always holds each running sequence's blocks, and afterwards
-    every block, state slot, reference and KDA checkpoint id is free or stored again."""
-    eng = make_engine(model, num_blocks=num_blocks, max_num_batched_tokens=24, max_model_len=num_blocks * 32 - 1)
+    preempt, with and without overlapped decoding: every request that ran to the end gives
+    exactly the plain generate path's tokens, the runner's device block table always holds each
+    running sequence's blocks, and afterwards every block, state slot, reference and KDA
+    checkpoint id is free or stored again."""
+    eng = make_engine(model, num_blocks=num_blocks, max_num_batched_tokens=24, max_model_len=num_blocks * 32 - 1,
+                      overlap_decode=overlap)
     base = tokens(99, 70)
     prompts, cancel_at = {}, {}
     for j, (family, length, max_tokens, cancel) in enumerate(requests):
@@ -355,3 +357,55 @@ def test_padded_prefill_matches_the_packed_pass(model, prefix_caching):
         if pad:  # every pass was padded: 64 tokens at least, 4 chunk slots
             assert set(eng.runner._prefill_passes) <= {64, 128}
     _assert_same({True: results[True], False: results[False]})
+
+
+def _overlap_workload(model, overlap: bool, stop_token: int | None = None):
+    """A scripted run: greedy and seeded sampled requests ending at different steps, one ending
+    at a stop token, one aborted mid-run, one arriving while the others decode; prefix caching
+    on with 32-token blocks and a KDA checkpoint every 16 tokens (steps that need a block or a
+    save). Returns every request's final output and how many steps were launched ahead."""
+    eng = make_engine(model, overlap_decode=overlap, max_num_batched_tokens=64)
+    launched, decode_ahead = [0], eng.runner.decode_ahead
+
+    def counted(*a):
+        launched[0] += 1
+        return decode_ahead(*a)
+
+    eng.runner.decode_ahead = counted
+    rids = [eng.add_request(tokens(1, 20), SamplingParams(temperature=0, max_tokens=40)),
+            eng.add_request(tokens(2, 9), SamplingParams(temperature=1.0, seed=7, max_tokens=30)),
+            eng.add_request(tokens(3, 14), SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=13)),
+            eng.add_request(tokens(1, 20), SamplingParams(temperature=0, max_tokens=40,
+                                                          stop_token_ids=[] if stop_token is None else [stop_token]))]
+    final, step = {}, 0
+    while eng.has_unfinished():
+        if step == 9:
+            eng.abort(rids[1])
+        if step == 14:
+            rids.append(eng.add_request(tokens(4, 25), SamplingParams(temperature=0, max_tokens=12)))
+        final.update((o.request_id, (o.token_ids, o.finish_reason)) for o in eng.step() if o.finished)
+        step += 1
+    assert_free(eng)
+    return [final.get(r) for r in rids], launched[0]
+
+
+def test_overlapped_decoding_gives_plain_steppings_outputs(model):
+    """Decode steps launched before the previous step's tokens reach the host
+    (``EngineConfig.overlap_decode``, forced on the CPU) give the outputs of plain stepping:
+    rows that finish (length, stop token), an abort and a new prompt while steps are in flight,
+    blocks and checkpoints due (no step is launched ahead then), seeded sampling unchanged; and
+    most decode steps were launched ahead. Off, none is."""
+    plain, none = _overlap_workload(model, False)
+    assert none == 0
+    stop = plain[0][0][6]  # request 3 (request 0's prompt, greedy) stops at its 7th token
+    plain, _ = _overlap_workload(model, False, stop)
+    overlapped, launched = _overlap_workload(model, True, stop)
+    assert overlapped == plain
+    assert plain[1] is None and plain[3][1] == "stop" and len(plain[3][0]) == 7
+    assert [len(o[0]) for o in plain if o is not None] == [40, 13, 7, 12]
+    assert launched >= 25
+
+
+def test_overlapped_decoding_is_on_by_default_only_with_a_gpu(model):
+    assert not make_engine(model).overlap_decode
+    assert make_engine(model, overlap_decode=True).overlap_decode

@@ -24,7 +24,7 @@ from openk3.tokenizer import ByteTokenizer
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-def make_engine(graphs: bool, num_speculative_tokens: int = 0) -> LLMEngine:
+def make_engine(graphs: bool, num_speculative_tokens: int = 0, **kw) -> LLMEngine:
     torch.manual_seed(0)
     model = build_model(preset("debug"), device="cuda", dtype=torch.bfloat16).eval()
     with torch.no_grad():  # peaked next-token distributions: a wrong context moves log-probs
@@ -36,7 +36,7 @@ def make_engine(graphs: bool, num_speculative_tokens: int = 0) -> LLMEngine:
             draft.lm_head.weight.add_(torch.randn_like(draft.lm_head.weight) * draft.lm_head.weight.std() * 0.3)
     config = dict(max_num_seqs=8, max_num_batched_tokens=96, physical_block_size=64, hash_block_size=16,
                   kda_checkpoint_interval=64, max_model_len=1024, cuda_graphs=graphs,
-                  num_speculative_tokens=num_speculative_tokens)
+                  num_speculative_tokens=num_speculative_tokens, **kw)
     return LLMEngine(model, ByteTokenizer(), EngineConfig(**config), eos_token_ids=(), draft_model=draft)
 
 
@@ -197,3 +197,35 @@ def test_graph_branches_give_the_single_streams_bits():
         assert any(active) == enabled  # captures made branches only when enabled
         active.clear()
     assert results[True] == results[False]
+
+
+def test_overlapped_decoding_replays_plain_steppings_tokens():
+    """Decode steps launched ahead (on by default with CUDA) replay the same graphs on the same
+    inputs as plain stepping, their tokens fed on the device: the same tokens, greedy and seeded,
+    with rows ending at different steps; most decode steps were launched ahead."""
+    prompts = [torch.randint(3, 4000, (n,)).tolist() for n in (7, 33, 150, 64, 1)]
+    params = [SamplingParams(temperature=0, max_tokens=m) for m in (30, 12, 40, 5)] + \
+        [SamplingParams(temperature=1.0, seed=11, max_tokens=35)]
+    results, launched = {}, [0]
+    for overlap in (False, True):
+        eng = make_engine(graphs=True, overlap_decode=overlap)
+        assert eng.overlap_decode == overlap
+        decode_ahead = eng.runner.decode_ahead
+
+        def counted(*a, decode_ahead=decode_ahead):
+            launched[0] += 1
+            return decode_ahead(*a)
+
+        eng.runner.decode_ahead = counted
+        rids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
+        final = {}
+        while eng.has_unfinished():
+            final.update((o.request_id, o.token_ids) for o in eng.step() if o.finished)
+        results[overlap] = [final[r] for r in rids]
+        assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+        if not overlap:
+            assert launched[0] == 0
+    assert results[True] == results[False]
+    assert [len(t) for t in results[True]] == [30, 12, 40, 5, 35]
+    assert launched[0] >= 25
+    assert make_engine(graphs=True).overlap_decode  # the default on CUDA
