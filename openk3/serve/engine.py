@@ -342,7 +342,7 @@ class LLMEngine:
         others advance their text and stop-string state all the same)."""
         start = time.perf_counter()
         ahead, self._ahead = self._ahead, None
-        out = self.scheduler.step(admit=ahead is None)
+        out = self.scheduler.step() if ahead is None else self.scheduler.step(admit=False)
         if not out.scheduled:
             return []
         self.stats.num_steps += 1
