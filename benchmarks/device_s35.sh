@@ -16,7 +16,7 @@
 #    decode-split); the decode part at batch 1 / 32 / 128 (no synchronisation per step now).
 # 4: the overlapped decoding GPU test (rows ending together: bit-equal to plain stepping;
 #    ragged: teacher-forced), and the server over the engine process with overlapped decoding.
-# 5: the router's logits GEMV at other blocks (moe_decode_bench.py --router --logits-blocks).
+# (Still not run: device_s34.sh 5, the router's logits GEMV at other blocks.)
 source "$(dirname "$0")/device_common.sh"
 case "${1:?phase}" in
 1)
@@ -48,11 +48,6 @@ case "${1:?phase}" in
     --server-engines process > "$OUT/serve.log" 2>&1
   echo "== rc $?" >> "$OUT/serve.log"
   ;;
-5)
-  timeout -k 5 90 python3 benchmarks/moe_decode_bench.py --router --presets small k3 --tokens 1 4 32 \
-    --logits-blocks 1x1024 2x512 2x1024 4x512 8x256 > "$OUT/router.log" 2>&1
-  echo "== rc $?" >> "$OUT/router.log"
-  ;;
-*) echo "phase 1 to 5" >&2; exit 2 ;;
+*) echo "phase 1 to 4" >&2; exit 2 ;;
 esac
 summary
