@@ -132,6 +132,22 @@ def test_chunked_prefill_and_decode_share_a_step_under_the_budget():
     assert [(s.request_id, n) for s, n in out.scheduled] == [("short", 1), ("long", 9)]
 
 
+def test_a_step_without_admission_leaves_the_queue_waiting():
+    """``step(admit=False)`` (the engine adopting a decode step it launched ahead) schedules the
+    running sequences only; the waiting prompt is admitted by the next plain step."""
+    sched = make(budget=10, enable_prefix_caching=False)
+    runner = FakeRunner(sched)
+    sched.add_request(Sequence("running", [1, 2, 3], max_tokens=5, eos_token_ids=[99]))
+    runner.run(sched.step())
+    sched.add_request(Sequence("waiting", [4, 5], max_tokens=5, eos_token_ids=[99]))
+    out = sched.step(admit=False)
+    assert [(s.request_id, n) for s, n in out.scheduled] == [("running", 1)] and sched.num_waiting == 1
+    assert not (out.block_table_updates or out.kda_resets)
+    runner.run(out)
+    out = sched.step()
+    assert [(s.request_id, n) for s, n in out.scheduled] == [("running", 1), ("waiting", 2)]
+
+
 def test_prefill_chunks_stop_at_kda_checkpoint_boundaries():
     sched = make(budget=32)
     runner = FakeRunner(sched)
