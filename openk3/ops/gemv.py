@@ -95,8 +95,10 @@ def linear(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None) ->
     """``x @ w.T`` (``F.linear`` without bias): x ``[..., K]``, w ``[N, K]`` -> ``[..., N]``;
     with ``add`` (the output's shape and dtype), ``add + x @ w.T`` in a new tensor (the GEMV
     adds it before its one rounding: the residual stream's add kernel folded away)."""
-    if not (use_gemv(x, w) and _addable(add, x, w)):
+    if not use_gemv(x, w):
         return F.linear(x, w) if add is None else add + F.linear(x, w)
+    if not _addable(add, x, w):  # the GEMV, then the add
+        return add + linear(x, w)
     from openk3.ops.gemv_kernels import gemv_triton
 
     x2 = _rows(x)
@@ -144,7 +146,9 @@ def norm_linear(x: torch.Tensor, w: torch.Tensor, norm_weight: torch.Tensor, eps
     """
     if out is not None and add is not None:
         raise ValueError("norm_linear: give `out` (added into in place) or `add`, not both")
-    if not (use_norm_gemv(x, w, norm_weight, gate) and _addable(add, x, w)):
+    if not _addable(add, x, w):  # the projection (its norm folded where it can be), then the add
+        return add + norm_linear(x, w, norm_weight, eps, gate=gate)
+    if not use_norm_gemv(x, w, norm_weight, gate):
         normed = _norm_ref_ops(x, norm_weight, eps, gate, w.dtype)
         return linear(normed, w, add) if out is None else linear_add_(out, normed, w)
     from openk3.ops.gemv_kernels import gemv_triton
