@@ -96,7 +96,7 @@ class Clients:
     Example (with a server listening on ``port``)::
 
         with Clients(port, prompts, new=128, kind="threads", procs=8) as clients:
-            row = clients.round()   # {"seconds", "chunks", "client_cpu_s", "client_cpu_max_s"}
+            row = clients.round()   # {"seconds", "start", "chunks", "client_cpu_s", "client_cpu_max_s", ...}
     """
 
     def __init__(self, port: int, prompts: list[list[int]], new: int, kind: str = "threads", procs: int = 1):
@@ -130,13 +130,14 @@ class Clients:
 
     def round(self) -> dict:
         """One round: every process starts at once; seconds from the first "go" to the last
-        answer, chunks with text, the CPU of all client processes and of the busiest."""
+        answer, its ``start`` (``time.perf_counter()`` at the first "go"), chunks with text, the
+        CPU of all client processes and of the busiest."""
         t = time.perf_counter()
         for conn in self._conns:
             conn.send("go")
         answers = [self._check(conn.recv()) for conn in self._conns]
         seconds = time.perf_counter() - t
-        return {"seconds": seconds, "chunks": sum(a[0] for a in answers),
+        return {"seconds": seconds, "start": t, "chunks": sum(a[0] for a in answers),
                 "client_cpu_s": sum(a[1] for a in answers), "client_cpu_max_s": max(a[1] for a in answers),
                 "client_procs": len(self._conns)}
 

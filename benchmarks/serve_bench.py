@@ -52,7 +52,7 @@ from openk3 import build_model, load_pretrained, preset
 from openk3.params import count_parameters
 from openk3.serve.engine import EngineConfig, LLMEngine
 from openk3.serve.sampler import SamplingParams
-from openk3.tokenizer import ByteTokenizer
+from openk3.tokenizer import ByteTokenizer, VisibleTokenizer
 
 COPY_BANDWIDTH = 4.3e12  # bytes/s, the H200's device copy (docs/benchmarks.md)
 ROWS: list[dict] = []
@@ -64,8 +64,8 @@ def record(row: dict) -> None:
     write_results("serve_bench", ROWS)
 
 
-def engine(model, **kw) -> LLMEngine:
-    return LLMEngine(model, ByteTokenizer(), EngineConfig(**kw), eos_token_ids=())
+def engine(model, tokenizer=None, **kw) -> LLMEngine:
+    return LLMEngine(model, tokenizer or ByteTokenizer(), EngineConfig(**kw), eos_token_ids=())
 
 
 def random_ids(n: int, vocab: int, seed: int) -> list[int]:
@@ -439,7 +439,7 @@ def step_counts(before, after, seconds: float) -> dict:
 def bench_engine(name: str, device: str, dtype: str, **kw) -> LLMEngine:
     """The benchmark's engine over a fresh random ``name`` model (what a ``ProcessEngine`` builds
     in its own process; ``build_model``'s default seed: the weights ``main`` built)."""
-    eng = engine(build_model(preset(name), device=device, dtype=getattr(torch, dtype)), **kw)
+    eng = engine(build_model(preset(name), device=device, dtype=getattr(torch, dtype)), VisibleTokenizer(), **kw)
     eng.capture_graphs()  # as openk3 serve
     return eng
 
@@ -450,7 +450,10 @@ def part_server(model, name: str, streams: int = 64, new: int = 128, prompt_len:
     """What the OpenAI server adds over the engine: the same 64 requests (128-token prompts, 128
     greedy tokens each) through ``LLMEngine.generate``, then as 64 concurrent streams of the
     official ``openai`` client (a thread per stream) against ``openk3 serve``'s app (uvicorn in
-    this process), the clients in other processes so that their JSON parsing does not share this
+    this process), every engine with ``VisibleTokenizer`` (what ``openk3 serve`` gives a random
+    model: every token is text, so every token is one SSE chunk; with ``ByteTokenizer``, as
+    before the twenty-eighth session, ids above 255 decode to nothing and a round streamed ~23
+    chunks of its 8,192 tokens), the clients in other processes so that their JSON parsing does not share this
     interpreter's GIL: a round with all streams in one client process, then one with the streams
     shared among ``client_procs[1]`` processes. One process's GIL bounds the client at ~220 us
     per chunk (``benchmarks/openai_clients.py``); ``client_cpu_max_s`` near ``server_s`` says a
@@ -477,7 +480,7 @@ def part_server(model, name: str, streams: int = 64, new: int = 128, prompt_len:
     vocab = model.cfg.vocab_size
     prompts = [random_ids(prompt_len, vocab, 300 + i) for i in range(streams)]
     kw = dict(max_num_seqs=streams, max_model_len=1024)
-    eng = engine(model, **kw)
+    eng = engine(model, VisibleTokenizer(), **kw)
     eng.capture_graphs()  # every engine here, as openk3 serve: no request waits for a capture
     eng.generate(prompts[:streams], SamplingParams(temperature=0, max_tokens=8))  # warm-up
     before = eng.snapshot_stats()
@@ -489,7 +492,7 @@ def part_server(model, name: str, streams: int = 64, new: int = 128, prompt_len:
     gc.collect()
     for kind in engines:
         if kind == "thread":
-            eng = engine(model, **kw)
+            eng = engine(model, VisibleTokenizer(), **kw)
             eng.capture_graphs()
             async_engine, intervals = AsyncEngine(eng), switch_intervals
         else:
@@ -497,6 +500,14 @@ def part_server(model, name: str, streams: int = 64, new: int = 128, prompt_len:
             dtype = str(weight.dtype).removeprefix("torch.")
             async_engine = ProcessEngine(functools.partial(bench_engine, name, weight.device.type, dtype, **kw))
             intervals = (sys.getswitchinterval(),)
+        submitted: list[float] = []
+        submit = async_engine._submit
+
+        def timed_submit(*a, submit=submit, submitted=submitted):
+            submitted.append(time.perf_counter())
+            return submit(*a)
+
+        async_engine._submit = timed_submit
         server = uvicorn.Server(uvicorn.Config(build_app(async_engine, "bench"), log_level="warning"))
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
@@ -509,12 +520,17 @@ def part_server(model, name: str, streams: int = 64, new: int = 128, prompt_len:
                 with Clients(sock.getsockname()[1], prompts, new, "threads", procs) as clients:
                     before = async_engine.stats()  # after the clients' warm-up round (a
                     # ProcessEngine's counters come with each step's outputs: current once a round ends)
+                    submitted.clear()
                     row = clients.round()
                 server_s = row.pop("seconds")
+                # when the server handed each request to the engine, from the round's first "go"
+                start = row.pop("start")
+                arrivals = sorted(1e3 * (t - start) for t in submitted)
                 under = step_counts(before, async_engine.stats(), server_s)
                 record({"part": "server", "engine": kind, "streams": streams, "new_tokens": new,
                         "engine_s": engine_s, "server_s": server_s, "server_over_engine": server_s / engine_s,
-                        **row, "engine_tok_s": streams * new / engine_s, "server_tok_s": streams * new / server_s,
+                        **row, "expected_chunks": streams * new,
+                        "submitted_ms": {q: round(arrivals[int(q * (len(arrivals) - 1))], 2) for q in (0, 0.5, 0.9, 1)}, "engine_tok_s": streams * new / engine_s, "server_tok_s": streams * new / server_s,
                         "switch_interval_s": sys.getswitchinterval(),
                         **{f"alone_{k}": v for k, v in alone.items()},
                         **{f"served_{k}": v for k, v in under.items()}})

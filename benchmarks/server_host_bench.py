@@ -250,6 +250,7 @@ def time_server(model, ps: list[list[int]], new: int, client: str, repeats: int,
                 cpu = time.process_time()
                 engine_cpu, loop_cpu = _thread_cpu(ae._thread.native_id), _thread_cpu(loop_tid)
                 row = clients.round()
+                row.pop("start")
                 rows.append({"server_s": row.pop("seconds"), **row,
                              "server_process_cpu_s": time.process_time() - cpu,
                              "engine_thread_cpu_s": _thread_cpu(ae._thread.native_id) - engine_cpu,

@@ -45,7 +45,7 @@ from openk3.serve.block_manager import BlockManager
 from openk3.serve.config import EngineConfig
 from openk3.serve.draft import Drafter, DraftProposer
 from openk3.serve.eagle import EagleDrafter
-from openk3.serve.inputs import RequestInputs
+from openk3.serve.inputs import Checked, RequestInputs
 from openk3.serve.model_runner import ModelRunner, PromptLogprobs, StepResult
 from openk3.serve.multimodal import ImageLike, MultiModalInput
 from openk3.serve.sampler import InvalidRequest, SamplingParams, make_generator, sample, token_logprobs
@@ -623,9 +623,15 @@ class StreamingEngine:
 
     def validate(self, prompt: str | list[int], params: SamplingParams,
                  images: MultiModalInput | None = None) -> list[int]:
-        """``generate`` validates only when first iterated; servers call this first to answer
-        bad input before a stream starts."""
+        """``generate`` validates only when first iterated; servers call this (or ``check``)
+        first to answer bad input before a stream starts."""
         return self.inputs.validate(prompt, params, images)
+
+    def check(self, prompt: str | list[int], params: SamplingParams,
+              images: MultiModalInput | None = None) -> Checked:
+        """``validate``, returning what ``generate`` then takes as its prompt without checking
+        the ids again (a server's request checked once, however many choices it runs)."""
+        return self.inputs.checked(prompt, params, images)
 
     def stats(self) -> EngineStats:
         raise NotImplementedError
@@ -661,10 +667,15 @@ class StreamingEngine:
         request): the server's shutdown after its grace period."""
         self._push([(rid, error) for rid in list(self._streams)])
 
-    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
+    async def generate(self, prompt: str | list[int] | Checked, params: SamplingParams, request_id: str,
                        images: MultiModalInput | None = None) -> AsyncIterator[RequestOutput]:
-        """``images``: from ``RequestInputs.prepare_images``, with ``prompt`` the ids it returned."""
-        valid = self.inputs.checked(prompt, params, images)  # here, not on the engine's side
+        """``images``: from ``RequestInputs.prepare_images``, with ``prompt`` the ids it returned.
+        A ``Checked`` prompt (``check``, with the same images) has only ``params`` checked here."""
+        if isinstance(prompt, Checked):
+            self.inputs.check_params(len(prompt.ids), params)
+            valid = prompt
+        else:
+            valid = self.inputs.checked(prompt, params, images)  # here, not on the engine's side
         if request_id in self._streams:
             raise InvalidRequest("request_id", f"{request_id!r} is already running")
         q: asyncio.Queue = asyncio.Queue()

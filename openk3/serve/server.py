@@ -43,6 +43,7 @@ from starlette.exceptions import HTTPException
 
 from openk3.serve.chat import ChatTemplate, ChatTemplateError, encode_with_images
 from openk3.serve.engine import AsyncEngine, RequestOutput
+from openk3.serve.inputs import Checked
 from openk3.serve.metrics import ServerMetrics
 from openk3.serve.multimodal import MultiModalInput, special_token_id
 from openk3.serve.protocol import (
@@ -219,13 +220,13 @@ class OpenAIServer:
             if value is not None and value != off:
                 raise APIError(400, f"{name}={value!r} is not supported (only {off!r})", name)
 
-    async def _generate(self, index: int, ids: list[int], params: SamplingParams, request_id: str,
+    async def _generate(self, index: int, prompt: Checked, params: SamplingParams, request_id: str,
                         images: MultiModalInput | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
         """``(index, output)`` for each of the engine's outputs for one request (choice number
         ``index``), timed for /metrics. Closing it aborts the request."""
         start, last, reason = time.monotonic(), None, "abort"  # unless the engine finishes it
         try:
-            async with contextlib.aclosing(self.engine.generate(ids, params, request_id, images)) as outputs:
+            async with contextlib.aclosing(self.engine.generate(prompt, params, request_id, images)) as outputs:
                 async for out in outputs:
                     now = time.monotonic()
                     if out.delta_token_ids:
@@ -256,22 +257,22 @@ class OpenAIServer:
         prompt_logprobs = req.logprobs if req.echo else None
         choices = []
         for prompt in prompts:
-            ids = self.engine.validate(prompt, req.sampling_params(max_tokens, req.logprobs))
-            echo = (prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)) if req.echo else None
-            choices += [(ids, req.sampling_params(max_tokens, req.logprobs, j, prompt_logprobs), echo)
+            valid = self.engine.check(prompt, req.sampling_params(max_tokens, req.logprobs))
+            echo = (prompt if isinstance(prompt, str) else self.tokenizer.decode(valid.ids)) if req.echo else None
+            choices += [(valid, req.sampling_params(max_tokens, req.logprobs, j, prompt_logprobs), echo)
                         for j in range(req.n)]
         head = self._head("cmpl", "text_completion")
         return await self._reply(req, request, choices, head, completion_chunks, completion_choice)
 
     async def _reply(self, req: SamplingRequest, request: Request,
-                     choices: list[tuple[list[int], SamplingParams, str | None]], head: dict,
+                     choices: list[tuple[Checked, SamplingParams, str | None]], head: dict,
                      chunks, choice, images: MultiModalInput | None = None) -> Response:
-        """Run every choice (prompt ids, engine parameters, echoed prompt text) as its own engine
+        """Run every choice (checked prompt, engine parameters, echoed prompt text) as its own engine
         request (each with the prompt's ``images``). Stream ``chunks(...)`` as server-sent events,
         or wait for every choice and answer ``choice(...)`` for each with the usage; 499 if the
         client left first."""
-        outputs = _merged([self._generate(i, ids, params, f"{head['id']}-{i}", images)
-                           for i, (ids, params, _) in enumerate(choices)])
+        outputs = _merged([self._generate(i, prompt, params, f"{head['id']}-{i}", images)
+                           for i, (prompt, params, _) in enumerate(choices)])
         echoes = [echo for _, _, echo in choices]
         if req.stream:
             return _EventStream(_sse(chunks(self.tokenizer, outputs, head, req.include_usage, req.n, echoes)))
@@ -314,12 +315,12 @@ class OpenAIServer:
             raise APIError(400, f"{limit}: {max_tokens} must be >= 1", limit)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         try:
-            self.engine.validate(ids, req.sampling_params(max_tokens, logprobs), images)
+            valid = self.engine.check(ids, req.sampling_params(max_tokens, logprobs), images)
         except InvalidRequest as e:  # name the chat request's fields, not the engine's
             param = {"prompt": "messages", "max_tokens": limit, "logprobs": "top_logprobs"}.get(e.param, e.param)
             raise APIError(400, f"{param}: {e.message}", param) from e
         head = self._head("chatcmpl", "chat.completion.chunk" if req.stream else "chat.completion")
-        choices = [(ids, req.sampling_params(max_tokens, logprobs, j), None) for j in range(req.n)]
+        choices = [(valid, req.sampling_params(max_tokens, logprobs, j), None) for j in range(req.n)]
         return await self._reply(req, request, choices, head, chat_chunks, chat_choice, images)
 
     def _image_prompt(self, text: str, slot: str, parts: list[tuple]) -> tuple[list[int], MultiModalInput]:

@@ -17,6 +17,7 @@ from openk3.generate import generate
 from openk3.serve.block_manager import BlockManager
 from openk3.serve.config import EngineConfig
 from openk3.serve.engine import LLMEngine
+from openk3.serve.inputs import SMALL_PROMPT, Checked, RequestInputs
 from openk3.serve.sampler import InvalidRequest, SamplingParams
 from openk3.serve.scheduler import Scheduler
 from openk3.tokenizer import ByteTokenizer
@@ -214,6 +215,24 @@ def test_bad_requests_name_the_parameter(model):
     assert_free(eng)
 
 
+@pytest.mark.parametrize("length", [2, SMALL_PROMPT, SMALL_PROMPT + 1, 3000])
+def test_short_and_long_prompts_are_checked_alike(model, length):
+    """Prompts up to ``SMALL_PROMPT`` ids are range-checked by Python, longer ones by torch: the
+    same ids pass, the same faults are refused, wherever they sit."""
+    inputs = RequestInputs(ByteTokenizer(), model.cfg, EngineConfig(), max_model_len=4096)
+    vocab = model.cfg.vocab_size
+    ok = [(7 * i) % vocab for i in range(length)]
+    got = inputs.checked(ok, SamplingParams(max_tokens=1), None)
+    assert got.ids == ok and list(got.packed) == ok and isinstance(got, Checked)
+    for where in (0, length - 1):
+        for bad in (-1, vocab, True, False, 1.0, None):
+            prompt = list(ok)
+            prompt[where] = bad
+            with pytest.raises(InvalidRequest, match="token ids must be integers") as e:
+                inputs.checked(prompt, SamplingParams(max_tokens=1), None)
+            assert e.value.param == "prompt"
+
+
 def test_integer_types_other_than_int_are_token_ids(model):
     """numpy integers (and other types with ``__index__``) are accepted: they hold the same ids."""
     np = pytest.importorskip("numpy")
@@ -308,6 +327,30 @@ def test_engine_config_is_the_one_source_of_defaults(model):
 def test_invalid_engine_config_names_field(field, value):
     with pytest.raises(ValueError, match=f"EngineConfig.{field}="):
         EngineConfig(**{field: value})
+
+
+def test_a_checked_prompt_has_its_parameters_checked_again(model):
+    """``StreamingEngine.generate`` takes a ``Checked`` prompt as it is, but still refuses
+    parameters that do not fit it (a server's choices may differ from what it checked with)."""
+    import asyncio
+
+    from openk3.serve.engine import AsyncEngine
+
+    engine = AsyncEngine(make_engine(model))
+    valid = engine.check([5, 6, 7], SamplingParams(max_tokens=2))
+
+    async def run(params):
+        return [o async for o in engine.generate(valid, params, f"r{params.max_tokens}")]
+
+    try:
+        outs = asyncio.run(run(SamplingParams(temperature=0, max_tokens=3)))
+        with pytest.raises(InvalidRequest) as e:
+            asyncio.run(run(SamplingParams(max_tokens=10**6)))
+    finally:
+        engine.shutdown()
+    assert e.value.param == "max_tokens"
+    want, = make_engine(model).generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3))
+    assert outs[-1].token_ids == want.token_ids and outs[-1].prompt_token_ids == [5, 6, 7]
 
 
 def test_async_stream_merges_outputs_a_slow_consumer_left_queued(model):

@@ -462,6 +462,24 @@ def test_several_prompts_and_choices(srv):
     wait_idle(srv)
 
 
+def test_a_request_is_checked_once(srv, monkeypatch):
+    """The server checks each prompt once, before its stream starts; its choices reach the engine
+    without the ids checked again (a 32K prompt's check is ~0.5 ms of the event loop's time)."""
+    inputs = srv.engine.inputs
+    calls = []
+    checked = inputs.checked
+    monkeypatch.setattr(inputs, "checked", lambda *a: calls.append(a) or checked(*a))
+    r = srv.http.post("/v1/completions", json={"prompt": ["alpha", "beta"], "n": 2, "max_tokens": 3})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 4
+    assert len(calls) == 2
+    calls.clear()
+    r = srv.http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                    "max_tokens": 3, "n": 3, "stream": True})
+    assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n") and len(calls) == 1
+    monkeypatch.undo()
+    wait_idle(srv)
+
+
 def test_streamed_echo_starts_with_the_prompt(srv):
     chunks = list(srv.client.completions.create(model=MODEL, prompt="Echo me", echo=True, logprobs=1,
                                                 max_tokens=3, temperature=0, stream=True))

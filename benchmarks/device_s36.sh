@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The twenty-eighth session's device calls:
+#   run(command="bash benchmarks/device_s36.sh N", carry=[".whl", ".triton-cache", ".warm"], timeout_s=595)
+# 1: the server over the engine process with every token a chunk (serve_bench.py --parts server
+#    now gives both engines VisibleTokenizer: before, ids above 255 decoded to nothing and a round
+#    streamed ~23 chunks of its 8,192 tokens) and the time each request reached the engine; the
+#    warm request's timeline (warm_timeline.py); the verify and EAGLE GPU tests, not run since the
+#    GEMV's norm and residual folds.
+# 2: what call 1 points at (see the session's notes in docs/benchmarks.md).
+source "$(dirname "$0")/device_common.sh"
+case "${1:?phase}" in
+1)
+  timeout -k 5 240 python3 benchmarks/serve_bench.py --parts server --client-procs 8 \
+    --server-engines process > "$OUT/serve.log" 2>&1
+  echo "== rc $?" >> "$OUT/serve.log"
+  timeout -k 5 100 python3 benchmarks/warm_timeline.py > "$OUT/warm_timeline.log" 2>&1
+  echo "== rc $?" >> "$OUT/warm_timeline.log"
+  gpu_tests 200 tests/serve/test_verify_gpu.py tests/serve/test_eagle_engine_gpu.py
+  ;;
+*) echo "phase 1" >&2; exit 2 ;;
+esac
+summary
