@@ -25,8 +25,10 @@ import time
 KINDS = ("threads", "async", "raw")
 
 
-def _round_fn(port: int, prompts: list[list[int]], kind: str):
-    """A function ``round_(max_tokens) -> chunks with text`` that streams every prompt at once."""
+def _round_fn(port: int, prompts: list[list[int]], kind: str, sent: list):
+    """A function ``round_(max_tokens) -> chunks with text`` that streams every prompt at once;
+    it appends ``(prompt[:4], time.perf_counter())`` to ``sent`` as each request is made (Linux's
+    ``perf_counter`` is the system's monotonic clock: comparable across processes)."""
     import concurrent.futures
 
     import openai
@@ -37,6 +39,7 @@ def _round_fn(port: int, prompts: list[list[int]], kind: str):
         pool = concurrent.futures.ThreadPoolExecutor(len(prompts))
 
         def one(ids: list[int], max_tokens: int) -> int:
+            sent.append((ids[:4], time.perf_counter()))
             stream = client.completions.create(model="bench", prompt=ids, max_tokens=max_tokens,
                                                temperature=0, stream=True)
             return sum(1 for c in stream if c.choices and c.choices[0].text)
@@ -45,6 +48,7 @@ def _round_fn(port: int, prompts: list[list[int]], kind: str):
     loop = asyncio.new_event_loop()
     if kind == "raw":
         async def one_raw(ids: list[int], max_tokens: int) -> int:
+            sent.append((ids[:4], time.perf_counter()))
             body = json.dumps({"prompt": ids, "max_tokens": max_tokens, "temperature": 0, "stream": True})
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
             writer.write(f"POST /v1/completions HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json"
@@ -64,6 +68,7 @@ def _round_fn(port: int, prompts: list[list[int]], kind: str):
     aclient = openai.AsyncOpenAI(base_url=url, api_key="none", max_retries=0, timeout=600)
 
     async def one_async(ids: list[int], max_tokens: int) -> int:
+        sent.append((ids[:4], time.perf_counter()))
         stream = await aclient.completions.create(model="bench", prompt=ids, max_tokens=max_tokens,
                                                   temperature=0, stream=True)
         return sum([1 async for c in stream if c.choices and c.choices[0].text])
@@ -76,15 +81,18 @@ def _round_fn(port: int, prompts: list[list[int]], kind: str):
 
 def _client_main(port: int, prompts: list[list[int]], new: int, kind: str, conn) -> None:
     """One client process: a warm-up round of 8 tokens, then a timed round per "go"; answers
-    (chunks with text, this process's CPU seconds) or the error's text."""
+    (chunks with text, this process's CPU seconds, when each request was made) or the error's
+    text."""
     try:
-        round_ = _round_fn(port, prompts, kind)
+        sent: list = []
+        round_ = _round_fn(port, prompts, kind, sent)
         round_(8)  # connections, imports, the server's first requests
         conn.send("ready")
         while conn.recv() == "go":
+            sent.clear()
             cpu = time.process_time()
             chunks = round_(new)
-            conn.send((chunks, time.process_time() - cpu))
+            conn.send((chunks, time.process_time() - cpu, list(sent)))
     except Exception as e:  # noqa: BLE001 - reported to the parent, which raises it
         conn.send(f"error: {type(e).__name__}: {e}")
 
@@ -96,7 +104,7 @@ class Clients:
     Example (with a server listening on ``port``)::
 
         with Clients(port, prompts, new=128, kind="threads", procs=8) as clients:
-            row = clients.round()   # {"seconds", "start", "chunks", "client_cpu_s", "client_cpu_max_s", ...}
+            row = clients.round()   # {"seconds", "start", "sent", "chunks", "client_cpu_s", ...}
     """
 
     def __init__(self, port: int, prompts: list[list[int]], new: int, kind: str = "threads", procs: int = 1):
@@ -130,14 +138,16 @@ class Clients:
 
     def round(self) -> dict:
         """One round: every process starts at once; seconds from the first "go" to the last
-        answer, its ``start`` (``time.perf_counter()`` at the first "go"), chunks with text, the
-        CPU of all client processes and of the busiest."""
+        answer, its ``start`` (``time.perf_counter()`` at the first "go"), ``sent`` (each
+        request's first four ids and when it was made), chunks with text, the CPU of all client
+        processes and of the busiest."""
         t = time.perf_counter()
         for conn in self._conns:
             conn.send("go")
         answers = [self._check(conn.recv()) for conn in self._conns]
         seconds = time.perf_counter() - t
-        return {"seconds": seconds, "start": t, "chunks": sum(a[0] for a in answers),
+        return {"seconds": seconds, "start": t, "sent": [x for a in answers for x in a[2]],
+                "chunks": sum(a[0] for a in answers),
                 "client_cpu_s": sum(a[1] for a in answers), "client_cpu_max_s": max(a[1] for a in answers),
                 "client_procs": len(self._conns)}
 

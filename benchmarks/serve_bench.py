@@ -425,6 +425,11 @@ def part_peer() -> None:
         record(peer)
 
 
+def quantiles(values: list[float]) -> dict:
+    """Min, median, 90th percentile and max of sorted ``values`` (rounded), or {} if empty."""
+    return {q: round(values[int(q * (len(values) - 1))], 2) for q in (0, 0.5, 0.9, 1)} if values else {}
+
+
 def step_counts(before, after, seconds: float) -> dict:
     """What the engine's steps did between two ``EngineStats`` (steps, prefill steps, their wall
     seconds, tokens per step) and the share of ``seconds`` (a round's wall) they took."""
@@ -446,7 +451,7 @@ def bench_engine(name: str, device: str, dtype: str, **kw) -> LLMEngine:
 
 def part_server(model, name: str, streams: int = 64, new: int = 128, prompt_len: int = 128,
                 client_procs: tuple[int, ...] = (1, 8), switch_intervals: tuple[float, ...] = (0.005,),
-                engines: tuple[str, ...] = ("thread", "process")) -> None:
+                engines: tuple[str, ...] = ("thread", "process"), clients: tuple[str, ...] = ("threads",)) -> None:
     """What the OpenAI server adds over the engine: the same 64 requests (128-token prompts, 128
     greedy tokens each) through ``LLMEngine.generate``, then as 64 concurrent streams of the
     official ``openai`` client (a thread per stream) against ``openk3 serve``'s app (uvicorn in
@@ -455,7 +460,8 @@ def part_server(model, name: str, streams: int = 64, new: int = 128, prompt_len:
     before the twenty-eighth session, ids above 255 decode to nothing and a round streamed ~23
     chunks of its 8,192 tokens), the clients in other processes so that their JSON parsing does not share this
     interpreter's GIL: a round with all streams in one client process, then one with the streams
-    shared among ``client_procs[1]`` processes. One process's GIL bounds the client at ~220 us
+    shared among ``client_procs[1]`` processes, a round per client kind of ``clients``
+    (``openai_clients.py``: ``threads``, ``async``, ``raw``). One process's GIL bounds the client at ~220 us
     per chunk (``benchmarks/openai_clients.py``); ``client_cpu_max_s`` near ``server_s`` says a
     round measured the client.
 
@@ -490,8 +496,8 @@ def part_server(model, name: str, streams: int = 64, new: int = 128, prompt_len:
     alone = step_counts(before, eng.snapshot_stats(), engine_s)
     del eng
     gc.collect()
-    for kind in engines:
-        if kind == "thread":
+    for engine_kind in engines:
+        if engine_kind == "thread":
             eng = engine(model, VisibleTokenizer(), **kw)
             eng.capture_graphs()
             async_engine, intervals = AsyncEngine(eng), switch_intervals
@@ -500,12 +506,12 @@ def part_server(model, name: str, streams: int = 64, new: int = 128, prompt_len:
             dtype = str(weight.dtype).removeprefix("torch.")
             async_engine = ProcessEngine(functools.partial(bench_engine, name, weight.device.type, dtype, **kw))
             intervals = (sys.getswitchinterval(),)
-        submitted: list[float] = []
+        submitted: list[tuple[tuple[int, ...], float]] = []
         submit = async_engine._submit
 
-        def timed_submit(*a, submit=submit, submitted=submitted):
-            submitted.append(time.perf_counter())
-            return submit(*a)
+        def timed_submit(request_id, valid, *a, submit=submit, submitted=submitted):
+            submitted.append((tuple(valid.ids[:4]), time.perf_counter()))
+            return submit(request_id, valid, *a)
 
         async_engine._submit = timed_submit
         server = uvicorn.Server(uvicorn.Config(build_app(async_engine, "bench"), log_level="warning"))
@@ -515,22 +521,26 @@ def part_server(model, name: str, streams: int = 64, new: int = 128, prompt_len:
         while not server.started:
             time.sleep(0.05)
         try:
-            for interval, procs in ((i, p) for i in intervals for p in client_procs):
+            for interval, procs, kind in ((i, p, k) for i in intervals for p in client_procs for k in clients):
                 sys.setswitchinterval(interval)
-                with Clients(sock.getsockname()[1], prompts, new, "threads", procs) as clients:
+                with Clients(sock.getsockname()[1], prompts, new, kind, procs) as round_clients:
                     before = async_engine.stats()  # after the clients' warm-up round (a
                     # ProcessEngine's counters come with each step's outputs: current once a round ends)
                     submitted.clear()
-                    row = clients.round()
+                    row = round_clients.round()
                 server_s = row.pop("seconds")
                 # when the server handed each request to the engine, from the round's first "go"
-                start = row.pop("start")
-                arrivals = sorted(1e3 * (t - start) for t in submitted)
+                start, sent = row.pop("start"), {tuple(ids): t for ids, t in row.pop("sent")}
+                arrivals = sorted(1e3 * (t - start) for _, t in submitted)
+                made = sorted(1e3 * (t - start) for t in sent.values())
+                # each request's time in the server before the engine had it (HTTP, checks, IPC)
+                held = sorted(1e3 * (t - sent[key]) for key, t in submitted if key in sent)
                 under = step_counts(before, async_engine.stats(), server_s)
-                record({"part": "server", "engine": kind, "streams": streams, "new_tokens": new,
+                record({"part": "server", "engine": engine_kind, "client": kind, "streams": streams, "new_tokens": new,
                         "engine_s": engine_s, "server_s": server_s, "server_over_engine": server_s / engine_s,
                         **row, "expected_chunks": streams * new,
-                        "submitted_ms": {q: round(arrivals[int(q * (len(arrivals) - 1))], 2) for q in (0, 0.5, 0.9, 1)}, "engine_tok_s": streams * new / engine_s, "server_tok_s": streams * new / server_s,
+                        "sent_ms": quantiles(made), "submitted_ms": quantiles(arrivals),
+                        "in_server_ms": quantiles(held), "engine_tok_s": streams * new / engine_s, "server_tok_s": streams * new / server_s,
                         "switch_interval_s": sys.getswitchinterval(),
                         **{f"alone_{k}": v for k, v in alone.items()},
                         **{f"served_{k}": v for k, v in under.items()}})
@@ -552,6 +562,8 @@ def main() -> None:
                     help="the 'million' part's max_num_batched_tokens (prefill chunk)")
     ap.add_argument("--client-procs", type=int, nargs="+", default=[1, 8],
                     help="the 'server' part's client processes, one round per value")
+    ap.add_argument("--clients", nargs="+", choices=("threads", "async", "raw"), default=["threads"],
+                    help="the 'server' part's client kinds (benchmarks/openai_clients.py), a round each")
     ap.add_argument("--switch-intervals", type=float, nargs="+", default=[0.005],
                     help="the 'server' part's sys.setswitchinterval values, the thread engine's rounds for each")
     ap.add_argument("--server-engines", nargs="+", choices=("thread", "process"), default=["thread", "process"],
@@ -576,7 +588,7 @@ def main() -> None:
         elif part == "long":
             part_long(model)
         elif part == "server":
-            part_server(model, args.preset, client_procs=tuple(args.client_procs),
+            part_server(model, args.preset, client_procs=tuple(args.client_procs), clients=tuple(args.clients),
                         switch_intervals=tuple(args.switch_intervals), engines=tuple(args.server_engines))
         elif part == "million":
             for tokens in args.million_tokens:

@@ -175,12 +175,17 @@ class _Replay:
 
         self.tokenizer, self.stats, self.new = ByteTokenizer(), EngineStats, new
 
-    def validate(self, prompt, params, images=None) -> list[int]:
-        return list(prompt)
+    def check(self, prompt, params, images=None):
+        from array import array
 
-    async def generate(self, ids, params, request_id, images=None):
+        from openk3.serve.inputs import Checked
+
+        return Checked(list(prompt), array("q", prompt))
+
+    async def generate(self, prompt, params, request_id, images=None):
         from openk3.serve.engine import RequestOutput
 
+        ids = prompt.ids
         for k in range(1, self.new + 1):
             last = k == self.new
             yield RequestOutput(request_id, ids, [97] * k, "a" * k, [97], "a", None, last,
@@ -250,7 +255,7 @@ def time_server(model, ps: list[list[int]], new: int, client: str, repeats: int,
                 cpu = time.process_time()
                 engine_cpu, loop_cpu = _thread_cpu(ae._thread.native_id), _thread_cpu(loop_tid)
                 row = clients.round()
-                row.pop("start")
+                row.pop("start"), row.pop("sent")
                 rows.append({"server_s": row.pop("seconds"), **row,
                              "server_process_cpu_s": time.process_time() - cpu,
                              "engine_thread_cpu_s": _thread_cpu(ae._thread.native_id) - engine_cpu,

@@ -21,6 +21,7 @@ Run on the device: ``python benchmarks/warm_timeline.py`` (JSON under $OUT: ``wa
 
 from __future__ import annotations
 
+import gc
 import time
 import traceback
 import warnings
@@ -142,21 +143,37 @@ def main() -> None:
     ttft(eng, shared)
     for s in range(3):  # graphs, cuDNN plans, autotuning
         print("warm-up", s, 1e3 * ttft(eng, shared + random_ids(1024, vocab, 100 + s)), "ms", flush=True)
-    plain = [1e3 * ttft(eng, shared + random_ids(1024, vocab, 200 + s)) for s in range(5)]
-    print("warm ttft ms, uninstrumented:", [round(t, 2) for t in plain], flush=True)
-    fresh = []  # as serve_bench measures it: each request the first hit of a new prefix
+    def counted(prompt) -> tuple[float, dict]:
+        """``ttft`` in ms, and what happened meanwhile that a warm request should not meet:
+        device allocations (cudaMalloc) and frees by the caching allocator, its retries, garbage
+        collections by generation."""
+        mem, gcs = torch.cuda.memory_stats(), [g["collections"] for g in gc.get_stats()]
+        ms = 1e3 * ttft(eng, prompt)
+        after = torch.cuda.memory_stats()
+        return ms, {**{k: after[k] - mem[k] for k in ("num_device_alloc", "num_device_free", "num_alloc_retries")},
+                    "gc": [g["collections"] - c for g, c in zip(gc.get_stats(), gcs)]}
+
+    plain, plain_counts = zip(*(counted(shared + random_ids(1024, vocab, 200 + s)) for s in range(5)))
+    print("warm ttft ms, uninstrumented:", [round(t, 2) for t in plain], plain_counts, flush=True)
+    fresh, fresh_counts = [], []  # as serve_bench measures it: each request the first hit of a new prefix
     for s in range(4):
         prefix = random_ids(31744, vocab, 500 + s)
         ttft(eng, prefix)
-        fresh.append(1e3 * ttft(eng, prefix + random_ids(1024, vocab, 600 + s)))
-    print("warm ttft ms, uninstrumented, a new prefix each time:", [round(t, 2) for t in fresh], flush=True)
+        ms, counts = counted(prefix + random_ids(1024, vocab, 600 + s))
+        fresh.append(ms)
+        fresh_counts.append(counts)
+    print("warm ttft ms, uninstrumented, a new prefix each time:", [round(t, 2) for t in fresh], fresh_counts,
+          flush=True)
+    print("prefix cache:", vars(eng.block_manager.stats), "free blocks", eng.block_manager.num_free_blocks,
+          flush=True)
     instrument_pieces()
     wrap(eng, "add_request", "add_request")
     wrap(eng.scheduler, "step", "scheduler.step")
     wrap(eng.runner, "execute", "runner.execute")
     for name in ("_before_forward", "_upload", "_prefill_batch"):
         wrap(eng.runner, name, f"  runner.{name}")
-    wrap(eng, "_sample", "engine._sample")
+    wrap(eng, "_launch_sample", "engine._launch_sample")
+    wrap(eng, "_sampled", "engine._sampled")
     runs = [timeline(eng, shared + random_ids(1024, vocab, 300 + s)) for s in range(3)]
     print("instrumented runs, ms:", [round(r[-1]["host_ms"], 2) for r in runs], flush=True)
     best = min(runs, key=lambda r: r[-1]["host_ms"])
@@ -173,7 +190,8 @@ def main() -> None:
     print(f"{len(sites)} synchronising calls in one warm request:")
     for s in sites:
         print("  ", s)
-    write_results("warm_timeline", [{"uninstrumented_ms": plain, "new_prefix_ms": fresh}, *best,
+    write_results("warm_timeline", [{"uninstrumented_ms": plain, "new_prefix_ms": fresh,
+                                     "uninstrumented_counts": plain_counts, "new_prefix_counts": fresh_counts}, *best,
                                     *({"new_prefix": 1, **r} for r in new_prefix),
                                     *({"sync_site": s} for s in sites)])
 
