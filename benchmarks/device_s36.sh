@@ -11,6 +11,10 @@
 #    the warm request's timeline with the caching allocator's device allocations and the garbage
 #    collections counted per request (the first hit of a new prefix was 2.3 ms slower than the
 #    same prefix again in call 1).
+# 3: the warm/cold time to first token (serve_bench.py --parts ttft), then each GEMV fold apart
+#    by the decode graph replay's GPU time (decode-split --split-variants folds), with the GEMV's
+#    add fallback mended (the twenty-seventh session's A/B variants without the add fold ran the
+#    attention's o_proj in cuBLAS).
 source "$(dirname "$0")/device_common.sh"
 case "${1:?phase}" in
 1)
@@ -28,6 +32,13 @@ case "${1:?phase}" in
     --server-engines process --clients threads raw > "$OUT/serve.log" 2>&1
   echo "== rc $?" >> "$OUT/serve.log"
   ;;
-*) echo "phase 1 or 2" >&2; exit 2 ;;
+3)
+  timeout -k 5 170 python3 benchmarks/serve_bench.py --parts ttft > "$OUT/ttft.log" 2>&1
+  echo "== rc $?" >> "$OUT/ttft.log"
+  timeout -k 5 280 python3 benchmarks/serve_bench.py --parts decode-split --split-variants folds \
+    > "$OUT/split.log" 2>&1
+  echo "== rc $?" >> "$OUT/split.log"
+  ;;
+*) echo "phase 1 to 3" >&2; exit 2 ;;
 esac
 summary

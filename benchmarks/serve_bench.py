@@ -234,16 +234,25 @@ def decode_split(eng: LLMEngine, batch: int, steps: int = 64) -> dict:
     return {"batch": batch, "step_ms": wall, "replay_gpu_ms": gpu, "host_exposed_ms": wall - gpu}
 
 
-def part_decode_split(model, batches=(1, 4, 32), rounds: int = 3) -> None:
-    """``decode_split`` with the twenty-seventh session's changes on and off: overlapped
-    decoding (``EngineConfig.overlap_decode``) and the GEMV folds (``gemv.FOLD_NORMS``: the
-    norms before the MoE's up projection and KDA's ``o_proj``; ``gemv.FOLD_ADDS``: the residual
-    add after the attention's ``o_proj``), one engine each, in turn ``rounds`` times."""
+SPLIT_VARIANTS = {  # (gemv.FOLD_NORMS, gemv.FOLD_ADDS, EngineConfig.overlap_decode)
+    "overlap": {"all on": (True, True, True), "no overlap": (True, True, False),
+                "no overlap, no folds": (False, False, False)},
+    "folds": {"all folds": (True, True, True), "adds not folded": (True, False, True),
+              "norms not folded": (False, True, True), "no folds": (False, False, True)},
+}
+
+
+def part_decode_split(model, batches=(1, 4, 32), rounds: int = 3, variants: str = "overlap") -> None:
+    """``decode_split`` with the twenty-seventh session's changes on and off, one engine each, in
+    turn ``rounds`` times: ``variants`` "overlap", overlapped decoding
+    (``EngineConfig.overlap_decode``) and all GEMV folds; "folds", each fold apart
+    (``gemv.FOLD_NORMS``: the norms before the MoE's up projection and KDA's ``o_proj``;
+    ``gemv.FOLD_ADDS``: the residual add after the attention's ``o_proj``), whose share the
+    replay's GPU time shows."""
     from openk3.ops import gemv
 
     saved = gemv.FOLD_NORMS, gemv.FOLD_ADDS
-    variants = {"all on": (True, True, True), "no overlap": (True, True, False),
-                "no overlap, no folds": (False, False, False)}
+    variants = SPLIT_VARIANTS[variants]
     engines = {}
     try:
         for name, (norms, adds, overlap) in variants.items():
@@ -562,6 +571,8 @@ def main() -> None:
                     help="the 'million' part's max_num_batched_tokens (prefill chunk)")
     ap.add_argument("--client-procs", type=int, nargs="+", default=[1, 8],
                     help="the 'server' part's client processes, one round per value")
+    ap.add_argument("--split-variants", choices=tuple(SPLIT_VARIANTS), default="overlap",
+                    help="the 'decode-split' part's variants: overlapped decoding, or each GEMV fold apart")
     ap.add_argument("--clients", nargs="+", choices=("threads", "async", "raw"), default=["threads"],
                     help="the 'server' part's client kinds (benchmarks/openai_clients.py), a round each")
     ap.add_argument("--switch-intervals", type=float, nargs="+", default=[0.005],
@@ -580,7 +591,7 @@ def main() -> None:
         elif part == "decode-ab":
             part_decode_ab(model)
         elif part == "decode-split":
-            part_decode_split(model)
+            part_decode_split(model, variants=args.split_variants)
         elif part == "ttft":
             part_ttft(model)
         elif part == "peer":
