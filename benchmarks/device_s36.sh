@@ -15,6 +15,9 @@
 #    by the decode graph replay's GPU time (decode-split --split-variants folds), with the GEMV's
 #    add fallback mended (the twenty-seventh session's A/B variants without the add fold ran the
 #    attention's o_proj in cuBLAS).
+# 4: one chunk's cache rows in three launches (ModelRunner._prefill_batch with the slot on the
+#    host) and a copy-on-write block's rows in one call for all MLA layers: the warm/cold time
+#    to first token again, the engine's log-prob and long-prefix GPU tests.
 source "$(dirname "$0")/device_common.sh"
 case "${1:?phase}" in
 1)
@@ -39,6 +42,11 @@ case "${1:?phase}" in
     > "$OUT/split.log" 2>&1
   echo "== rc $?" >> "$OUT/split.log"
   ;;
-*) echo "phase 1 to 3" >&2; exit 2 ;;
+4)
+  timeout -k 5 120 python3 benchmarks/serve_bench.py --parts ttft > "$OUT/ttft.log" 2>&1
+  echo "== rc $?" >> "$OUT/ttft.log"
+  gpu_tests 110 tests/serve/test_engine_gpu.py tests/serve/test_long_context.py -k "logprobs_match or long_prefix"
+  ;;
+*) echo "phase 1 to 4" >&2; exit 2 ;;
 esac
 summary

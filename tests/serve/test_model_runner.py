@@ -174,3 +174,21 @@ def test_host_staging_never_rewrites_what_the_gpu_has_not_read():
     torch.cuda.synchronize()
     for got, want in results:
         assert got.tolist() == want
+
+
+@pytest.mark.parametrize("start,T", [(0, 5), (0, 16), (3, 1), (16, 16), (21, 40), (47, 1), (100, 60)])
+def test_one_chunks_cache_rows_are_the_general_paths(model, start, T):
+    """``_prefill_batch`` for one chunk (its slot given on the host: a slice of its table's row)
+    gives the rows the general path computes for any N: its queries' and its keys' cache rows."""
+    runner = make_engine(model).runner
+    slot, K = 2, start + T
+    g = torch.Generator().manual_seed(start * 131 + T)
+    blocks = torch.randperm(runner.num_blocks, generator=g)[:runner.max_blocks_per_seq].to(torch.int32)
+    runner.block_tables[slot] = blocks
+    cu_q, cu_k = torch.tensor([0, T]), torch.tensor([0, K])
+    args = (cu_q, cu_k, torch.tensor([start]), torch.tensor([slot]), cu_q.clone(), cu_k.clone())
+    general, one = runner._prefill_batch(*args), runner._prefill_batch(*args, slot=slot)
+    bs = runner.block_size
+    want = torch.tensor([int(blocks[p // bs]) * bs + p % bs for p in range(K)])
+    assert torch.equal(general.key_rows, want) and torch.equal(one.key_rows, want)
+    assert torch.equal(general.slot_mapping, want[start:]) and torch.equal(one.slot_mapping, want[start:])
