@@ -12,8 +12,8 @@ ASGI interface to
   parsing the body with ``CompletionRequest.model_validate_json`` and calling the same
   ``OpenAIServer.completions``;
 
-over a stand-in engine that answers at once (``openk3``'s handler, checks and SSE body run; no
-model). Best of ``--repeats`` bursts, microseconds per request of the event loop. uvicorn's HTTP
+over ``server_host_bench._Replay`` answering one token at once (``openk3``'s handler, checks and
+SSE body run; no model). Best of ``--repeats`` bursts, microseconds per request of the event loop. uvicorn's HTTP
 parsing and socket writes come on top (``server_host_bench.py`` measures the whole server).
 
 Run: ``python -m benchmarks.asgi_request_cost [--repeats 7]`` (CPU only).
@@ -29,37 +29,10 @@ import random
 import time
 from array import array
 
-from openk3 import preset
+from benchmarks.server_host_bench import _Replay
 from openk3.serve.chat import ChatTemplate
-from openk3.serve.config import EngineConfig
-from openk3.serve.engine import EngineStats, RequestOutput
-from openk3.serve.inputs import RequestInputs
 from openk3.serve.protocol import CompletionRequest
 from openk3.serve.server import OpenAIServer, build_app
-from openk3.tokenizer import VisibleTokenizer
-
-
-class _Instant:
-    """An engine stand-in: checks as the engine's ``RequestInputs`` do, one token per request."""
-
-    model_name = "bench"
-    is_alive = True
-
-    def __init__(self):
-        self.inputs = RequestInputs(VisibleTokenizer(), preset("debug"), EngineConfig(), 1024)
-        self.tokenizer = self.inputs.tokenizer
-
-    def check(self, prompt, params, images=None):
-        return self.inputs.checked(prompt, params, images)
-
-    def stats(self) -> EngineStats:
-        return EngineStats()
-
-    def fail_all(self, error) -> None:
-        pass
-
-    async def generate(self, prompt, params, request_id, images=None):
-        yield RequestOutput(request_id, prompt.ids, [97], "a", [97], "a", None, True, "length")
 
 
 def _request(app, body: bytes):
@@ -96,7 +69,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--burst", type=int, default=64)
     args = ap.parse_args()
-    engine = _Instant()
+    engine = _Replay(new=1)
     server = OpenAIServer(engine, "bench", ChatTemplate())
 
     async def completions(request):

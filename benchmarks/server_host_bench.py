@@ -167,20 +167,24 @@ def time_app(model, ps: list[list[int]], new: int, gpu_ms: float) -> tuple[float
 
 
 class _Replay:
-    """An ``AsyncEngine`` stand-in that replays pre-made outputs at once (no thread, no model):
-    what is left of a stream's time is the app's own work per event."""
+    """An ``AsyncEngine`` stand-in that checks a prompt as the engine's ``RequestInputs`` does
+    and replays ``new`` pre-made outputs at once (no thread, no model): what is left of a
+    stream's time is the app's own work per event. Also ``asgi_request_cost.py``'s engine."""
+
+    model_name, is_alive = "bench", True
 
     def __init__(self, new: int):
         from openk3.serve.engine import EngineStats
+        from openk3.serve.inputs import RequestInputs
 
-        self.tokenizer, self.stats, self.new = ByteTokenizer(), EngineStats, new
+        self.inputs = RequestInputs(ByteTokenizer(), preset("debug"), EngineConfig(), 1024)
+        self.tokenizer, self.stats, self.new = self.inputs.tokenizer, EngineStats, new
 
     def check(self, prompt, params, images=None):
-        from array import array
+        return self.inputs.checked(prompt, params, images)
 
-        from openk3.serve.inputs import Checked
-
-        return Checked(list(prompt), array("q", prompt))
+    def fail_all(self, error) -> None:
+        pass
 
     async def generate(self, prompt, params, request_id, images=None):
         from openk3.serve.engine import RequestOutput
@@ -255,7 +259,8 @@ def time_server(model, ps: list[list[int]], new: int, client: str, repeats: int,
                 cpu = time.process_time()
                 engine_cpu, loop_cpu = _thread_cpu(ae._thread.native_id), _thread_cpu(loop_tid)
                 row = clients.round()
-                row.pop("start"), row.pop("sent")
+                for key in ("start", "sent"):  # serve_bench's arrival times, not reported here
+                    del row[key]
                 rows.append({"server_s": row.pop("seconds"), **row,
                              "server_process_cpu_s": time.process_time() - cpu,
                              "engine_thread_cpu_s": _thread_cpu(ae._thread.native_id) - engine_cpu,

@@ -621,16 +621,12 @@ class StreamingEngine:
     def tokenizer(self):
         return self.inputs.tokenizer
 
-    def validate(self, prompt: str | list[int], params: SamplingParams,
-                 images: MultiModalInput | None = None) -> list[int]:
-        """``generate`` validates only when first iterated; servers call this (or ``check``)
-        first to answer bad input before a stream starts."""
-        return self.inputs.validate(prompt, params, images)
-
     def check(self, prompt: str | list[int], params: SamplingParams,
               images: MultiModalInput | None = None) -> Checked:
-        """``validate``, returning what ``generate`` then takes as its prompt without checking
-        the ids again (a server's request checked once, however many choices it runs)."""
+        """``generate`` checks only when first iterated; servers call this first to answer bad
+        input before a stream starts (``InvalidRequest`` naming the parameter). Returns what
+        ``generate`` then takes as its prompt without checking the ids again (a request checked
+        once, however many choices it runs)."""
         return self.inputs.checked(prompt, params, images)
 
     def stats(self) -> EngineStats:
