@@ -460,7 +460,8 @@ def bench_engine(name: str, device: str, dtype: str, **kw) -> LLMEngine:
 
 def part_server(model, name: str, streams: int = 64, new: int = 128, prompt_len: int = 128,
                 client_procs: tuple[int, ...] = (1, 8), switch_intervals: tuple[float, ...] = (0.005,),
-                engines: tuple[str, ...] = ("thread", "process"), clients: tuple[str, ...] = ("threads",)) -> None:
+                engines: tuple[str, ...] = ("thread", "process"), clients: tuple[str, ...] = ("threads",),
+                api_servers: tuple[int, ...] = (1,)) -> None:
     """What the OpenAI server adds over the engine: the same 64 requests (128-token prompts, 128
     greedy tokens each) through ``LLMEngine.generate``, then as 64 concurrent streams of the
     official ``openai`` client (a thread per stream) against ``openk3 serve``'s app (uvicorn in
@@ -480,7 +481,11 @@ def part_server(model, name: str, streams: int = 64, new: int = 128, prompt_len:
     how many, how many prefill, their wall, tokens per step, the share of the round they took)
     are reported beside the engine's alone; the thread engine's rounds run for each of ``switch_intervals``
     (``sys.setswitchinterval``: how long the event loop may keep the GIL once the engine thread,
-    back from the GPU, asks for it; CPython's default 5 ms)."""
+    back from the GPU, asks for it; CPython's default 5 ms). The process engine runs once per
+    ``api_servers`` count: 1 is the app in this process (uvicorn on a thread), N > 1 is ``openk3
+    serve --api-servers N`` (``ApiServers``: N server processes on one port, the engine in
+    another; the time each request reached the engine is not recorded there)."""
+    import contextlib
     import functools
     import socket
     import threading
@@ -488,6 +493,7 @@ def part_server(model, name: str, streams: int = 64, new: int = 128, prompt_len:
     import uvicorn
 
     from benchmarks.openai_clients import Clients
+    from openk3.serve.api_servers import ApiServers
     from openk3.serve.engine import AsyncEngine
     from openk3.serve.engine_process import ProcessEngine
     from openk3.serve.server import build_app
@@ -505,58 +511,65 @@ def part_server(model, name: str, streams: int = 64, new: int = 128, prompt_len:
     alone = step_counts(before, eng.snapshot_stats(), engine_s)
     del eng
     gc.collect()
-    for engine_kind in engines:
-        if engine_kind == "thread":
-            eng = engine(model, VisibleTokenizer(), **kw)
-            eng.capture_graphs()
-            async_engine, intervals = AsyncEngine(eng), switch_intervals
-        else:
-            weight = next(model.parameters())
-            dtype = str(weight.dtype).removeprefix("torch.")
-            async_engine = ProcessEngine(functools.partial(bench_engine, name, weight.device.type, dtype, **kw))
-            intervals = (sys.getswitchinterval(),)
-        submitted: list[tuple[tuple[int, ...], float]] = []
-        submit = async_engine._submit
+    weight = next(model.parameters())
+    factory = functools.partial(bench_engine, name, weight.device.type, str(weight.dtype).removeprefix("torch."), **kw)
+    for engine_kind, count in [("thread", 1)] * ("thread" in engines) + [("process", n) for n in api_servers
+                                                                      if "process" in engines]:
+        submitted: list[tuple[tuple[int, ...], float]] | None = None
+        with contextlib.ExitStack() as stack:
+            sock = stack.enter_context(socket.socket())
+            sock.bind(("127.0.0.1", 0))
+            if count > 1:  # openk3 serve --api-servers N
+                servers = stack.enter_context(ApiServers(factory, count, sock, model_name="bench"))
+                stats, intervals = servers.engine.stats, (sys.getswitchinterval(),)
+            else:
+                if engine_kind == "thread":
+                    eng = engine(model, VisibleTokenizer(), **kw)
+                    eng.capture_graphs()
+                    async_engine, intervals = AsyncEngine(eng), switch_intervals
+                else:
+                    async_engine, intervals = ProcessEngine(factory), (sys.getswitchinterval(),)
+                stack.callback(async_engine.shutdown)
+                stats, submitted, submit = async_engine.stats, [], async_engine._submit
 
-        def timed_submit(request_id, valid, *a, submit=submit, submitted=submitted):
-            submitted.append((tuple(valid.ids[:4]), time.perf_counter()))
-            return submit(request_id, valid, *a)
+                def timed_submit(request_id, valid, *a, submit=submit, submitted=submitted):
+                    submitted.append((tuple(valid.ids[:4]), time.perf_counter()))
+                    return submit(request_id, valid, *a)
 
-        async_engine._submit = timed_submit
-        server = uvicorn.Server(uvicorn.Config(build_app(async_engine, "bench"), log_level="warning"))
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True).start()
-        while not server.started:
-            time.sleep(0.05)
-        try:
+                async_engine._submit = timed_submit
+                server = uvicorn.Server(uvicorn.Config(build_app(async_engine, "bench"), log_level="warning"))
+                threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True).start()
+                stack.callback(setattr, server, "should_exit", True)
+                while not server.started:
+                    time.sleep(0.05)
+            stack.callback(sys.setswitchinterval, 0.005)
             for interval, procs, kind in ((i, p, k) for i in intervals for p in client_procs for k in clients):
                 sys.setswitchinterval(interval)
                 with Clients(sock.getsockname()[1], prompts, new, kind, procs) as round_clients:
-                    before = async_engine.stats()  # after the clients' warm-up round (a
-                    # ProcessEngine's counters come with each step's outputs: current once a round ends)
-                    submitted.clear()
+                    before = stats()  # after the clients' warm-up round (a ProcessEngine's
+                    # counters come with each step's outputs: current once a round ends)
+                    if submitted is not None:
+                        submitted.clear()
                     row = round_clients.round()
                 server_s = row.pop("seconds")
                 # when the server handed each request to the engine, from the round's first "go"
                 start, sent = row.pop("start"), {tuple(ids): t for ids, t in row.pop("sent")}
-                arrivals = sorted(1e3 * (t - start) for _, t in submitted)
                 made = sorted(1e3 * (t - start) for t in sent.values())
-                # each request's time in the server before the engine had it (HTTP, checks, IPC)
-                held = sorted(1e3 * (t - sent[key]) for key, t in submitted if key in sent)
-                under = step_counts(before, async_engine.stats(), server_s)
-                record({"part": "server", "engine": engine_kind, "client": kind, "streams": streams, "new_tokens": new,
+                timing = {"sent_ms": quantiles(made)}
+                if submitted is not None:
+                    # each request's time in the server before the engine had it (HTTP, checks, IPC)
+                    timing["submitted_ms"] = quantiles(sorted(1e3 * (t - start) for _, t in submitted))
+                    timing["in_server_ms"] = quantiles(sorted(1e3 * (t - sent[key]) for key, t in submitted
+                                                              if key in sent))
+                under = step_counts(before, stats(), server_s)
+                record({"part": "server", "engine": engine_kind, "api_servers": count, "client": kind,
+                        "streams": streams, "new_tokens": new,
                         "engine_s": engine_s, "server_s": server_s, "server_over_engine": server_s / engine_s,
-                        **row, "expected_chunks": streams * new,
-                        "sent_ms": quantiles(made), "submitted_ms": quantiles(arrivals),
-                        "in_server_ms": quantiles(held), "engine_tok_s": streams * new / engine_s, "server_tok_s": streams * new / server_s,
+                        **row, "expected_chunks": streams * new, **timing,
+                        "engine_tok_s": streams * new / engine_s, "server_tok_s": streams * new / server_s,
                         "switch_interval_s": sys.getswitchinterval(),
                         **{f"alone_{k}": v for k, v in alone.items()},
                         **{f"served_{k}": v for k, v in under.items()}})
-        finally:
-            sys.setswitchinterval(0.005)
-            server.should_exit = True
-            async_engine.shutdown()
 
 
 def main() -> None:
@@ -579,6 +592,9 @@ def main() -> None:
                     help="the 'server' part's sys.setswitchinterval values, the thread engine's rounds for each")
     ap.add_argument("--server-engines", nargs="+", choices=("thread", "process"), default=["thread", "process"],
                     help="the 'server' part's engines: AsyncEngine (a thread) and ProcessEngine")
+    ap.add_argument("--api-servers", type=int, nargs="+", default=[1],
+                    help="the 'server' part's process engine behind this many server processes, a run each "
+                         "(1: the app in this process; N > 1: openk3 serve --api-servers N)")
     args = ap.parse_args()
     print(environment())
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
@@ -600,7 +616,8 @@ def main() -> None:
             part_long(model)
         elif part == "server":
             part_server(model, args.preset, client_procs=tuple(args.client_procs), clients=tuple(args.clients),
-                        switch_intervals=tuple(args.switch_intervals), engines=tuple(args.server_engines))
+                        switch_intervals=tuple(args.switch_intervals), engines=tuple(args.server_engines),
+                        api_servers=tuple(args.api_servers))
         elif part == "million":
             for tokens in args.million_tokens:
                 part_million(model, tokens, args.million_chunk)

@@ -14,7 +14,7 @@ import typing
 
 from openk3.checkpoint.hf import EXPERTS_MODES
 from openk3.config import PRESETS, preset
-from openk3.runtime import DTYPES, checkpoint_dir, load_model, model_tokenizer
+from openk3.runtime import DTYPES, checkpoint_dir, load_model, model_tokenizer, resolve_device
 from openk3.serve.config import EngineConfig
 from openk3.train.config import RunConfig, resolve_run_config
 
@@ -287,27 +287,54 @@ def _serve_engine(args: argparse.Namespace):
     return engine
 
 
+# ``openk3 serve``'s server processes on a GPU: 64 streams of `small` on an H200 came within 1.10x
+# of the engine with 4 (1.085-1.097x, the official openai client), 1.12-1.18x with 1, 1.14x
+# with 8 (docs/benchmarks.md, twenty-ninth session)
+DEFAULT_GPU_API_SERVERS = 4
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from openk3.serve.chat import ChatTemplate
     from openk3.serve.server import serve
 
+    api_key = args.api_key or os.environ.get("OPENK3_API_KEY")
+    chat_template = ChatTemplate.from_checkpoint(checkpoint_dir(args.checkpoint)) if args.checkpoint else None
+    if args.api_servers is None:  # several server processes where the engine's steps are fast
+        gpu = args.engine == "process" and resolve_device(args.device).type == "cuda"
+        args.api_servers = DEFAULT_GPU_API_SERVERS if gpu else 1
+    if args.api_servers < 1:
+        print(f"openk3 serve: --api-servers {args.api_servers} must be >= 1", file=sys.stderr)
+        return 2
+    if args.api_servers > 1 and args.engine != "process":
+        print("openk3 serve: --api-servers above 1 needs --engine process", file=sys.stderr)
+        return 2
     if args.engine == "process":
         from openk3.serve.engine_process import ProcessEngine
 
         # bad model flags fail here at once, not after the engine process has imported torch
         model_tokenizer(args.checkpoint, _preset_name(args), args.random_init, args.tokenizer, args.experts)
+        factory = functools.partial(_serve_engine, args)
         try:  # the engine's ValueErrors (config, checkpoint) are raised here as they were there
-            async_engine = ProcessEngine(functools.partial(_serve_engine, args))
-        except RuntimeError as e:
+            if args.api_servers > 1:
+                from openk3.serve.api_servers import ApiServers, bound_socket
+
+                sock = bound_socket(args.host, args.port)  # a port in use fails before the model loads
+                servers = ApiServers(factory, args.api_servers, sock, api_key=api_key, chat_template=chat_template)
+            else:
+                async_engine = ProcessEngine(factory)
+        except (RuntimeError, OSError) as e:
             print(f"openk3 serve: {e}", file=sys.stderr)
             return 1
+        if args.api_servers > 1:
+            print(f"openk3 serve: {args.api_servers} API server processes on http://{args.host}:{args.port}",
+                  file=sys.stderr, flush=True)
+            return servers.run()
     else:
         from openk3.serve.engine import AsyncEngine
 
         async_engine = AsyncEngine(_serve_engine(args))
-    chat_template = ChatTemplate.from_checkpoint(checkpoint_dir(args.checkpoint)) if args.checkpoint else None
-    serve(async_engine, async_engine.model_name, host=args.host, port=args.port,
-          api_key=args.api_key or os.environ.get("OPENK3_API_KEY"), chat_template=chat_template)
+    serve(async_engine, async_engine.model_name, host=args.host, port=args.port, api_key=api_key,
+          chat_template=chat_template)
     return 0
 
 
@@ -358,6 +385,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--engine", choices=("process", "thread"), default="process",
                    help="process: the engine steps in a process of its own, the HTTP server's event loop "
                         "in this one (no shared interpreter lock); thread: both in this process")
+    s.add_argument("--api-servers", type=int, default=None, metavar="N",
+                   help="HTTP server processes in front of the engine process, sharing the port: a "
+                        f"burst of requests is admitted N at a time (default: {DEFAULT_GPU_API_SERVERS} "
+                        "with the engine process on a GPU, else 1; docs/serving.md)")
     _add_config_flags(s, EngineConfig)
     s.set_defaults(fn=cmd_serve)
 

@@ -64,6 +64,9 @@ class ChatTemplate:
             raise ValueError(f"chat template: {e}") from e
         self.source, self.bos_token, self.eos_token = source, bos_token, eos_token
 
+    def __reduce__(self):  # compiled again where unpickled (a server process of api_servers.py)
+        return ChatTemplate, (self.source, self.bos_token, self.eos_token)
+
     @classmethod
     def from_checkpoint(cls, path: str | Path) -> ChatTemplate:
         """The template stored in a checkpoint directory, or the default one."""

@@ -31,10 +31,16 @@ dies, every open stream fails with ``EngineError`` naming its exit code and ``is
 False (the server's ``/health`` answers 503). A factory that raises fails ``ProcessEngine(...)``
 with the factory's ``ValueError`` (a bad config or checkpoint), or a ``RuntimeError`` holding
 the engine's traceback.
+
+Several servers (``openk3 serve --api-servers N``, ``api_servers.py``): ``EngineProcess`` gives
+the engine a connection per server beside its owner's (stop, counters); each server's requests
+are its own (its aborts touch only those, each step sends it only its requests' deltas and
+everyone the counters), and a server whose connection closes has its requests aborted.
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import signal
 import threading
@@ -42,6 +48,7 @@ import traceback
 from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
 
 from openk3.serve.engine import EngineStats, LLMEngine, Logprob, RequestOutput, StreamingEngine
 from openk3.serve.multimodal import MultiModalInput
@@ -85,91 +92,188 @@ def _raised(failure: tuple) -> BaseException:
     return InvalidRequest(failure[1], failure[2]) if failure[0] == "invalid" else EngineError(failure[1])
 
 
-def _engine_main(factory: Callable[[], LLMEngine], conn) -> None:
-    """The engine process: build the engine, then add, abort and step until told to stop (or the
-    server's end of the pipe closes). It ignores SIGINT and SIGTERM: a Ctrl-C in a terminal (or a
-    service manager's SIGTERM) reaches every process of the group, and the server, draining its
-    responses for a grace period, still needs its engine; the server stops it."""
+def _engine_main(factory: Callable[[], LLMEngine], control: Connection, clients: list[Connection]) -> None:
+    """The engine process: build the engine, then add, abort and step until told to stop on
+    ``control`` (or its other end closes). Each of ``clients`` is a server's (a front-end's):
+    the requests it adds are its own, its aborts touch only those, and each step sends it its
+    requests' deltas with the engine's counters; a client whose end closes has its requests
+    aborted. It ignores SIGINT and SIGTERM: a Ctrl-C in a terminal (or a service manager's
+    SIGTERM) reaches every process of the group, and the server, draining its responses for a
+    grace period, still needs its engine; the server stops it."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         eng = factory()
-        conn.send(("ready", EngineInfo(eng.inputs, eng.model_name, str(eng.runner.device),
-                                       eng.runner.cache_bytes(), eng.snapshot_stats())))
+        control.send(("ready", EngineInfo(eng.inputs, eng.model_name, str(eng.runner.device),
+                                          eng.runner.cache_bytes(), eng.snapshot_stats())))
     except BaseException as e:  # noqa: BLE001 - reported to the server, which raises it
-        conn.send(("error", (isinstance(e, ValueError), str(e), traceback.format_exc())))
+        control.send(("error", (isinstance(e, ValueError), str(e), traceback.format_exc())))
         return
     # per request with an output sent (the prompt's log-probabilities went with the first): how
     # many of its log-probabilities were sent
     sent: dict[str, int] = {}
-    try:
-        while True:
-            # wait for a command while idle; between steps, take whatever has arrived
-            while conn.poll(None if not eng.has_unfinished() else 0):
-                cmd, *args = conn.recv()
+    owner: dict[str, Connection] = {}  # the client that added each request
+    live = list(clients)
+
+    def drop(conn: Connection) -> None:
+        """A client went away: its requests are aborted, its connection closed."""
+        if conn not in live:  # dropped already (a failed send, then its message)
+            return
+        live.remove(conn)
+        for rid in [r for r, c in owner.items() if c is conn]:
+            eng.abort(rid)
+            del owner[rid]
+            sent.pop(rid, None)
+        conn.close()
+
+    def send(conn: Connection, msg: tuple) -> None:
+        try:
+            conn.send(msg)
+        except OSError:  # the client died between its last message and this one
+            drop(conn)
+
+    while True:
+        # wait for a command while idle; between steps, take whatever has arrived
+        while ready := wait([control, *live], None if not eng.has_unfinished() else 0):
+            for conn in ready:
+                if conn is not control and conn not in live:
+                    continue
+                try:
+                    cmd, *args = conn.recv()
+                except (EOFError, OSError):
+                    cmd, args = "close", ()
+                if cmd == "close":  # a client left (or died): its requests are aborted
+                    if conn is control:  # the server went away
+                        return
+                    drop(conn)
+                    continue
                 if cmd == "add":
                     rid, packed, params, images = args
                     try:
                         eng._add(packed.tolist(), packed, params, rid, images)  # checked by the server
+                        owner[rid] = conn
                     except Exception as e:  # noqa: BLE001 - fail this request only
-                        conn.send(("failed", [(rid, _failure(e))]))
-                elif cmd == "abort":  # the server's counters see it even if no step follows
-                    eng.abort(args[0])
-                    sent.pop(args[0], None)
-                    conn.send(("stats", eng.snapshot_stats()))
+                        send(conn, ("failed", [(rid, _failure(e))]))
+                elif cmd == "abort":  # the client's counters see it even if no step follows
+                    if owner.get(args[0]) is conn:
+                        eng.abort(args[0])
+                        del owner[args[0]]
+                        sent.pop(args[0], None)
+                    send(conn, ("stats", eng.snapshot_stats()))
+                elif cmd == "stats":
+                    send(conn, ("stats", eng.snapshot_stats()))
                 else:  # "stop"
                     return
-            try:
-                outputs = eng.step()
-            except Exception as e:  # noqa: BLE001 - fail every request, keep serving
-                failed = eng.abort_all()
-                for rid in failed:
-                    sent.pop(rid, None)
-                conn.send(("failed", [(rid, _failure(e)) for rid in failed]))
-                continue
-            deltas = []
-            for o in outputs:
-                first, done = o.request_id not in sent, sent.get(o.request_id, 0)
-                new_logprobs = None if o.logprobs is None else o.logprobs[done:]
-                deltas.append((o.request_id, o.delta_token_ids, o.delta_text, new_logprobs, o.finished,
-                               o.finish_reason, o.num_cached_tokens, o.prompt_logprobs if first else None))
-                if o.finished:
-                    sent.pop(o.request_id, None)
-                else:
-                    sent[o.request_id] = len(o.logprobs or ())
-            conn.send(("step", deltas, eng.snapshot_stats()))
-    except (EOFError, OSError):  # the server went away
-        return
+        try:
+            outputs = eng.step()
+        except Exception as e:  # noqa: BLE001 - fail every request, keep serving
+            failed: dict[Connection, list] = {}
+            for rid in eng.abort_all():
+                sent.pop(rid, None)
+                failed.setdefault(owner.pop(rid), []).append((rid, _failure(e)))
+            for conn, items in failed.items():
+                send(conn, ("failed", items))
+            continue
+        deltas: dict[Connection, list] = {conn: [] for conn in live}
+        for o in outputs:
+            rid = o.request_id
+            first, done = rid not in sent, sent.get(rid, 0)
+            new_logprobs = None if o.logprobs is None else o.logprobs[done:]
+            deltas[owner[rid]].append((rid, o.delta_token_ids, o.delta_text, new_logprobs, o.finished,
+                                       o.finish_reason, o.num_cached_tokens, o.prompt_logprobs if first else None))
+            if o.finished:
+                sent.pop(rid, None)
+                del owner[rid]
+            else:
+                sent[rid] = len(o.logprobs or ())
+        stats = eng.snapshot_stats()
+        for conn, items in deltas.items():  # every client: its outputs (maybe none), the counters
+            send(conn, ("step", items, stats))
 
 
-class ProcessEngine(StreamingEngine):
-    """``LLMEngine`` in a spawned process (``StreamingEngine``: the streams, as ``AsyncEngine``'s).
+class EngineProcess:
+    """``LLMEngine`` in a spawned process with a connection for each of ``clients`` servers
+    (``connections``: hand each to a ``ProcessEngine.connect``) and one for its owner
+    (``stop``, ``stats``). Blocks until the engine is up; a factory that raises raises here
+    (its ``ValueError``, or ``RuntimeError`` with the traceback).
 
     ``factory``: a picklable callable, run in the new process, that builds the engine (a
-    top-level function or a ``functools.partial`` of one: the model is loaded there, never in the
-    server's process). Blocks until the engine is up. If the factory raises, so does this: the
-    same ``ValueError`` (bad config or checkpoint), or ``RuntimeError`` with the traceback."""
+    top-level function or a ``functools.partial`` of one: the model is loaded there, never in
+    this process)."""
 
-    def __init__(self, factory: Callable[[], LLMEngine]):
-        super().__init__()
+    def __init__(self, factory: Callable[[], LLMEngine], clients: int = 1):
         ctx = multiprocessing.get_context("spawn")  # CUDA cannot be forked
-        self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_engine_main, args=(factory, child), name="openk3-engine", daemon=True)
-        self._proc.start()
-        child.close()
+        self._control, control = ctx.Pipe()
+        pairs = [ctx.Pipe() for _ in range(clients)]
+        self.process = ctx.Process(target=_engine_main, args=(factory, control, [c for _, c in pairs]),
+                                   name="openk3-engine", daemon=True)
+        self.process.start()
+        for conn in (control, *(c for _, c in pairs)):
+            conn.close()
+        self.connections = [c for c, _ in pairs]
         try:
-            kind, info = self._conn.recv()
+            kind, info = self._control.recv()
         except EOFError:
-            self._proc.join(timeout=10)
-            raise RuntimeError(f"the engine process exited while starting (exit code "
-                               f"{self._proc.exitcode})") from None
+            kind, info = "exited", None
+        if kind != "ready":
+            self.process.join(timeout=10)
+            for conn in (self._control, *self.connections):
+                conn.close()
+        if kind == "exited":
+            raise RuntimeError(f"the engine process exited while starting (exit code {self.process.exitcode})")
         if kind == "error":
-            self._proc.join(timeout=10)
             bad_input, message, trace = info
             if bad_input:  # a config or checkpoint error: the message says it all
                 raise ValueError(message)
             raise RuntimeError(f"the engine process failed to start:\n{trace}")
         self.info: EngineInfo = info
+
+    def is_alive(self) -> bool:
+        return self.process.is_alive()
+
+    def stats(self) -> EngineStats:
+        """The engine's counters now (between its steps)."""
+        self._control.send(("stats",))
+        return self._control.recv()[1]
+
+    def stop(self) -> None:
+        """Stop the engine (its clients' open streams fail) and wait for the process to end."""
+        try:
+            self._control.send(("stop",))
+        except OSError:
+            pass
+        self.process.join(timeout=10)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(timeout=5)
+        self._control.close()
+
+
+class ProcessEngine(StreamingEngine):
+    """``LLMEngine`` in another process (``StreamingEngine``: the streams, as ``AsyncEngine``'s).
+
+    ``ProcessEngine(factory)`` spawns the engine (``EngineProcess``, one client: this) and stops
+    it at ``shutdown``; ``ProcessEngine.connect(connection, info)`` is one of several servers in
+    front of an ``EngineProcess`` (``openk3 serve --api-servers N``, ``api_servers.py``), whose
+    ``shutdown`` closes only its connection (the engine aborts its requests)."""
+
+    def __init__(self, factory: Callable[[], LLMEngine]):
+        self._process = EngineProcess(factory)
+        self._proc = self._process.process
+        self._start(self._process.connections[0], self._process.info)
+
+    @classmethod
+    def connect(cls, connection: Connection, info: EngineInfo) -> ProcessEngine:
+        """A client of an ``EngineProcess`` started elsewhere (``connection``: one of its
+        ``connections``, ``info``: its ``info``)."""
+        self = cls.__new__(cls)
+        self._process = self._proc = None
+        self._start(connection, info)
+        return self
+
+    def _start(self, connection: Connection, info: EngineInfo) -> None:
+        StreamingEngine.__init__(self)
+        self._conn, self.info = connection, info
         self.inputs, self.model_name, self._stats = info.inputs, info.model_name, info.stats
         self._tracked: dict[str, _Tracked] = {}
         self._send_lock = threading.Lock()
@@ -184,7 +288,8 @@ class ProcessEngine(StreamingEngine):
     @property
     def is_alive(self) -> bool:
         """The engine process runs (False after ``shutdown`` or if it died)."""
-        return not self._stopped and self._proc.is_alive() and self._reader.is_alive()
+        return (not self._stopped and self._reader.is_alive()
+                and (self._process is None or self._process.is_alive()))
 
     def _send(self, msg: tuple) -> None:
         with self._send_lock:  # streams on several event loops may send at once
@@ -239,21 +344,24 @@ class ProcessEngine(StreamingEngine):
                         self._tracked.pop(rid, None)
                     self._push([(rid, _raised(f)) for rid, f in msg[1]])
         except (EOFError, OSError):
-            self._proc.join(timeout=5)
-            if not self._stopped:
+            if self._stopped:
+                return
+            if self._proc is not None:
+                self._proc.join(timeout=5)
                 self.fail_all(EngineError(f"the engine process exited (exit code {self._proc.exitcode})"))
+            else:
+                self.fail_all(EngineError("the engine process exited (its connection closed)"))
 
     def shutdown(self) -> None:
+        """Stop the engine process (``ProcessEngine(factory)``), or leave it (``connect``: the
+        engine aborts this client's requests and closes its end, which ends the reader)."""
         if self._stopped:
             return
         self._stopped = True
-        try:
-            self._send(("stop",))
-        except OSError:
-            pass
-        self._proc.join(timeout=10)
-        if self._proc.is_alive():
-            self._proc.kill()
-            self._proc.join(timeout=5)
-        self._conn.close()
+        if self._process is not None:
+            self._process.stop()
+        else:
+            with contextlib.suppress(OSError):
+                self._send(("close",))
         self._reader.join(timeout=5)
+        self._conn.close()

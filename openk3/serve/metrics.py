@@ -4,15 +4,18 @@ Latency histograms and finished requests are measured by the server as responses
 engine's own counters and gauges (tokens, queue lengths, cache usage, prefix-cache hits,
 preemptions, speculative acceptance) live in ``EngineStats``; a collector reads them at scrape time instead of copying
 them into client-side metrics on every step. Each ``ServerMetrics`` has its own registry, so
-several apps in one process (tests) never share or collide on a metric.
+several apps in one process (tests) never share or collide on a metric. Several server processes
+(``api_servers.py``) share a ``metrics_dir``: prometheus_client's multiprocess mode, each scrape
+sums the processes' histograms and counters.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest, values
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from openk3.serve.engine import EngineStats
 
@@ -71,7 +74,11 @@ class ServerMetrics:
 
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, engine_stats: Callable[[], EngineStats]):
+    def __init__(self, engine_stats: Callable[[], EngineStats], metrics_dir: str | None = None):
+        if metrics_dir is not None and values.ValueClass is values.MutexValue:
+            raise RuntimeError("ServerMetrics(metrics_dir=...): prometheus_client was imported "
+                               "before PROMETHEUS_MULTIPROC_DIR was set (api_servers.py sets it first)")
+        self.metrics_dir = metrics_dir
         self.registry = CollectorRegistry()
         self.ttft = Histogram("openk3_time_to_first_token_seconds", "Request arrival to first token.",
                               buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80),
@@ -84,8 +91,14 @@ class ServerMetrics:
         self.finished = Counter("openk3_requests_finished_total",
                                 "Requests ended, by finish reason (abort: the client left, or the engine failed).",
                                 ["finish_reason"], registry=self.registry)
-        self.registry.register(_EngineCollector(engine_stats))
+        self.engine = _EngineCollector(engine_stats)
+        self.registry.register(self.engine)
 
     def render(self) -> bytes:
         """Every metric in the Prometheus text format (``content_type``)."""
-        return generate_latest(self.registry)
+        if self.metrics_dir is None:
+            return generate_latest(self.registry)
+        registry = CollectorRegistry()  # every process's, summed; the engine's once
+        MultiProcessCollector(registry, self.metrics_dir)
+        registry.register(self.engine)
+        return generate_latest(registry)

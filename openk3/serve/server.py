@@ -29,9 +29,10 @@ import json
 import logging
 import secrets
 import signal
+import socket
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
 import uvicorn
@@ -201,10 +202,11 @@ async def _last(outputs: AsyncIterator[tuple[int, RequestOutput]], n: int) -> li
 class OpenAIServer:
     """The endpoints, over one ``AsyncEngine``."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str, chat_template: ChatTemplate):
+    def __init__(self, engine: AsyncEngine, model_name: str, chat_template: ChatTemplate,
+                 metrics_dir: str | None = None):
         self.engine, self.model_name, self.chat_template = engine, model_name, chat_template
         self.tokenizer = engine.tokenizer
-        self.metrics = ServerMetrics(engine.stats)
+        self.metrics = ServerMetrics(engine.stats, metrics_dir)
         self.created = int(time.time())
         self.draining = Draining(engine)
 
@@ -423,9 +425,10 @@ class _Route(APIRoute):
 
 
 def build_app(async_engine: AsyncEngine, model_name: str, api_key: str | None = None,
-              chat_template: ChatTemplate | None = None) -> FastAPI:
-    """The HTTP app over ``async_engine``; ``chat_template`` None is ``chat.DEFAULT_CHAT_TEMPLATE``."""
-    server = OpenAIServer(async_engine, model_name, chat_template or ChatTemplate())
+              chat_template: ChatTemplate | None = None, metrics_dir: str | None = None) -> FastAPI:
+    """The HTTP app over ``async_engine``; ``chat_template`` None is ``chat.DEFAULT_CHAT_TEMPLATE``;
+    ``metrics_dir``: one of several server processes' (``ServerMetrics``)."""
+    server = OpenAIServer(async_engine, model_name, chat_template or ChatTemplate(), metrics_dir)
     app = FastAPI(title="openk3", summary="OpenAI-compatible API of the openk3 serving engine")
     app.router.route_class = _Route
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(_require_api_key(api_key))] if api_key else [],
@@ -447,11 +450,17 @@ class _DrainingServer(uvicorn.Server):
     """uvicorn, telling the app when shutdown begins (its own handling then waits for open
     connections, up to ``timeout_graceful_shutdown``, and cuts what is left). A SIGTERM that
     ended in a drained shutdown is not raised again afterwards (uvicorn would), so the process
-    exits 0 and the engine is shut down properly."""
+    exits 0 and the engine is shut down properly. ``started``: called once it listens."""
 
-    def __init__(self, config: uvicorn.Config, draining: Draining, seconds: float):
+    def __init__(self, config: uvicorn.Config, draining: Draining, seconds: float,
+                 started: Callable[[], object] | None = None):
         super().__init__(config)
-        self.draining, self.seconds = draining, seconds
+        self.draining, self.seconds, self.on_started = draining, seconds, started
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started and self.on_started is not None:
+            self.on_started()
 
     def handle_exit(self, sig, frame) -> None:
         asyncio.get_running_loop().call_soon_threadsafe(self.draining.begin, self.seconds)
@@ -460,14 +469,18 @@ class _DrainingServer(uvicorn.Server):
 
 
 def serve(async_engine: AsyncEngine, model_name: str, *, host: str = "127.0.0.1", port: int = 8000,
-          api_key: str | None = None, chat_template: ChatTemplate | None = None) -> None:
+          api_key: str | None = None, chat_template: ChatTemplate | None = None,
+          sockets: list[socket.socket] | None = None, started: Callable[[], object] | None = None,
+          metrics_dir: str | None = None) -> None:
     """Serve until SIGTERM or Ctrl-C, then stop: responses in flight get ``GRACE_SECONDS - 1``
     seconds to finish (then end with an error event, or a 503), uvicorn closes what is left at
-    ``GRACE_SECONDS``, and the engine stops."""
-    app = build_app(async_engine, model_name, api_key, chat_template)
+    ``GRACE_SECONDS``, and the engine stops. ``sockets``: listen there instead of on
+    ``host:port`` (an ``api_servers.py`` server process: the supervisor's socket); ``started``
+    is called once it listens; ``metrics_dir``: ``ServerMetrics``'s multiprocess directory."""
+    app = build_app(async_engine, model_name, api_key, chat_template, metrics_dir)
     config = uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=GRACE_SECONDS)
     try:
-        _DrainingServer(config, app.state.draining, GRACE_SECONDS - 1).run()
+        _DrainingServer(config, app.state.draining, GRACE_SECONDS - 1, started).run(sockets)
     except KeyboardInterrupt:  # uvicorn raises Ctrl-C again once it has shut down
         pass
     finally:

@@ -14,7 +14,7 @@ import pytest
 from openk3 import build_model, preset
 from openk3.serve.config import EngineConfig
 from openk3.serve.engine import AsyncEngine, LLMEngine
-from openk3.serve.engine_process import EngineError, ProcessEngine
+from openk3.serve.engine_process import EngineError, EngineProcess, ProcessEngine
 from openk3.serve.sampler import InvalidRequest, SamplingParams
 from openk3.tokenizer import VisibleTokenizer
 
@@ -156,3 +156,42 @@ def test_the_openai_server_over_the_process_engine(engines):
             model="dbg", prompt="Hello", max_tokens=10, temperature=0, stream=True))
         assert text == expected
         assert client.models.list().data[0].max_model_len == process.inputs.max_model_len
+
+
+def test_several_clients_of_one_engine_process(engines):
+    """``openk3 serve --api-servers 2``'s engine: each client's requests are its own (outputs
+    equal the thread engine's, another client's abort of its id does nothing), and a client
+    that goes away has its requests aborted while the other's keep running."""
+    _, thread = engines
+    owner = EngineProcess(debug_engine, clients=2)
+    a, b = (ProcessEngine.connect(c, owner.info) for c in owner.connections)
+    try:
+        async def both():
+            return await asyncio.gather(_run_all(a, "a"), _run_all(b, "b", REQUESTS[::-1]))
+
+        by_a, by_b = asyncio.run(both())
+        expected = asyncio.run(_run_all(thread, "r"))
+        assert [_final(x) for x in by_a] == [_final(x) for x in expected]
+        assert [_final(x) for x in by_b] == [_final(x) for x in expected[::-1]]
+
+        async def a_runs_b_aborts_its_id_then_a_leaves():
+            stream = a.generate([3, 3, 3], SamplingParams(temperature=0, max_tokens=100), "mine")
+            await anext(stream)
+            b.abort("mine")  # not b's request: ignored
+            out = await anext(stream)
+            a.shutdown()  # a's server leaves with its request running
+            return out
+
+        assert not asyncio.run(a_runs_b_aborts_its_id_then_a_leaves()).finished
+        for _ in range(200):  # a's request is aborted between the engine's steps
+            stats = owner.stats()
+            if stats.num_running == stats.num_waiting == 0:
+                break
+            asyncio.run(asyncio.sleep(0.02))
+        assert stats.num_running == stats.num_waiting == 0 and stats.generation_tokens < 200
+        assert _final(asyncio.run(_collect(b, *REQUESTS[0], "after"))) == _final(expected[0])
+    finally:
+        b.shutdown()
+        a.shutdown()
+        owner.stop()
+    assert not owner.is_alive()

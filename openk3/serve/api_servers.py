@@ -1,0 +1,180 @@
+"""``openk3 serve --api-servers N``: N HTTP server processes in front of one engine process.
+
+One server process admits a burst of requests one at a time on its event loop (HTTP parsing,
+FastAPI's route, the checks, the pipe to the engine: ~0.5-0.75 ms a request, on the same loop
+that writes the admitted streams' chunks), so the last of 64 requests sent at once reached the
+engine ~50 ms after the first (docs/serving.md, "Where the server's time goes"). With N server
+processes the burst is admitted N at a time. vLLM's ``--api-server-count`` splits the same way.
+
+The processes::
+
+    supervisor (this)         binds the port, starts the others, forwards SIGINT / SIGTERM,
+                              stops everything when one of them dies
+    engine process            EngineProcess: LLMEngine with a connection per server
+    N server processes        ProcessEngine.connect + openk3's app under uvicorn, all accepting
+                              on the supervisor's listening socket (the kernel hands each new
+                              connection to one of them)
+
+Each server process runs its own process group, so a terminal's Ctrl-C reaches only the
+supervisor (and the engine, which ignores it), which sends each server one SIGTERM: each drains
+as ``openk3 serve`` with one server does (``server.serve``). A second Ctrl-C is forwarded as
+SIGINT: uvicorn then cuts its connections at once. If the supervisor is killed, the servers get
+SIGTERM from the kernel (Linux's parent-death signal) and the engine stops when its control
+connection closes.
+
+``/metrics``: the servers' histograms and counters are summed over the processes
+(prometheus_client's multiprocess mode, a directory the supervisor makes and removes); the
+engine's counters are the engine's, the same from every server.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+from collections.abc import Callable
+from multiprocessing.connection import Connection, wait
+
+from openk3.serve.engine import LLMEngine
+from openk3.serve.engine_process import EngineInfo, EngineProcess
+
+logger = logging.getLogger(__name__)
+START_SECONDS = 120.0  # how long the server processes may take to import and start listening
+
+
+def _die_with_parent() -> None:
+    """SIGTERM this process when its parent dies (Linux's ``prctl(PR_SET_PDEATHSIG)``)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+
+
+def _server_main(connection: Connection, info: EngineInfo, sock: socket.socket, started,
+                 metrics_dir: str, model_name: str, api_key: str | None, chat_template) -> None:
+    """One server process: ``openk3 serve``'s app over its connection to the engine."""
+    os.setpgrp()  # out of the terminal's process group: the supervisor forwards signals
+    _die_with_parent()
+    # prometheus_client picks its multiprocess mode when first imported: before the app's import
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+    from openk3.serve.engine_process import ProcessEngine
+    from openk3.serve.server import serve
+
+    engine = ProcessEngine.connect(connection, info)
+    serve(engine, model_name, api_key=api_key, chat_template=chat_template, sockets=[sock],
+          started=started.set, metrics_dir=metrics_dir)
+
+
+def bound_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (a port in use fails here, before a model loads), to
+    share among server processes; ``ApiServers`` starts listening once the engine is up."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(e.errno, f"cannot listen on {host}:{port}: {e.strerror}") from None
+    return sock
+
+
+class ApiServers:
+    """The engine process and ``count`` server processes on ``sock`` (``bound_socket``).
+    Returns once every server accepts requests; raises as ``EngineProcess`` if the engine
+    fails to start, ``RuntimeError`` if a server process does. ``run`` serves until a signal;
+    ``stop`` (or leaving the ``with`` block) stops everything."""
+
+    def __init__(self, factory: Callable[[], LLMEngine], count: int, sock: socket.socket, *,
+                 api_key: str | None = None, chat_template=None, model_name: str | None = None):
+        if count < 1:
+            raise ValueError(f"api_servers: {count} must be >= 1")
+        self.engine = EngineProcess(factory, clients=count)
+        self.model_name = model_name or self.engine.info.model_name
+        self.metrics_dir = tempfile.mkdtemp(prefix="openk3-metrics-")
+        sock.listen(2048)
+        self.stopping, self._stopped = False, False
+        ctx = multiprocessing.get_context("spawn")
+        self.servers, events = [], []
+        for i, conn in enumerate(self.engine.connections):
+            started = ctx.Event()
+            proc = ctx.Process(target=_server_main, name=f"openk3-api-server-{i}",
+                               args=(conn, self.engine.info, sock, started, self.metrics_dir,
+                                     self.model_name, api_key, chat_template))
+            proc.start()
+            conn.close()  # the server process has its copy
+            self.servers.append(proc)
+            events.append(started)
+        for i, (proc, started) in enumerate(zip(self.servers, events)):
+            while not started.wait(0.1):
+                if not proc.is_alive() or not self.engine.is_alive():
+                    self.stop()
+                    raise RuntimeError(f"API server {i} exited while starting (exit code {proc.exitcode})"
+                                       if not proc.is_alive() else "the engine process exited while "
+                                       "the API servers started")
+
+    def __enter__(self) -> ApiServers:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def _signal_servers(self, sig: int) -> None:
+        for proc in self.servers:
+            if proc.is_alive():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, sig)
+
+    def _on_signal(self, sig, frame) -> None:
+        # the first signal drains (SIGTERM to every server); a second Ctrl-C cuts (SIGINT)
+        second = self.stopping and sig == signal.SIGINT
+        self.stopping = True
+        self._signal_servers(signal.SIGINT if second else signal.SIGTERM)
+
+    def run(self) -> int:
+        """Serve until SIGINT or SIGTERM (each server drains as ``server.serve`` does), or until
+        a server or the engine dies (the rest are stopped: 1). 0 after a signal."""
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            failed = None
+            while any(p.is_alive() for p in self.servers):
+                watched = [p.sentinel for p in self.servers if p.is_alive()]
+                if not (self.stopping or failed) and self.engine.is_alive():
+                    watched.append(self.engine.process.sentinel)
+                wait(watched)
+                if self.stopping or failed:
+                    continue
+                dead = [(i, p.exitcode) for i, p in enumerate(self.servers) if not p.is_alive()]
+                if dead:
+                    failed = f"API server {dead[0][0]} exited (exit code {dead[0][1]})"
+                elif not self.engine.is_alive():
+                    failed = f"the engine process exited (exit code {self.engine.process.exitcode})"
+                if failed:
+                    print(f"openk3 serve: {failed}; stopping", file=sys.stderr, flush=True)
+                    self.stopping = True
+                    self._signal_servers(signal.SIGTERM)
+            return 1 if failed else 0
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+            self.stop()
+
+    def stop(self, seconds: float = 10.0) -> None:
+        """SIGTERM every server still running, wait up to ``seconds`` for them (then kill), stop
+        the engine."""
+        if self._stopped:
+            return
+        self._stopped = self.stopping = True
+        self._signal_servers(signal.SIGTERM)
+        for proc in self.servers:
+            proc.join(timeout=seconds)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+        self.engine.stop()
+        shutil.rmtree(self.metrics_dir, ignore_errors=True)

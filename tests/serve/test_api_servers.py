@@ -1,0 +1,113 @@
+"""``openk3 serve --api-servers N``: N server processes on one port in front of one engine
+process answer as one server does (outputs, summed /metrics, a drained shutdown), and a server
+process that dies stops the rest."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+
+from openk3 import build_model, preset  # noqa: E402
+from openk3.serve.api_servers import ApiServers, bound_socket  # noqa: E402
+from openk3.serve.engine import LLMEngine  # noqa: E402
+from openk3.serve.sampler import SamplingParams  # noqa: E402
+from openk3.tokenizer import VisibleTokenizer  # noqa: E402
+from tests.serve.test_cli_serve import ENV, _free_port  # noqa: E402
+from tests.serve.test_engine_process import debug_engine  # noqa: E402
+
+
+def _metric(text: str, name: str) -> float:
+    (line,) = [x for x in text.splitlines() if x.startswith(name + " ") or x.startswith(name + "{")]
+    return float(line.rsplit(" ", 1)[1])
+
+
+def test_two_api_servers_answer_as_one_and_drain_on_sigterm():
+    port = _free_port()
+    cmd = [sys.executable, "-m", "openk3", "serve", "--random-init", "--port", str(port), "--api-servers", "2",
+           "--max-model-len", "4096", "--no-cuda-graphs"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV,
+                            start_new_session=True)  # as a terminal runs it: a process group of its own
+    url = f"http://127.0.0.1:{port}"
+    # what `openk3 serve --random-init` serves: the debug preset, seed 0, every id visible
+    model = build_model(preset("debug"), seed=0).eval()
+    expected = LLMEngine(model, VisibleTokenizer(), eos_token_ids=()).generate(
+        ["Hello"], SamplingParams(temperature=0, max_tokens=6))[0].text
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline, "openk3 serve did not come up"
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.3)
+        texts = [None] * 6
+
+        def ask(i):  # a connection each: the kernel hands them to either server process
+            with httpx.Client(timeout=60) as client:
+                r = client.post(url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 6, "temperature": 0})
+                texts[i] = r.json()["choices"][0]["text"]
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(texts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert texts == [expected] * len(texts)
+        metrics = httpx.get(url + "/metrics", timeout=10).text  # one process answers for all
+        assert _metric(metrics, "openk3_requests_finished_total") == len(texts)
+        assert _metric(metrics, "openk3_time_to_first_token_seconds_count") == len(texts)
+        assert _metric(metrics, "openk3_generation_tokens_total") == 6 * len(texts)
+
+        lines = []
+        body = {"prompt": "x", "max_tokens": 4000, "temperature": 0, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line:
+                    lines.append(line)
+                if len(lines) == 3:  # the stream is running: stop the supervisor
+                    proc.send_signal(signal.SIGTERM)
+                    stopped = time.monotonic()
+        waited = time.monotonic() - stopped
+        assert lines[-1] == "data: [DONE]"
+        assert '"server_error"' in lines[-2] and "shutting down" in lines[-2]
+        assert 3.5 < waited < 8, waited
+        out, _ = proc.communicate(timeout=30)
+        assert proc.returncode == 0, out
+        assert out.count("Application startup complete") == 2
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_a_server_process_that_dies_stops_the_others_and_the_engine():
+    with bound_socket("127.0.0.1", 0) as sock:
+        servers = ApiServers(debug_engine, 2, sock)
+        try:
+            url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+            assert httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"] == "dbg"
+            os.kill(servers.servers[1].pid, signal.SIGKILL)
+            assert servers.run() == 1
+        finally:
+            servers.stop()
+    assert not any(p.is_alive() for p in servers.servers) and not servers.engine.is_alive()
+    assert servers.servers[0].exitcode == 0 and not os.path.exists(servers.metrics_dir)
+
+
+def test_several_api_servers_need_the_engine_process(capsys):
+    from openk3.cli import main
+
+    assert main(["serve", "--random-init", "--engine", "thread", "--api-servers", "2"]) == 2
+    assert "--api-servers above 1 needs --engine process" in capsys.readouterr().err
+    assert main(["serve", "--random-init", "--api-servers", "0"]) == 2
+    assert "--api-servers 0 must be >= 1" in capsys.readouterr().err
