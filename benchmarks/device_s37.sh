@@ -10,6 +10,7 @@
 #    client, 1 server 1.176x); then the warm/cold time to first token.
 # 3: `openk3 serve --random-init` on the GPU with its default server processes (4 on a GPU): a
 #    request, /metrics summed over the processes, Ctrl-C.
+# 4: the warm request's host time by function (warm_timeline.py --host-profile).
 source "$(dirname "$0")/device_common.sh"
 case "${1:?phase}" in
 1)
@@ -27,7 +28,7 @@ case "${1:?phase}" in
 3)  # `openk3 serve` as a user runs it on a GPU: its default server processes, a request, /metrics, Ctrl-C
   python3 -m openk3 serve --random-init --port 18200 > "$OUT/cli.log" 2>&1 &
   pid=$!
-  timeout -k 5 200 python3 - >> "$OUT/cli.log" 2>&1 <<'PY'
+  timeout -k 5 150 python3 - > "$OUT/cli_client.log" 2>&1 <<'PY'
 import json, time, urllib.request
 url = "http://127.0.0.1:18200"
 for _ in range(180):
@@ -41,8 +42,15 @@ for _ in range(4):
     print(json.load(urllib.request.urlopen(req, timeout=60))["choices"][0]["text"])
 print([l for l in urllib.request.urlopen(url + "/metrics").read().decode().splitlines() if "finished_total" in l])
 PY
-  kill -INT $pid; wait $pid; echo "== serve rc $?" >> "$OUT/cli.log"
+  kill -INT $pid  # at once, as the twenty-ninth session's call 5 did (its servers still starting)
+  for _ in $(seq 60); do kill -0 $pid 2>/dev/null || break; sleep 1; done
+  kill -0 $pid 2>/dev/null && { echo "== still running 60 s after SIGINT" >> "$OUT/cli_client.log"; kill -9 $pid; }
+  wait $pid; echo "== serve rc $?" >> "$OUT/cli_client.log"
   ;;
-*) echo "phase 1 to 3" >&2; exit 2 ;;
+4)  # where the warm request's host time goes, by function (cProfile), before cutting it
+  timeout -k 5 150 python3 benchmarks/warm_timeline.py --host-profile > "$OUT/host_profile.log" 2>&1
+  echo "== rc $?" >> "$OUT/host_profile.log"
+  ;;
+*) echo "phase 1 to 4" >&2; exit 2 ;;
 esac
 summary

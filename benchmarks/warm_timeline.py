@@ -17,6 +17,9 @@ The engine and request are serve_bench's warm case: ``small`` (random weights, b
 31,744-token cached prefix, a new 1,024-token tail per request.
 
 Run on the device: ``python benchmarks/warm_timeline.py`` (JSON under $OUT: ``warm_timeline.json``).
+``--host-profile``: instead, ten warm requests (the same prefix, new tails) under cProfile, the
+functions by their own and their cumulative host time (cProfile's overhead inflates every call
+alike: read shares, not milliseconds).
 """
 
 from __future__ import annotations
@@ -128,7 +131,31 @@ def sync_sites(eng, prompt) -> list[str]:
     return sites
 
 
+def host_profile(eng, shared, vocab) -> None:
+    import cProfile
+    import io
+    import pstats
+
+    from benchmarks.serve_bench import random_ids, ttft
+
+    tails = [random_ids(1024, vocab, 800 + s) for s in range(10)]
+    prof = cProfile.Profile()
+    times = []
+    for tail in tails:
+        prompt = shared + tail
+        prof.enable()
+        times.append(1e3 * ttft(eng, prompt))
+        prof.disable()
+    print("warm ttft ms under cProfile:", [round(t, 2) for t in times], flush=True)
+    for key in ("tottime", "cumulative"):
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats(key).print_stats(45)
+        print(out.getvalue(), flush=True)
+
+
 def main() -> None:
+    import sys
+
     from benchmarks.common import environment, write_results
     from benchmarks.serve_bench import engine, random_ids, ttft
     from openk3 import build_model, preset
@@ -143,6 +170,8 @@ def main() -> None:
     ttft(eng, shared)
     for s in range(3):  # graphs, cuDNN plans, autotuning
         print("warm-up", s, 1e3 * ttft(eng, shared + random_ids(1024, vocab, 100 + s)), "ms", flush=True)
+    if "--host-profile" in sys.argv[1:]:
+        return host_profile(eng, shared, vocab)
     def counted(prompt) -> tuple[float, dict]:
         """``ttft`` in ms, and what happened meanwhile that a warm request should not meet:
         device allocations (cudaMalloc) and frees by the caching allocator, its retries, garbage

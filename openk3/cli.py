@@ -326,8 +326,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
             print(f"openk3 serve: {e}", file=sys.stderr)
             return 1
         if args.api_servers > 1:
-            print(f"openk3 serve: {args.api_servers} API server processes on http://{args.host}:{args.port}",
-                  file=sys.stderr, flush=True)
+            if not servers.stopping:
+                print(f"openk3 serve: {args.api_servers} API server processes on http://{args.host}:{args.port}",
+                      file=sys.stderr, flush=True)
             return servers.run()
     else:
         from openk3.serve.engine import AsyncEngine

@@ -39,6 +39,7 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 
@@ -86,7 +87,8 @@ def bound_socket(host: str, port: int) -> socket.socket:
 
 class ApiServers:
     """The engine process and ``count`` server processes on ``sock`` (``bound_socket``).
-    Returns once every server accepts requests; raises as ``EngineProcess`` if the engine
+    Returns once every server accepts requests (or a signal came meanwhile: ``run`` then
+    returns at once); raises as ``EngineProcess`` if the engine
     fails to start, ``RuntimeError`` if a server process does. ``run`` serves until a signal;
     ``stop`` (or leaving the ``with`` block) stops everything."""
 
@@ -99,6 +101,11 @@ class ApiServers:
         self.metrics_dir = tempfile.mkdtemp(prefix="openk3-metrics-")
         sock.listen(2048)
         self.stopping, self._stopped = False, False
+        # from here a signal stops everything, even while the servers start (a script's
+        # `kill -INT` right after the first server answered was lost, then waited on forever)
+        self._previous = {}
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         ctx = multiprocessing.get_context("spawn")
         self.servers, events = [], []
         for i, conn in enumerate(self.engine.connections):
@@ -111,7 +118,7 @@ class ApiServers:
             self.servers.append(proc)
             events.append(started)
         for i, (proc, started) in enumerate(zip(self.servers, events)):
-            while not started.wait(0.1):
+            while not started.wait(0.1) and not self.stopping:
                 if not proc.is_alive() or not self.engine.is_alive():
                     self.stop()
                     raise RuntimeError(f"API server {i} exited while starting (exit code {proc.exitcode})"
@@ -138,8 +145,9 @@ class ApiServers:
 
     def run(self) -> int:
         """Serve until SIGINT or SIGTERM (each server drains as ``server.serve`` does), or until
-        a server or the engine dies (the rest are stopped: 1). 0 after a signal."""
-        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        a server or the engine dies (the rest are stopped: 1). 0 after a signal (also one that
+        came while the servers started). Signals are handled from the constructor on, in the
+        main thread."""
         try:
             failed = None
             while any(p.is_alive() for p in self.servers):
@@ -160,8 +168,6 @@ class ApiServers:
                     self._signal_servers(signal.SIGTERM)
             return 1 if failed else 0
         finally:
-            for s, handler in previous.items():
-                signal.signal(s, handler)
             self.stop()
 
     def stop(self, seconds: float = 10.0) -> None:
@@ -178,3 +184,5 @@ class ApiServers:
                 proc.join(timeout=5)
         self.engine.stop()
         shutil.rmtree(self.metrics_dir, ignore_errors=True)
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
