@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import logging
 import multiprocessing
 import os
 import shutil
@@ -45,9 +44,6 @@ from multiprocessing.connection import Connection, wait
 
 from openk3.serve.engine import LLMEngine
 from openk3.serve.engine_process import EngineInfo, EngineProcess
-
-logger = logging.getLogger(__name__)
-START_SECONDS = 120.0  # how long the server processes may take to import and start listening
 
 
 def _die_with_parent() -> None:

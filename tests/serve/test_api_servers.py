@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 
@@ -21,7 +20,7 @@ from openk3.serve.api_servers import ApiServers, bound_socket  # noqa: E402
 from openk3.serve.engine import LLMEngine  # noqa: E402
 from openk3.serve.sampler import SamplingParams  # noqa: E402
 from openk3.tokenizer import VisibleTokenizer  # noqa: E402
-from tests.serve.test_cli_serve import ENV, _free_port  # noqa: E402
+from tests.serve.test_cli_serve import ENV, _free_port, sigterm_mid_stream, wait_until_healthy  # noqa: E402
 from tests.serve.test_engine_process import debug_engine  # noqa: E402
 
 
@@ -42,15 +41,7 @@ def test_two_api_servers_answer_as_one_and_drain_on_sigterm():
     expected = LLMEngine(model, VisibleTokenizer(), eos_token_ids=()).generate(
         ["Hello"], SamplingParams(temperature=0, max_tokens=6))[0].text
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            assert time.monotonic() < deadline, "openk3 serve did not come up"
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.3)
+        wait_until_healthy(proc, url)
         texts = [None] * 6
 
         def ask(i):  # a connection each: the kernel hands them to either server process
@@ -69,16 +60,7 @@ def test_two_api_servers_answer_as_one_and_drain_on_sigterm():
         assert _metric(metrics, "openk3_time_to_first_token_seconds_count") == len(texts)
         assert _metric(metrics, "openk3_generation_tokens_total") == 6 * len(texts)
 
-        lines = []
-        body = {"prompt": "x", "max_tokens": 4000, "temperature": 0, "stream": True}
-        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
-            for line in r.iter_lines():
-                if line:
-                    lines.append(line)
-                if len(lines) == 3:  # the stream is running: stop the supervisor
-                    proc.send_signal(signal.SIGTERM)
-                    stopped = time.monotonic()
-        waited = time.monotonic() - stopped
+        lines, waited = sigterm_mid_stream(proc, url)  # to the supervisor
         assert lines[-1] == "data: [DONE]"
         assert '"server_error"' in lines[-2] and "shutting down" in lines[-2]
         assert 3.5 < waited < 8, waited

@@ -90,6 +90,34 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_until_healthy(proc: subprocess.Popen, url: str) -> None:
+    """Until ``openk3 serve`` at ``url`` answers /health (it failing, or 120 s, fails the test)."""
+    deadline = time.monotonic() + 120
+    while True:
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.monotonic() < deadline, "openk3 serve did not come up"
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            time.sleep(0.3)
+
+
+def sigterm_mid_stream(proc: subprocess.Popen, url: str) -> tuple[list[str], float]:
+    """SIGTERM ``proc`` once a long stream has sent three lines: the stream's lines, and the
+    seconds from the signal to the stream's end."""
+    lines = []
+    body = {"prompt": "x", "max_tokens": 4000, "temperature": 0, "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line:
+                lines.append(line)
+            if len(lines) == 3:  # the stream is running: stop the server
+                proc.send_signal(signal.SIGTERM)
+                stopped = time.monotonic()
+    return lines, time.monotonic() - stopped
+
+
 def test_openk3_serve_checkpoint_end_to_end(tmp_path):
     ckpt = tmp_path / "debug-ckpt"
     save_pretrained(build_model(preset("debug"), seed=3), ckpt)
@@ -100,15 +128,7 @@ def test_openk3_serve_checkpoint_end_to_end(tmp_path):
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            assert time.monotonic() < deadline, "openk3 serve did not come up"
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.3)
+        wait_until_healthy(proc, url)
         client = openai.OpenAI(base_url=url + "/v1", api_key="sk-cli", max_retries=0, timeout=60)
         assert [m.id for m in client.models.list()] == ["debug-ckpt"]
         r = client.completions.create(model="debug-ckpt", prompt="def f(x):", max_tokens=8,
@@ -149,25 +169,8 @@ def test_sigterm_ends_streams_in_flight_with_an_error_event_and_done(tmp_path):
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            assert time.monotonic() < deadline, "openk3 serve did not come up"
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.3)
-        lines = []
-        body = {"prompt": "x", "max_tokens": 4000, "temperature": 0, "stream": True}
-        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
-            for line in r.iter_lines():
-                if line:
-                    lines.append(line)
-                if len(lines) == 3:  # the stream is running: stop the server
-                    proc.send_signal(signal.SIGTERM)
-                    stopped = time.monotonic()
-        waited = time.monotonic() - stopped
+        wait_until_healthy(proc, url)
+        lines, waited = sigterm_mid_stream(proc, url)
         assert lines[-1] == "data: [DONE]"
         assert '"server_error"' in lines[-2] and "shutting down" in lines[-2]
         assert 3.5 < waited < 8, waited
