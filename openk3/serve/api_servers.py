@@ -46,17 +46,21 @@ from openk3.serve.engine import LLMEngine
 from openk3.serve.engine_process import EngineInfo, EngineProcess
 
 
-def _die_with_parent() -> None:
-    """SIGTERM this process when its parent dies (Linux's ``prctl(PR_SET_PDEATHSIG)``)."""
+def _die_with_parent(parent: int) -> None:
+    """SIGTERM this process when its parent (pid ``parent``) dies (Linux's
+    ``prctl(PR_SET_PDEATHSIG)``), or now if it died before the request was made."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # orphaned while it started: nobody would ever stop it
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
-def _server_main(connection: Connection, info: EngineInfo, sock: socket.socket, started,
+def _server_main(parent: int, connection: Connection, info: EngineInfo, sock: socket.socket, started,
                  metrics_dir: str, model_name: str, api_key: str | None, chat_template) -> None:
-    """One server process: ``openk3 serve``'s app over its connection to the engine."""
+    """One server process (``parent``: the supervisor's pid): ``openk3 serve``'s app over its
+    connection to the engine."""
     os.setpgrp()  # out of the terminal's process group: the supervisor forwards signals
-    _die_with_parent()
+    _die_with_parent(parent)
     # prometheus_client picks its multiprocess mode when first imported: before the app's import
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
     from openk3.serve.engine_process import ProcessEngine
@@ -107,7 +111,7 @@ class ApiServers:
         for i, conn in enumerate(self.engine.connections):
             started = ctx.Event()
             proc = ctx.Process(target=_server_main, name=f"openk3-api-server-{i}",
-                               args=(conn, self.engine.info, sock, started, self.metrics_dir,
+                               args=(os.getpid(), conn, self.engine.info, sock, started, self.metrics_dir,
                                      self.model_name, api_key, chat_template))
             proc.start()
             conn.close()  # the server process has its copy
@@ -146,17 +150,25 @@ class ApiServers:
         main thread."""
         try:
             failed = None
-            while any(p.is_alive() for p in self.servers):
-                watched = [p.sentinel for p in self.servers if p.is_alive()]
-                if not (self.stopping or failed) and self.engine.is_alive():
-                    watched.append(self.engine.process.sentinel)
-                wait(watched)
+            # a process has ended once its sentinel is ready: its is_alive() may say True a little
+            # longer (until the kernel lets it be reaped), so a death seen as "still alive" and
+            # then left out of the next wait was never noticed, and run waited for ever
+            servers = {p.sentinel: i for i, p in enumerate(self.servers)}
+            engine = self.engine.process.sentinel
+            while servers:
+                watch_engine = engine is not None and not (self.stopping or failed)
+                ready = wait([*servers, *([engine] if watch_engine else [])])
+                ended = [servers.pop(s) for s in ready if s in servers]
+                if engine in ready:
+                    engine = None
                 if self.stopping or failed:
                     continue
-                dead = [(i, p.exitcode) for i, p in enumerate(self.servers) if not p.is_alive()]
-                if dead:
-                    failed = f"API server {dead[0][0]} exited (exit code {dead[0][1]})"
-                elif not self.engine.is_alive():
+                if ended:
+                    proc = self.servers[ended[0]]
+                    proc.join()
+                    failed = f"API server {ended[0]} exited (exit code {proc.exitcode})"
+                elif engine is None:
+                    self.engine.process.join()
                     failed = f"the engine process exited (exit code {self.engine.process.exitcode})"
                 if failed:
                     print(f"openk3 serve: {failed}; stopping", file=sys.stderr, flush=True)

@@ -78,8 +78,26 @@ def test_a_server_process_that_dies_stops_the_others_and_the_engine():
         try:
             url = f"http://127.0.0.1:{sock.getsockname()[1]}"
             assert httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"] == "dbg"
-            os.kill(servers.servers[1].pid, signal.SIGKILL)
-            assert servers.run() == 1
+            # an ended process's is_alive() may say True until the kernel lets it be reaped (a run
+            # that asked it missed the death, then waited for ever): here, until it is joined
+            dying = servers.servers[1]
+            dying.is_alive = lambda: dying._popen.returncode is None
+            os.kill(dying.pid, signal.SIGKILL)
+            hung = []
+
+            def unblock():  # a run that missed the death: end it (and this test) in a minute
+                hung.append(True)
+                for proc in (*servers.servers, servers.engine.process):
+                    proc.kill()
+                dying.join()
+
+            watchdog = threading.Timer(60, unblock)
+            watchdog.start()
+            try:
+                assert servers.run() == 1
+            finally:
+                watchdog.cancel()
+            assert not hung, "run() did not notice the dead server"
         finally:
             servers.stop()
     assert not any(p.is_alive() for p in servers.servers) and not servers.engine.is_alive()
