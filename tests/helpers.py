@@ -1,12 +1,15 @@
 """Shared test helpers: loading fla-core's pure-PyTorch references without importing fla
 (the package import needs triton, which CPU CI does not have); an HTTP app served by uvicorn on a
-free port in a thread."""
+free port in a thread; killing a process with every process it started."""
 
 from __future__ import annotations
 
 import contextlib
 import importlib.util
+import os
+import signal
 import socket
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -45,3 +48,28 @@ def uvicorn_thread(app):
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every running process started by ``pid``, its children's children included (Linux /proc)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])  # the field after the name
+            children.setdefault(parent, []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL ``proc`` and every process it started, then reap it. A failed test's ``openk3
+    serve`` must not leave its engine or server processes (process groups of their own) running
+    into the tests after it."""
+    for pid in [proc.pid, *_descendants(proc.pid)]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    proc.wait()

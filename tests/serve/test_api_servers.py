@@ -20,6 +20,7 @@ from openk3.serve.api_servers import ApiServers, bound_socket  # noqa: E402
 from openk3.serve.engine import LLMEngine  # noqa: E402
 from openk3.serve.sampler import SamplingParams  # noqa: E402
 from openk3.tokenizer import VisibleTokenizer  # noqa: E402
+from tests.helpers import kill_tree  # noqa: E402
 from tests.serve.test_cli_serve import ENV, _free_port, sigterm_mid_stream, wait_until_healthy  # noqa: E402
 from tests.serve.test_engine_process import debug_engine  # noqa: E402
 
@@ -69,7 +70,7 @@ def test_two_api_servers_answer_as_one_and_drain_on_sigterm():
         assert out.count("Application startup complete") == 2
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_tree(proc)
 
 
 def test_a_server_process_that_dies_stops_the_others_and_the_engine():

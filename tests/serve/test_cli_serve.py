@@ -25,6 +25,7 @@ from openk3.cli import build_parser, main  # noqa: E402
 from openk3.serve import server as server_module  # noqa: E402
 from openk3.serve.config import EngineConfig  # noqa: E402
 from openk3.train.config import RunConfig  # noqa: E402
+from tests.helpers import kill_tree  # noqa: E402
 
 # The subprocess imports the openk3 these tests import, whatever is installed.
 PYTHONPATH = [str(Path(openk3.__file__).parents[1])] + os.environ.get("PYTHONPATH", "").split(os.pathsep)
@@ -148,7 +149,7 @@ def test_openk3_serve_checkpoint_end_to_end(tmp_path):
         try:
             out, _ = proc.communicate(timeout=30)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            kill_tree(proc)
             raise
     assert proc.returncode == 0, out
 
@@ -178,4 +179,4 @@ def test_sigterm_ends_streams_in_flight_with_an_error_event_and_done(tmp_path):
         assert proc.returncode == 0
     finally:
         if proc.poll() is None:
-            proc.kill()
+            kill_tree(proc)

@@ -9,7 +9,6 @@ import json
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -22,7 +21,8 @@ import openk3  # noqa: E402
 from openk3 import build_model, preset, save_pretrained  # noqa: E402
 from openk3.tokenizer import load_tokenizer  # noqa: E402
 from openk3.train.data import SPECIAL_TOKENS, train_bpe_tokenizer  # noqa: E402
-from tests.serve.test_cli_serve import ENV, _free_port  # noqa: E402
+from tests.helpers import kill_tree  # noqa: E402
+from tests.serve.test_cli_serve import ENV, _free_port, wait_until_healthy  # noqa: E402
 
 QUESTIONS = [
     {"question": "def add(a, b):\n    return", "choices": [" a + b", " a - b", " None"], "label": 0},
@@ -62,15 +62,12 @@ def _serve(checkpoint: Path, port: int) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "openk3", "serve", "--checkpoint", str(checkpoint), "--port", str(port),
            "--served-model-name", "tiny", "--max-model-len", "256", "--no-cuda-graphs"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
-    deadline = time.monotonic() + 120
-    while True:
-        assert proc.poll() is None, proc.stdout.read()
-        assert time.monotonic() < deadline, "openk3 serve did not come up"
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return proc
-        except httpx.TransportError:
-            time.sleep(0.3)
+    try:
+        wait_until_healthy(proc, f"http://127.0.0.1:{port}")
+    except BaseException:
+        kill_tree(proc)
+        raise
+    return proc
 
 
 def _loglikelihood(model, tok, context: str, continuation: str) -> float:
@@ -101,7 +98,11 @@ def test_lm_eval_local_completions_scores_with_the_models_logprobs(checkpoint, t
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     finally:
         server.send_signal(signal.SIGINT)
-        server.communicate(timeout=30)
+        try:
+            server.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            kill_tree(server)
+            raise
     assert "openk3_tiny_mc" in run.stdout and "acc" in run.stdout  # the results table
     (samples,) = list((tmp_path / "results").rglob("samples_openk3_tiny_mc_*.jsonl"))
     docs = [json.loads(line) for line in samples.read_text().splitlines()]

@@ -156,12 +156,17 @@ def test_ctrl_c_saves_and_exits_cleanly(corpus, tmp_path):
     proc = _cli(_train_args(corpus, out, 100000))
     lines = []
     deadline = time.time() + 120
-    for line in proc.stdout:  # wait until a few steps have run
-        lines.append(line)
-        if line.startswith("step") and int(line.split()[1]) >= 3 or time.time() > deadline:
-            break
-    proc.send_signal(signal.SIGINT)
-    rest, _ = proc.communicate(timeout=120)
+    try:
+        for line in proc.stdout:  # wait until a few steps have run
+            lines.append(line)
+            if line.startswith("step") and int(line.split()[1]) >= 3 or time.time() > deadline:
+                break
+        proc.send_signal(signal.SIGINT)
+        rest, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
     assert proc.returncode == 0, "".join(lines) + rest
     assert "saved step" in rest
     latest = (out / "checkpoints" / "LATEST").read_text()
