@@ -175,8 +175,8 @@ def test_sigterm_ends_streams_in_flight_with_an_error_event_and_done(tmp_path):
         assert lines[-1] == "data: [DONE]"
         assert '"server_error"' in lines[-2] and "shutting down" in lines[-2]
         assert 3.5 < waited < 8, waited
-        proc.wait(timeout=30)
-        assert proc.returncode == 0
+        out, _ = proc.communicate(timeout=30)
+        assert proc.returncode == 0, out
     finally:
         if proc.poll() is None:
             kill_tree(proc)
