@@ -88,9 +88,11 @@ def bound_socket(host: str, port: int) -> socket.socket:
 class ApiServers:
     """The engine process and ``count`` server processes on ``sock`` (``bound_socket``).
     Returns once every server accepts requests (or a signal came meanwhile: ``run`` then
-    returns at once); raises as ``EngineProcess`` if the engine
-    fails to start, ``RuntimeError`` if a server process does. ``run`` serves until a signal;
-    ``stop`` (or leaving the ``with`` block) stops everything."""
+    returns at once); raises as ``EngineProcess`` if the engine fails to start, and
+    ``RuntimeError`` if a server process does (anything else that stops the start, such as an
+    argument that cannot be sent to a server process, is raised as it is), with whatever had
+    started stopped. ``run`` serves until a signal; ``stop`` (or leaving the ``with`` block)
+    stops everything."""
 
     def __init__(self, factory: Callable[[], LLMEngine], count: int, sock: socket.socket, *,
                  api_key: str | None = None, chat_template=None, model_name: str | None = None):
@@ -98,16 +100,24 @@ class ApiServers:
             raise ValueError(f"api_servers: {count} must be >= 1")
         self.engine = EngineProcess(factory, clients=count)
         self.model_name = model_name or self.engine.info.model_name
+        self.servers: list[multiprocessing.process.BaseProcess] = []
+        self.stopping, self._stopped, self._previous = False, False, {}
         self.metrics_dir = tempfile.mkdtemp(prefix="openk3-metrics-")
+        try:
+            self._start(sock, api_key, chat_template)
+        except BaseException:  # nothing left behind: servers, engine, directory, signal handlers
+            self.stop()
+            raise
+
+    def _start(self, sock: socket.socket, api_key: str | None, chat_template) -> None:
+        """Listen, then start a server process per engine connection; return once each accepts."""
         sock.listen(2048)
-        self.stopping, self._stopped = False, False
         # from here a signal stops everything, even while the servers start (a script's
         # `kill -INT` right after the first server answered was lost, then waited on forever)
-        self._previous = {}
         if threading.current_thread() is threading.main_thread():
             self._previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         ctx = multiprocessing.get_context("spawn")
-        self.servers, events = [], []
+        events = []
         for i, conn in enumerate(self.engine.connections):
             started = ctx.Event()
             proc = ctx.Process(target=_server_main, name=f"openk3-api-server-{i}",
@@ -119,11 +129,10 @@ class ApiServers:
             events.append(started)
         for i, (proc, started) in enumerate(zip(self.servers, events)):
             while not started.wait(0.1) and not self.stopping:
-                if not proc.is_alive() or not self.engine.is_alive():
-                    self.stop()
-                    raise RuntimeError(f"API server {i} exited while starting (exit code {proc.exitcode})"
-                                       if not proc.is_alive() else "the engine process exited while "
-                                       "the API servers started")
+                if not proc.is_alive():
+                    raise RuntimeError(f"API server {i} exited while starting (exit code {proc.exitcode})")
+                if not self.engine.is_alive():
+                    raise RuntimeError("the engine process exited while the API servers started")
 
     def __enter__(self) -> ApiServers:
         return self

@@ -40,6 +40,7 @@ everyone the counters), and a server whose connection closes has its requests ab
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import multiprocessing
 import signal
@@ -227,6 +228,10 @@ class EngineProcess:
                 raise ValueError(message)
             raise RuntimeError(f"the engine process failed to start:\n{trace}")
         self.info: EngineInfo = info
+        # an engine left running at interpreter exit: multiprocessing's own exit handler sends it
+        # SIGTERM, which it ignores, then joins it for ever while this process still holds its
+        # control connection open; this handler (registered later, so run first) stops it
+        atexit.register(self.stop)
 
     def is_alive(self) -> bool:
         return self.process.is_alive()
@@ -238,6 +243,7 @@ class EngineProcess:
 
     def stop(self) -> None:
         """Stop the engine (its clients' open streams fail) and wait for the process to end."""
+        atexit.unregister(self.stop)
         try:
             self._control.send(("stop",))
         except OSError:

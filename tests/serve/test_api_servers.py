@@ -4,10 +4,13 @@ process that dies stops the rest."""
 
 from __future__ import annotations
 
+import glob
+import multiprocessing
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 
 import pytest
@@ -103,6 +106,19 @@ def test_a_server_process_that_dies_stops_the_others_and_the_engine():
             servers.stop()
     assert not any(p.is_alive() for p in servers.servers) and not servers.engine.is_alive()
     assert servers.servers[0].exitcode == 0 and not os.path.exists(servers.metrics_dir)
+
+
+def test_a_failed_start_leaves_nothing_behind():
+    """A server process that cannot be started (its chat template does not pickle): the error is
+    raised, the engine process stopped, the metrics directory removed, the signal handlers
+    restored."""
+    handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    dirs = set(glob.glob(os.path.join(tempfile.gettempdir(), "openk3-metrics-*")))
+    with bound_socket("127.0.0.1", 0) as sock, pytest.raises(Exception, match="pickle"):
+        ApiServers(debug_engine, 2, sock, chat_template=lambda: None)
+    assert not [p.name for p in multiprocessing.active_children() if p.name.startswith("openk3-")]
+    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "openk3-metrics-*"))) == dirs
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == handlers
 
 
 def test_several_api_servers_need_the_engine_process(capsys):

@@ -8,6 +8,8 @@ import asyncio
 import functools
 import os
 import signal
+import subprocess
+import sys
 
 import pytest
 
@@ -195,3 +197,18 @@ def test_several_clients_of_one_engine_process(engines):
         a.shutdown()
         owner.stop()
     assert not owner.is_alive()
+
+
+def test_a_process_that_exits_without_stopping_its_engine_ends():
+    """An ``EngineProcess`` never stopped: the interpreter's exit stops it. (multiprocessing's
+    exit handler sends its daemon SIGTERM, which the engine ignores, then joined it for ever.)"""
+    code = ("from openk3.serve.engine_process import EngineProcess\n"
+            "from tests.serve.test_engine_process import debug_engine\n"
+            "if __name__ == '__main__':\n"
+            "    engine = EngineProcess(debug_engine)  # held to the end\n"
+            "    print('engine up', flush=True)\n")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": root}
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env,
+                         start_new_session=True)
+    assert run.returncode == 0 and "engine up" in run.stdout, run.stdout + run.stderr
