@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -207,8 +208,7 @@ def test_a_process_that_exits_without_stopping_its_engine_ends():
             "if __name__ == '__main__':\n"
             "    engine = EngineProcess(debug_engine)  # held to the end\n"
             "    print('engine up', flush=True)\n")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": root}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env,
                          start_new_session=True)
     assert run.returncode == 0 and "engine up" in run.stdout, run.stdout + run.stderr
