@@ -84,10 +84,13 @@ def _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, cu_seqlens_q_cpu, cu_seqlens_
                     ("cu_seqlens_k_cpu", cu_seqlens_k_cpu)):
         if t.numel() != n:
             raise ValueError(f"`{name}` has {t.numel()} offsets, `cu_seqlens_q_cpu` {n}")
-    if cu_seqlens_q_cpu[-1] != q.shape[0] or cu_seqlens_k_cpu[-1] != k.shape[0]:
-        raise ValueError(f"the offsets end at {int(cu_seqlens_q_cpu[-1])} queries and "
-                         f"{int(cu_seqlens_k_cpu[-1])} keys, got {q.shape[0]} and {k.shape[0]}")
-    if bool((cu_seqlens_k_cpu.diff() < cu_seqlens_q_cpu.diff()).any()):
+    # Python ints: a prefill's few offsets checked in microseconds (torch ops on host tensors
+    # cost ~40 us of every MLA layer's attention; docs/benchmarks.md, thirty-first session)
+    cu_q, cu_k = cu_seqlens_q_cpu.tolist(), cu_seqlens_k_cpu.tolist()
+    if cu_q[-1] != q.shape[0] or cu_k[-1] != k.shape[0]:
+        raise ValueError(f"the offsets end at {cu_q[-1]} queries and {cu_k[-1]} keys, got "
+                         f"{q.shape[0]} and {k.shape[0]}")
+    if any(kb - ka < qb - qa for qa, qb, ka, kb in zip(cu_q, cu_q[1:], cu_k, cu_k[1:])):
         raise ValueError("every sequence needs at least as many keys as queries")
 
 
@@ -295,16 +298,12 @@ def square_by(dense, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     bottom-right alignment agree; the rows before them are zero queries and the rows after are
     zero keys, which no real row sees. Their results are dropped. Returns None if ``dense``
     does."""
-    Tq, H = q.shape[:2]
-    Tk = k.shape[0]
+    Tq, Tk = q.shape[0], k.shape[0]
     B, front = _cudnn_bucket(Tk), Tk - Tq
-    if B == Tk and not front:
-        padded = [t.contiguous() for t in (q, k, v)]
-    else:
-        padded = [torch.zeros(B, H, t.shape[-1], dtype=t.dtype, device=t.device) for t in (q, k, v)]
-        padded[0][front:Tk] = q
-        padded[1][:Tk] = k
-        padded[2][:Tk] = v
+    # one pad each (F.pad: a new tensor, so the kernel gets contiguous rows); the keys and values
+    # go as they are when the bucket is their length (any strides, last dim contiguous)
+    padded = [F.pad(q, (0, 0, 0, 0, front, B - Tk)) if B != Tq else q.contiguous(),
+              *(F.pad(t, (0, 0, 0, 0, 0, B - Tk)) if B != Tk else t for t in (k, v))]
     res = dense(*(p[None] for p in padded), scale, True)
     if res is None:
         return None
@@ -329,8 +328,8 @@ def _cudnn_pieces(q, k, v, scale):
         return None
     m, Tq = k.shape[0], q.shape[0]
     B = _cudnn_bucket(Tq)
-    if m == 1 and B == Tq:
-        qs = q[None]
+    if B == Tq:  # the queries once per run: one copy (none for one run)
+        qs = q[None] if m == 1 else q[None].expand(m, *q.shape).contiguous()
     else:
         qs = q.new_zeros(m, B, *q.shape[1:])
         qs[:, :Tq] = q

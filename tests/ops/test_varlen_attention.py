@@ -102,11 +102,14 @@ def dense_ref(q, k, v, scale, causal):
     return out[None], lse[None]
 
 
-@pytest.mark.parametrize("Tq, Tk", [(1, 1), (5, 5), (3, 10), (64, 64), (65, 70), (40, 130), (1, 200)])
+@pytest.mark.parametrize("Tq, Tk", [(1, 1), (5, 5), (3, 10), (64, 64), (65, 70), (40, 130), (1, 200),
+                                     (40, 64), (64, 128)])
 def test_square_by_puts_a_bottom_right_tail_in_a_top_left_square(Tq, Tk):
-    """Zero queries in front, zero keys after (up to the bucket: 70 -> 128, 130 -> 192): the real
-    rows' outputs and log-sum-exps are the bottom-right tail's; a declining kernel declines."""
-    x = make_inputs([(Tq, Tk)], H=2, D=16, Dv=8)
+    """Zero queries in front, zero keys after (up to the bucket: 70 -> 128, 130 -> 192; 64 and
+    128 keys are their own bucket, passed as they are): the real rows' outputs and log-sum-exps
+    are the bottom-right tail's; a declining kernel declines. v strided, as the MLA layer's."""
+    x = make_inputs([(Tq, Tk)], H=2, D=16, Dv=16)
+    x["v"] = x["v"][..., 4:12]
     got = varlen_module.square_by(dense_ref, x["q"], x["k"], x["v"], x["scale"])
     want = varlen_module.attention_lse_ref(x["q"], x["k"], x["v"], x["cu_seqlens_q_cpu"],
                                            x["cu_seqlens_k_cpu"], x["scale"], True)
@@ -148,13 +151,15 @@ def test_flash_varlen_matches_reference(D, Dv, H):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("route", ["cudnn", "mixed", "flash"])
-@pytest.mark.parametrize("Tq, Tk", [(1024, 9000), (600, 600), (600, 5000), (700, 1724), (1, 3000), (37, 1061)])
+@pytest.mark.parametrize("Tq, Tk", [(1024, 9000), (1024, 9216), (600, 600), (600, 5000), (700, 1724), (1, 3000),
+                                     (37, 1061)])
 def test_one_sequence_parts_match_loop(Tq, Tk, route, monkeypatch):
     """One sequence on the device, sizes scaled down (by the module's thresholds): the prefix in
     runs of multiples of 96 keys in cuDNN (or FlashAttention-2, when cuDNN has failed), the tail
     in FlashAttention-2 or, from 512 queries and a remainder no longer than them, in cuDNN as a
-    padded top-left square (600 of 600 keys -> 640 rows; 600 after a remainder of 368 -> 1,024);
-    v strided as the MLA layer's (a slice of kv_b_proj's output)."""
+    padded top-left square (600 of 600 keys -> 640 rows; 600 after a remainder of 368 -> 1,024;
+    1,024 after 512 -> 1,536 rows, the keys and values passed as they are: the serving case of
+    1,024 queries after 31,744 cached keys); v strided as the MLA layer's (a slice of kv_b_proj's output)."""
     monkeypatch.setattr(varlen_module, "CUDNN_MIN_TOKENS", 512)
     monkeypatch.setattr(varlen_module, "SPLIT_MIN_TOKENS", 512)
     monkeypatch.setattr(varlen_module, "CUDNN_PIECE_KEYS", 96)
