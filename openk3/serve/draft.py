@@ -77,12 +77,21 @@ def sample_drafts(logits: torch.Tensor, ks: list[int], K: int, params: list[Samp
     makes exactly those (``sampler.sample``), whatever the batch.
 
     Returns (tokens [n, K] int64, probabilities [n, K, V] fp32: the distributions, after
-    ``sampling_probs``, the tokens were drawn from); row b beyond ``ks[b]`` is -1 / 0."""
+    ``sampling_probs``, the tokens were drawn from); row b beyond ``ks[b]`` is -1 / 0. A batch of
+    greedy requests draws argmaxes and returns None for the probabilities (one-hot, never read:
+    ``speculative.greedy_verify`` verifies from the target's logits alone)."""
     n, V = logits.shape
     tokens = torch.full((n, K), -1, dtype=torch.long, device=logits.device)
-    probs = torch.zeros(n, K, V, device=logits.device)
     drafting = host_to_device(ks, logits.device)  # [n]
     steps = max(ks)
+    if all(p.temperature == 0 for p in params):
+        for i in range(steps):
+            drawn = logits.argmax(-1)
+            tokens[:, i] = torch.where(drafting > i, drawn, -1)
+            if i + 1 < steps:
+                logits = advance(i, drawn)
+        return tokens, None
+    probs = torch.zeros(n, K, V, device=logits.device)
     for i in range(steps):
         drawn, _, q = sample(logits, params, [g if k > i else None for g, k in zip(generators, ks)],
                              distribution=True)

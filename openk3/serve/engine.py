@@ -51,7 +51,7 @@ from openk3.serve.multimodal import ImageLike, MultiModalInput
 from openk3.serve.sampler import InvalidRequest, SamplingParams, make_generator, sample, token_logprobs
 from openk3.serve.scheduler import Scheduler, SchedulerOutput
 from openk3.serve.sequence import Sequence, SequenceStatus
-from openk3.serve.speculative import sampling_probs, speculative_sample
+from openk3.serve.speculative import greedy_verify, sampling_probs, speculative_sample
 
 
 @dataclass
@@ -444,16 +444,20 @@ class LLMEngine:
                 r.logprobs.append(Logprob(token_id, row[0], dict(zip(map(int, row[1 + k:1 + k + n]), row[1:1 + n]))))
 
     def _verify(self, result: StepResult, out: SchedulerOutput, draft_tokens: torch.Tensor,
-                draft_probs: torch.Tensor) -> list[list[int]]:
+                draft_probs: torch.Tensor | None) -> list[list[int]]:
         """Speculative sampling for ``result.verified``; returns each sequence's emitted tokens
         (accepted drafts, then the correction or bonus token, cut after a stop string) and rolls
-        the target's and the draft's KDA states back to the kept tokens."""
+        the target's and the draft's KDA states back to the kept tokens. ``draft_probs`` None: a
+        greedy batch (``sample_drafts``), verified from the logits alone."""
         seqs = result.verified
         reqs = [self.requests[s.request_id] for s in seqs]
         params, ks = [r.params for r in reqs], [out.num_draft_tokens[s.request_id] for s in seqs]
-        target_probs = sampling_probs(result.verify_logits, params)
-        num_accepted, tokens = speculative_sample(draft_tokens, draft_probs, target_probs, ks, params,
-                                                  [r.generator for r in reqs])
+        if draft_probs is None:
+            num_accepted, tokens = greedy_verify(draft_tokens, result.verify_logits, ks)
+        else:
+            target_probs = sampling_probs(result.verify_logits, params)
+            num_accepted, tokens = speculative_sample(draft_tokens, draft_probs, target_probs, ks, params,
+                                                      [r.generator for r in reqs])
         K = draft_tokens.shape[1]
         # the step's one device -> host copy of verify results: accepted counts, tokens, drafts
         rows = torch.cat([num_accepted[:, None], tokens, draft_tokens], dim=1).tolist()

@@ -19,6 +19,10 @@ sampled tokens follow p exactly.
 * ``speculative_sample_ref``: one sequence, a loop over its draft tokens; the reference.
 * ``speculative_sample``: a batch ``[B, K]`` with per-row draft lengths, vectorised over rows
   and vocabulary (no host synchronisation, no loop over positions).
+* ``greedy_verify``: ``speculative_sample`` of a batch whose every request is greedy, from the
+  target's logits alone: no probabilities (the draft's and the target's would be one-hot), no
+  random draws; ~10 kernels where the general path launches ~45 (the engine's verify step at
+  batch 1 ran ~84 launches outside its graphs, docs/benchmarks.md, thirty-first session).
 
 Randomness follows ``sampler.py``: a row draws its K acceptance uniforms and then one Exp(1)
 noise vector over the vocabulary, and picks the emitted token by the exponential race
@@ -187,4 +191,37 @@ def speculative_sample(draft_tokens: torch.Tensor, draft_probs: torch.Tensor,
     padded = torch.cat([d, d.new_full((B, 1), -1)], dim=1)                          # [B, K+1]
     tokens = torch.where(pos < num_accepted[:, None], padded,
                          torch.where(pos == num_accepted[:, None], last[:, None], -1))
+    return num_accepted, tokens
+
+
+def greedy_verify(draft_tokens: torch.Tensor, target_logits: torch.Tensor,
+                  num_draft: Sequence[int] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``speculative_sample`` for a batch of greedy requests: draft_tokens [B, K] int64,
+    target_logits [B, K+1, V] (the verify pass's), num_draft as there. Row b accepts its drafts
+    while each equals the target's argmax (the first index on a tie, as ``sampler.sample``) and
+    then emits the argmax of the next position. Returns (num_accepted [B], tokens [B, K+1]) as
+    ``speculative_sample`` does.
+
+    >>> logits = torch.tensor([[[0., 2., 1.], [3., 0., 0.], [0., 0., 5.]]])  # argmax 1, 0, 2
+    >>> n, tokens = greedy_verify(torch.tensor([[1, 2]]), logits, None)    # 1 right, 2 wrong
+    >>> n.tolist(), tokens.tolist()
+    ([1], [[1, 0, -1]])
+    """
+    if draft_tokens.dim() != 2 or draft_tokens.dtype != torch.long:
+        raise ValueError(f"`draft_tokens` must be an int64 [B, K] tensor, got {draft_tokens.dtype} "
+                         f"{list(draft_tokens.shape)}")
+    B, K = draft_tokens.shape
+    if target_logits.dim() != 3 or target_logits.shape[:2] != (B, K + 1):
+        raise ValueError(f"`target_logits` must be [B, K+1, V] with B = {B}, K = {K}, got "
+                         f"{list(target_logits.shape)}")
+    if num_draft is not None and (len(num_draft) != B or not all(0 <= k <= K for k in num_draft)):
+        raise ValueError(f"`num_draft` must hold B = {B} lengths in [0, {K}], got {list(num_draft)}")
+    dev = draft_tokens.device
+    best = target_logits.argmax(-1)                                                 # [B, K+1]
+    ok = draft_tokens == best[:, :K]
+    if num_draft is not None and any(k < K for k in num_draft):
+        ok &= torch.arange(K, device=dev) < host_to_device(list(num_draft), dev)[:, None]
+    num_accepted = ok.long().cumprod(-1).sum(-1)                                    # [B]
+    # an accepted draft is the target's argmax, and so is the token after the accepted ones
+    tokens = torch.where(torch.arange(K + 1, device=dev) <= num_accepted[:, None], best, -1)
     return num_accepted, tokens

@@ -1,14 +1,16 @@
 """Speculative sampling: greedy equals plain greedy decoding, the emitted tokens follow the
 target exactly (chi-square, and the same check rejects wrong rules), the expected acceptance
 count, seeded rows independent of the batch, the batch against the per-sequence reference,
-the engine's temperature / top-k / top-p processing, argument errors."""
+the engine's temperature / top-k / top-p processing, argument errors; the greedy batch's path
+(``greedy_verify``, ``sample_drafts`` without probabilities) against the general one."""
 
 import pytest
 import torch
 
 import openk3.serve.speculative as spec
 from openk3.serve.sampler import SamplingParams, make_generator, sample
-from openk3.serve.speculative import sampling_probs, speculative_sample
+from openk3.serve.draft import sample_drafts
+from openk3.serve.speculative import greedy_verify, sampling_probs, speculative_sample
 
 # Upper 1e-3 points of the chi-square distribution by degrees of freedom (scipy.stats.chi2.isf(1e-3, df);
 # the same values are in the NIST/SEMATECH e-Handbook table 1.3.6.7.4). A correct sampler fails
@@ -206,6 +208,65 @@ def test_bad_arguments_are_named(change, name):
             "generators": [None, None]}
     with pytest.raises(ValueError, match=name):
         speculative_sample(**(args | change))
+
+
+@pytest.mark.parametrize("num_draft", [None, [4, 0, 2, 3, 1, 4, 4, 2]])
+def test_greedy_verify_equals_speculative_sample(num_draft):
+    """The greedy batch's path against ``speculative_sample`` with one-hot probabilities: logits
+    with ties (small integers: the first index wins, as ``sampler.sample``), drafts right for a
+    while and then wrong, padding beyond a row's ``num_draft`` that equals the target's argmax
+    (so the padding must be masked, not merely unlikely to match)."""
+    B, K, V = 8, 4, 6
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randint(0, 3, (B, K + 1, V), generator=g).float()
+    best = logits.argmax(-1)
+    drafts = best[:, :K].clone()
+    for b, miss in enumerate([0, 1, 2, 3, 4, 4, 1, 2]):
+        if miss < K:
+            drafts[b, miss] = (drafts[b, miss] + 1) % V
+    greedy = [SamplingParams(temperature=0)] * B
+    q = torch.nn.functional.one_hot(drafts, V).float()
+    want = speculative_sample(drafts, q, sampling_probs(logits, greedy), num_draft, greedy, [None] * B)
+    got = greedy_verify(drafts, logits, num_draft)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (got, want)
+    assert got[0].tolist() == ([0, 1, 2, 3, 4, 4, 1, 2] if num_draft is None else [0, 0, 2, 3, 1, 4, 1, 2])
+
+
+@pytest.mark.parametrize("change,match", [
+    ({"draft_tokens": torch.zeros(2, 3, dtype=torch.int32)}, "draft_tokens"),
+    ({"target_logits": torch.zeros(2, 3, 5)}, "target_logits"),
+    ({"num_draft": [3, 4]}, "num_draft"),
+])
+def test_greedy_verify_names_bad_arguments(change, match):
+    args = {"draft_tokens": torch.zeros(2, 3, dtype=torch.long), "target_logits": torch.zeros(2, 4, 5),
+            "num_draft": None}
+    with pytest.raises(ValueError, match=match):
+        greedy_verify(**(args | change))
+
+
+def test_greedy_drafts_carry_no_probabilities():
+    """A greedy batch's drafting loop draws each chain's argmax and returns no probabilities; a
+    batch with one sampled request takes the general loop (one-hot rows for the greedy ones).
+    The chains: the next logits are a fixed table's row of the token drawn."""
+    V, K = 7, 3
+    table = torch.randn(V, V, generator=torch.Generator().manual_seed(5))
+    start = torch.randn(2, V, generator=torch.Generator().manual_seed(6))
+    ks = [3, 1]
+
+    def advance(i, drawn):
+        return table[drawn]
+
+    greedy = [SamplingParams(temperature=0)] * 2
+    tokens, probs = sample_drafts(start, ks, K, greedy, [None, None], advance)
+    assert probs is None
+    want = [start[0].argmax()]
+    for _ in range(2):
+        want.append(table[want[-1]].argmax())
+    assert tokens.tolist() == [[int(t) for t in want], [int(start[1].argmax()), -1, -1]]
+    mixed = [SamplingParams(temperature=0), SamplingParams(temperature=1.0, seed=0)]
+    tokens2, probs2 = sample_drafts(start, ks, K, mixed, [None, make_generator(0)], advance)
+    assert torch.equal(tokens2[0], tokens[0])
+    assert torch.equal(probs2[0], torch.nn.functional.one_hot(tokens[0], V).float())
 
 
 def test_docstring_example():
