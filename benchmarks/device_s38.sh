@@ -20,6 +20,9 @@
 # 5: P9's verify step by module (decode_census.py --speculative 3, batch 1, an EAGLE-3 draft
 #    eagerly, beside the plain step's census), then warm/cold time to first token again on
 #    this call's machine.
+# 6: the greedy batch's speculative path (greedy_verify, drafts without probabilities): the
+#    verify step's cost with a random EAGLE-3 draft at K = 3, batch 1, with its profile (call 2:
+#    3.89 ms against 1.53, 84 launches a step), then the verify and EAGLE GPU tests.
 source "$(dirname "$0")/device_common.sh"
 case "${1:?phase}" in
 1)
@@ -76,6 +79,12 @@ case "${1:?phase}" in
   timeout -k 5 100 python3 benchmarks/serve_bench.py --parts ttft > "$OUT/ttft.log" 2>&1
   echo "== rc $?" >> "$OUT/ttft.log"
   ;;
-*) echo "phase 1 to 5" >&2; exit 2 ;;
+6)
+  timeout -k 5 110 python3 benchmarks/spec_bench.py --preset small --drafts random --batch 1 --K 3 \
+    --temperatures 0 --num-prompts 2 --max-tokens 48 --profile --json "$OUT/spec_random.json" \
+    > "$OUT/spec_random.log" 2>&1; echo "== rc $?" >> "$OUT/spec_random.log"
+  gpu_tests 45 tests/serve/test_verify_gpu.py tests/serve/test_eagle_engine_gpu.py
+  ;;
+*) echo "phase 1 to 6" >&2; exit 2 ;;
 esac
 summary
