@@ -109,11 +109,19 @@ def speculative_sample_ref(draft_tokens: torch.Tensor, draft_probs: torch.Tensor
     return K, emitted + [int(bonus)]
 
 
-def _validate(draft_tokens, draft_probs, target_probs, num_draft, params, generators) -> None:
+def _check_drafts(draft_tokens: torch.Tensor, num_draft) -> tuple[int, int]:
+    """(B, K) of ``draft_tokens`` [B, K] int64, with ``num_draft`` (None or B lengths in [0, K])."""
     if draft_tokens.dim() != 2 or draft_tokens.dtype != torch.long:
         raise ValueError(f"`draft_tokens` must be an int64 [B, K] tensor, got {draft_tokens.dtype} "
                          f"{list(draft_tokens.shape)}")
     B, K = draft_tokens.shape
+    if num_draft is not None and (len(num_draft) != B or not all(0 <= k <= K for k in num_draft)):
+        raise ValueError(f"`num_draft` must hold B = {B} lengths in [0, {K}], got {list(num_draft)}")
+    return B, K
+
+
+def _validate(draft_tokens, draft_probs, target_probs, num_draft, params, generators) -> None:
+    B, K = _check_drafts(draft_tokens, num_draft)
     if target_probs.dim() != 3 or target_probs.shape[:2] != (B, K + 1) or not target_probs.is_floating_point():
         raise ValueError(f"`target_probs` must be a floating [B, K+1, V] tensor with B = {B}, "
                          f"K = {K}, got {target_probs.dtype} {list(target_probs.shape)}")
@@ -124,8 +132,6 @@ def _validate(draft_tokens, draft_probs, target_probs, num_draft, params, genera
     for name, t in (("draft_tokens", draft_tokens), ("draft_probs", draft_probs)):
         if t.device != target_probs.device:
             raise ValueError(f"`{name}` is on {t.device}, target_probs on {target_probs.device}")
-    if num_draft is not None and (len(num_draft) != B or not all(0 <= k <= K for k in num_draft)):
-        raise ValueError(f"`num_draft` must hold B = {B} lengths in [0, {K}], got {list(num_draft)}")
     if len(params) != B or len(generators) != B:
         raise ValueError(f"{B} rows but {len(params)} `params` and {len(generators)} `generators`")
 
@@ -207,15 +213,10 @@ def greedy_verify(draft_tokens: torch.Tensor, target_logits: torch.Tensor,
     >>> n.tolist(), tokens.tolist()
     ([1], [[1, 0, -1]])
     """
-    if draft_tokens.dim() != 2 or draft_tokens.dtype != torch.long:
-        raise ValueError(f"`draft_tokens` must be an int64 [B, K] tensor, got {draft_tokens.dtype} "
-                         f"{list(draft_tokens.shape)}")
-    B, K = draft_tokens.shape
+    B, K = _check_drafts(draft_tokens, num_draft)
     if target_logits.dim() != 3 or target_logits.shape[:2] != (B, K + 1):
         raise ValueError(f"`target_logits` must be [B, K+1, V] with B = {B}, K = {K}, got "
                          f"{list(target_logits.shape)}")
-    if num_draft is not None and (len(num_draft) != B or not all(0 <= k <= K for k in num_draft)):
-        raise ValueError(f"`num_draft` must hold B = {B} lengths in [0, {K}], got {list(num_draft)}")
     dev = draft_tokens.device
     best = target_logits.argmax(-1)                                                 # [B, K+1]
     ok = draft_tokens == best[:, :K]
