@@ -2,8 +2,9 @@
 outputs equal plain decoding's (a random draft, and an "echo" draft that is exact for a target
 whose next token depends on the current token only, so every draft is accepted); every proposal
 equals ``eagle_propose_ref`` recomputed from scratch, after rejections and after prefix-cache
-hits; prefix caching, stop tokens and strings, seeds; ``draft="mtp"``, draft directories through
-``LLM`` and ``openk3 generate``; configuration errors."""
+hits; sampling at temperature 1 follows the target exactly (chi-square over a tiny vocabulary, and
+the same test fails a wrong acceptance rule); prefix caching, stop tokens and strings, seeds;
+``draft="mtp"``, draft directories through ``LLM`` and ``openk3 generate``; configuration errors."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import dataclasses
 import pytest
 import torch
 
+import openk3.serve.speculative as spec
 from openk3 import LLM, build_model, preset
 from openk3.checkpoint.draft import save_draft
 from openk3.cli import main
@@ -189,6 +191,53 @@ class TagTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return "".join(f"<{i}>" for i in ids)
+
+
+def _chi2_crit(df: int) -> float:
+    """Upper 1e-3 point of chi-square with ``df`` dof by Wilson and Hilferty's cube-root
+    approximation (0.2-3% above scipy's exact value for df 1-24: a slightly looser bound)."""
+    z = 3.0902  # standard normal upper 1e-3 point
+    return df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3
+
+
+def _pair_statistic(eng, model, prompt: list[int], n: int) -> tuple[float, int]:
+    """Pearson's statistic of the first two tokens of ``n`` seeded requests at temperature 1
+    (the second comes out of a verify step: accepted draft or resample) against the target's
+    own joint p(x1) p(x2 | x1), cells expected under 5 pooled; (statistic, dof)."""
+    V = model.cfg.vocab_size
+    with torch.no_grad():
+        p1 = torch.softmax(model(torch.tensor([prompt])).logits[0, -1].double(), -1)
+        joint = torch.stack([p1[a] * torch.softmax(model(torch.tensor([prompt + [a]])).logits[0, -1].double(), -1)
+                             for a in range(V)]).flatten()
+    outs = eng.generate([prompt] * n, [SamplingParams(temperature=1.0, seed=s, max_tokens=3) for s in range(n)])
+    counts = torch.bincount(torch.tensor([o.token_ids[0] * V + o.token_ids[1] for o in outs]), minlength=V * V)
+    expected = n * joint
+    big = expected >= 5
+    obs = torch.cat([counts[big].double(), counts[~big].sum(0, keepdim=True).double()])
+    exp = torch.cat([expected[big], expected[~big].sum(0, keepdim=True)])
+    return float(((obs - exp) ** 2 / exp).sum()), len(obs) - 1
+
+
+@pytest.mark.parametrize("rule", ["exact", "always accept"])
+def test_sampled_tokens_follow_the_target(monkeypatch, rule):
+    """The engine with an EAGLE-3 draft samples from the target exactly: on a five-token
+    vocabulary, 800 requests' first two tokens against the target's joint distribution (chi-square
+    at 1e-3, cells pooled below 5 expected). The second token comes from a verify step (one
+    draft, a random draft whose q is far from p: 45% accepted); accepting every draft
+    (x2 ~ q) must fail the same test (chi2 17.4 and 3,803 with 17 dof, bound 40.9)."""
+    target = _model(4, vocab_size=5)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(8)  # peaked distributions: the draft's differ from the target's
+    eng = make_engine(target, _draft(target, 5), num_speculative_tokens=2, max_num_seqs=128,
+                      max_num_batched_tokens=1024)
+    if rule != "exact":
+        monkeypatch.setattr(spec, "acceptance_prob", lambda p_d, q_d: torch.ones_like(p_d))
+    stat, df = _pair_statistic(eng, target, [1, 3, 0, 4, 2], 800)
+    if rule == "exact":
+        assert eng.stats.spec_draft_tokens == 800 and 0.2 < eng.stats.spec_acceptance_rate < 0.9
+        assert stat < _chi2_crit(df), f"chi2 = {stat:.1f} with {df} dof"
+    else:
+        assert stat > 10 * _chi2_crit(df), f"a wrong rule passed: chi2 = {stat:.1f} with {df} dof"
 
 
 def test_stop_strings_and_tokens_in_a_run(echo):
