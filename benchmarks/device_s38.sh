@@ -23,6 +23,10 @@
 # 6: the greedy batch's speculative path (greedy_verify, drafts without probabilities): the
 #    verify step's cost with a random EAGLE-3 draft at K = 3, batch 1, with its profile (call 2:
 #    3.89 ms against 1.53, 84 launches a step), then the verify and EAGLE GPU tests.
+# 7 (written for the next session, not run): the speculative GPU tests in full with the greedy
+#    path (call 6 ran out of time after 2), then warm_timeline.py twice: its instrumented
+#    same-prefix runs took 133, 40 and 40 ms in calls 1 and 4 (every piece ~4x slower on the
+#    GPU) against 11.2-11.5 ms uninstrumented; does it reproduce, and in a second process?
 source "$(dirname "$0")/device_common.sh"
 case "${1:?phase}" in
 1)
@@ -85,6 +89,13 @@ case "${1:?phase}" in
     > "$OUT/spec_random.log" 2>&1; echo "== rc $?" >> "$OUT/spec_random.log"
   gpu_tests 45 tests/serve/test_verify_gpu.py tests/serve/test_eagle_engine_gpu.py
   ;;
-*) echo "phase 1 to 6" >&2; exit 2 ;;
+7)
+  gpu_tests 300 tests/serve/test_verify_gpu.py tests/serve/test_eagle_engine_gpu.py
+  for i in 1 2; do
+    timeout -k 5 120 python3 benchmarks/warm_timeline.py > "$OUT/timeline_$i.log" 2>&1
+    echo "== rc $?" >> "$OUT/timeline_$i.log"
+  done
+  ;;
+*) echo "phase 1 to 7" >&2; exit 2 ;;
 esac
 summary
