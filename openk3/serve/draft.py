@@ -84,20 +84,17 @@ def sample_drafts(logits: torch.Tensor, ks: list[int], K: int, params: list[Samp
     tokens = torch.full((n, K), -1, dtype=torch.long, device=logits.device)
     drafting = host_to_device(ks, logits.device)  # [n]
     steps = max(ks)
-    if all(p.temperature == 0 for p in params):
-        for i in range(steps):
-            drawn = logits.argmax(-1)
-            tokens[:, i] = torch.where(drafting > i, drawn, -1)
-            if i + 1 < steps:
-                logits = advance(i, drawn)
-        return tokens, None
-    probs = torch.zeros(n, K, V, device=logits.device)
+    greedy = all(p.temperature == 0 for p in params)
+    probs = None if greedy else torch.zeros(n, K, V, device=logits.device)
     for i in range(steps):
-        drawn, _, q = sample(logits, params, [g if k > i else None for g, k in zip(generators, ks)],
-                             distribution=True)
         live = drafting > i
+        if greedy:
+            drawn = logits.argmax(-1)
+        else:
+            drawn, _, q = sample(logits, params, [g if k > i else None for g, k in zip(generators, ks)],
+                                 distribution=True)
+            probs[:, i] = q * live[:, None]
         tokens[:, i] = torch.where(live, drawn, -1)
-        probs[:, i] = q * live[:, None]
         if i + 1 < steps:
             logits = advance(i, drawn)
     return tokens, probs

@@ -159,7 +159,8 @@ def test_one_sequence_parts_match_loop(Tq, Tk, route, monkeypatch):
     in FlashAttention-2 or, from 512 queries and a remainder no longer than them, in cuDNN as a
     padded top-left square (600 of 600 keys -> 640 rows; 600 after a remainder of 368 -> 1,024;
     1,024 after 512 -> 1,536 rows, the keys and values passed as they are: the serving case of
-    1,024 queries after 31,744 cached keys); v strided as the MLA layer's (a slice of kv_b_proj's output)."""
+    1,024 queries after 31,744 cached keys); v strided as the MLA layer's (a slice of
+    kv_b_proj's output)."""
     monkeypatch.setattr(varlen_module, "CUDNN_MIN_TOKENS", 512)
     monkeypatch.setattr(varlen_module, "SPLIT_MIN_TOKENS", 512)
     monkeypatch.setattr(varlen_module, "CUDNN_PIECE_KEYS", 96)
