@@ -246,8 +246,11 @@ def profile_steps(target, tokenizer, prompts, args, temperature: float, batch: i
         sync(device)
     wall = time.perf_counter() - t
     verified = eng.stats.spec_verifications - verified
+    phases = phase_times(eng, num_steps) if cuda else []
     while eng.has_unfinished():
         eng.step()
+    if cuda:
+        phases += graph_times(eng)
     per = max(1, steps)
     lines = [(f"profile: batch {batch}, K {K}, temperature {temperature}, {steps} steady steps "
               f"({verified} sequence verifications), {1e3 * wall / per:.2f} ms per step under the profiler")]
@@ -266,8 +269,80 @@ def profile_steps(target, tokenizer, prompts, args, temperature: float, batch: i
         lines.append(f"per step: {counts.ops / per:.1f} ops dispatched (kernel equivalents), "
                      f"{len(counts.reads) / per:.1f} device reads, {counts.blocking_uploads / per:.1f} blocking uploads")
         sort = "self_cpu_time_total"
+    lines += phases
     lines.append(prof.key_averages().table(sort_by=sort, row_limit=30))
     return "\n".join(lines)
+
+
+# the parts of a speculative step, in their order: (label, owner attribute or None for the
+# engine, method)
+PHASES = (("propose (drafting)", "drafter", "propose"), ("execute (the verify pass)", "runner", "execute"),
+          ("sampling + commit + host read", None, "_verify"), ("observe (the draft's update)", "drafter", "observe"))
+
+
+def graph_times(eng: LLMEngine, replays: int = 50) -> list[str]:
+    """The device time of each CUDA graph of a speculative step, replayed back to back (no host
+    gaps: the floor of each phase as captured), after the run (the replays write scratch rows
+    and stale positions only). Graphs keyed by batch bucket; the smallest bucket's are timed."""
+    graphs = {}
+    for key, g in eng.drafter.graphs.items():
+        graphs[f"draft {key[0]}"] = g.graph
+    for key, g in eng.runner.verifier.graphs.items():
+        graphs.setdefault("verify", g.verify.graph)
+        graphs.setdefault("commit", g.commit.graph)
+    for key, g in eng.runner._graphs.items():
+        graphs.setdefault("decode", g.graph)
+    line = []
+    for name, graph in graphs.items():
+        graph.replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        line.append(f"{name} {start.elapsed_time(end) / replays:.3f}")
+    return ["graph replays back to back (ms): " + ", ".join(line)]
+
+
+def phase_times(eng: LLMEngine, num_steps: int) -> list[str]:
+    """Per steady step on a GPU: each phase's span on the device (CUDA events around it: its
+    kernels and the idle time between them) and its host time, then the step's wall time."""
+    marks: list[tuple[str, float, torch.cuda.Event, torch.cuda.Event]] = []
+
+    def timed(label, fn):
+        def wrapper(*a, **kw):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t = time.perf_counter()
+            start.record()
+            r = fn(*a, **kw)
+            end.record()
+            marks.append((label, time.perf_counter() - t, start, end))
+            return r
+        return wrapper
+
+    owners = {"drafter": eng.drafter, "runner": eng.runner, None: eng}
+    for label, owner, name in PHASES:
+        setattr(owners[owner], name, timed(label, getattr(owners[owner], name)))
+    steps, wall = 0, 0.0
+    try:
+        while steps < num_steps and eng.has_unfinished() and steady(eng):
+            sync(eng.runner.device)
+            t = time.perf_counter()
+            eng.step()
+            sync(eng.runner.device)
+            wall += time.perf_counter() - t
+            steps += 1
+    finally:
+        for _, owner, name in PHASES:
+            delattr(owners[owner], name)  # the class's method again
+    per = max(1, steps)
+    lines = [f"phases per step ({steps} steps outside the profiler; device span / host time, ms):"]
+    for label, _, _ in PHASES:
+        got = [(h, s.elapsed_time(e)) for lab, h, s, e in marks if lab == label]
+        lines.append(f"  {label}: {sum(d for _, d in got) / per:.3f} / {1e3 * sum(h for h, _ in got) / per:.3f}")
+    lines.append(f"  step wall time: {1e3 * wall / per:.3f}")
+    return lines
 
 
 def print_table(rows: list[dict]) -> None:

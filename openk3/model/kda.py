@@ -11,9 +11,9 @@ from openk3.config import ModelConfig
 from openk3.model.branch import Fork
 from openk3.model.cache import KDAState
 from openk3.model.fuse import fuse_weights, is_fused
-from openk3.ops.conv import causal_conv1d, causal_conv1d_update_
+from openk3.ops.conv import causal_conv1d, causal_conv1d_pooled, causal_conv1d_update_
 from openk3.ops.gemv import linear, norm_linear
-from openk3.ops.kda import kda, kda_decode_, kda_verify
+from openk3.ops.kda import kda, kda_decode_, kda_verify_pooled
 
 
 class KDAttention(nn.Module):
@@ -76,44 +76,47 @@ class KDAttention(nn.Module):
         pool ``[n, H, K, V]``, its conv pool ``[n, 3*H*K, W-1]`` and the rows' slots ``[B]``
         (or None), and the step reads and writes those rows directly (``_pooled_decode``).
 
-        A state with a ``keep_segment`` method (the serving engine's speculative verify step,
+        A state with a ``verify_pools`` method (the serving engine's speculative verify step,
         ``openk3/serve/verify.py``: T = K + 1 positions per row, of which only the first few
-        will be kept) is read and not written: the segment runs from it with ``kda_verify``,
-        and ``keep_segment(self, q, k, v, f, beta, conv_inputs)`` receives what writing the state
-        after the kept positions needs (``rollback_recompute_``, ``conv_state_rollback``):
-        q, k, v ``[B, T, H, K]`` after the short convolutions, f ``[B, T, H, K]``, beta
-        ``[B, T, H]`` and the convolutions' inputs (q, k, v ``[B, T, H*K]`` each)."""
+        will be kept) is read and not written: ``verify_pools()`` gives the layer's recurrent
+        pool, its conv pool, the rows' slots and ``keep``, and the segment runs from the rows'
+        states (``_pooled_verify``); ``keep(self, q, k, v, f, beta_logits, conv_inputs)`` receives what
+        writing the states after the kept positions needs (``rollback_recompute_``,
+        ``conv_state_rollback``): q, k, v ``[B, T, H, K]`` after the short convolution, f
+        ``[B, T, H, K]``, beta's logits ``[B, T, H]`` and the convolution's inputs
+        ``[B, T, 3*H*K]``. It needs a fused layer (``openk3.model.fuse``)."""
         B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
+        fused = (is_fused(self.fused_proj, self.input_projections())
+                 and is_fused(self.fused_conv, self.short_convs()))
+        verify_pools = getattr(state, "verify_pools", None)
+        if verify_pools is not None:
+            if not fused:
+                raise ValueError("KDA verify pass: the layer's projections are not fused "
+                                 "(openk3.model.fuse.fuse_projections)")
+            return self._pooled_verify(x, *verify_pools(), residual=residual)
         decode_pools = getattr(state, "decode_pools", None)
-        if (decode_pools is not None and T == 1 and is_fused(self.fused_proj, self.input_projections())
-                and is_fused(self.fused_conv, self.short_convs())):
+        if decode_pools is not None and T == 1 and fused:
             pools = decode_pools()
             if pools is not None:
                 return self._pooled_decode(x, *pools, residual=residual)
         st = state or KDAState()
-        (q, k, v), conv_state, (gate, f, b), conv_inputs = self._convolved_projections(x, st)
+        (q, k, v), conv_state, (gate, f, b) = self._convolved_projections(x, st)
         q, k, v = (t.view(B, T, H, K) for t in (q, k, v))
         f = self.f_b_proj(f).view(B, T, H, K)
         beta = torch.sigmoid(b.float())  # [B, T, H]
-        keep_segment = getattr(state, "keep_segment", None)
-        if keep_segment is not None:
-            o, _ = kda_verify(q, k, v, f, beta, self.A_log, self.dt_bias, initial_state=st.recurrent,
-                              lower_bound=self.cfg.kda_gate_lower_bound, output_states=False)
-            keep_segment(self, q, k, v, f, beta, conv_inputs)
-        else:
-            o, final = kda(
-                q, k, v, f, beta, self.A_log, self.dt_bias, lower_bound=self.cfg.kda_gate_lower_bound,
-                initial_state=st.recurrent, output_final_state=state is not None,
-                cu_seqlens=st.cu_seqlens, cu_seqlens_cpu=st.cu_seqlens_cpu,
-                static_varlen=getattr(st, "static_varlen", False),
-            )
-            if state is not None:
-                state.recurrent = final
-                if isinstance(conv_state, torch.Tensor):
-                    state.conv_qkv = conv_state
-                else:
-                    state.conv_q, state.conv_k, state.conv_v = conv_state
+        o, final = kda(
+            q, k, v, f, beta, self.A_log, self.dt_bias, lower_bound=self.cfg.kda_gate_lower_bound,
+            initial_state=st.recurrent, output_final_state=state is not None,
+            cu_seqlens=st.cu_seqlens, cu_seqlens_cpu=st.cu_seqlens_cpu,
+            static_varlen=getattr(st, "static_varlen", False),
+        )
+        if state is not None:
+            state.recurrent = final
+            if isinstance(conv_state, torch.Tensor):
+                state.conv_qkv = conv_state
+            else:
+                state.conv_q, state.conv_k, state.conv_v = conv_state
         return self._output(o, gate, residual)
 
     def _output(self, o: torch.Tensor, gate: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -145,6 +148,25 @@ class KDAttention(nn.Module):
                         lower_bound=self.cfg.kda_gate_lower_bound)
         return self._output(o, gate, residual)
 
+    def _pooled_verify(self, x: torch.Tensor, recurrent: torch.Tensor, conv: torch.Tensor, slots: torch.Tensor,
+                       keep, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """T tokens per row (x [B, T, d]) of a fused layer from the states of rows ``slots`` of
+        the pools (recurrent ``[n, H, K, V]``, conv ``[n, 3*H*K, W-1]``), which are read and not
+        written; ``keep`` receives the segment (``forward``'s docstring). The same math as
+        ``forward``'s other path from the gathered states."""
+        B, T, _ = x.shape
+        H, K = self.num_heads, self.head_dim
+        qkv_in, gate, f, b = self._fused_inputs(x)
+        fork = Fork(x)  # in a captured graph, the decay's projection beside the convolution
+        with fork.side():
+            f = linear(f, self.f_b_proj.weight).view(B, T, H, K)
+        q, k, v = (t.view(B, T, H, K) for t in causal_conv1d_pooled(qkv_in, self.fused_conv, conv, slots, parts=3))
+        fork.join()
+        o = kda_verify_pooled(q, k, v, f, b, self.A_log, self.dt_bias, recurrent, slots,
+                              lower_bound=self.cfg.kda_gate_lower_bound)
+        keep(self, q, k, v, f, b, qkv_in)
+        return self._output(o, gate, residual)
+
     def _fused_inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The one GEMM of a fused layer: q|k|v before the convolution [B, T, 3*H*K], then the
         gate's first projection, f_a and beta's logits (``input_projections()[3:]``)."""
@@ -152,28 +174,26 @@ class KDAttention(nn.Module):
         return linear(x, self.fused_proj).split(
             [3 * HK] + [m.out_features for m in self.input_projections()[3:]], dim=-1)
 
-    def _convolved_projections(self, x: torch.Tensor, st: KDAState) -> tuple[tuple, tuple, tuple, tuple]:
+    def _convolved_projections(self, x: torch.Tensor, st: KDAState) -> tuple[tuple, tuple, tuple]:
         """The projections of x [B, T, d] and the short convolutions of q, k, v: returns
         ``(q, k, v)`` [B, T, H*K] after the convolutions, their new conv states (fused: one
         tensor [B, 3*H*K, W-1], for ``conv_qkv``; else a tuple of three [B, H*K, W-1]; ``N``
-        rows for a packed batch), the first projections of the gate, f and beta, and the
-        convolutions' inputs (q, k, v [B, T, H*K] before them).
+        rows for a packed batch) and the first projections of the gate, f and beta.
 
         Fused: one GEMM, then one convolution over the q|k|v columns with the three conv states
         side by side (the convolution is depthwise: the same result as one call per part)."""
         cu, cu_cpu = st.cu_seqlens, st.cu_seqlens_cpu  # packed varlen batch (serving prefill)
         projections, convs = self.input_projections(), self.short_convs()
         if is_fused(self.fused_proj, projections) and is_fused(self.fused_conv, convs):
-            HK = self.num_heads * self.head_dim
             qkv_in, *rest = self._fused_inputs(x)
             # [B, 3*H*K, W-1] read once: the serving view gathers per read
             qkv, state = causal_conv1d(qkv_in, self.fused_conv, st.conv_qkv, cu, cu_cpu, parts=3)
-            return qkv, state, tuple(rest), qkv_in.split(HK, dim=-1)
+            return qkv, state, tuple(rest)
         states = (st.conv_q, st.conv_k, st.conv_v)  # read once: the serving view gathers per read
         q, k, v, *rest = (m(x) for m in projections)
         outs = [causal_conv1d(t, conv.weight, state, cu, cu_cpu)
                 for t, conv, state in zip((q, k, v), convs, states)]
-        return tuple(y for y, _ in outs), tuple(state for _, state in outs), tuple(rest), (q, k, v)
+        return tuple(y for y, _ in outs), tuple(state for _, state in outs), tuple(rest)
 
     @torch.no_grad()
     def init_weights(self) -> None:

@@ -55,8 +55,8 @@ class MTPLayer(nn.Module):
         [B, T, d], what the shared head reads to predict x_{t+2}. ``state``: the attention's
         (``MLAttention.forward``), e.g. the draft's training-time-test keys (``openk3/model/draft.py``)."""
         u = self.eh_proj(torch.cat([self.enorm(next_embeds), self.hnorm(hidden)], dim=-1))
-        a = u + self.self_attn(self.input_layernorm(u), state)
-        h = a + self.mlp(self.post_attention_layernorm(a))
+        a = self.self_attn(self.input_layernorm(u), state, residual=u)  # u + attention
+        h = self.mlp(self.post_attention_layernorm(a), residual=a)     # a + MLP
         return self.shared_head.norm(h)
 
 

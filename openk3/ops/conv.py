@@ -22,6 +22,9 @@ result as one call per part.
 * ``causal_conv1d_update_``: one decode token per row whose states live in a pool (the serving
   engine's state slots): reads and writes the pool rows in place. Reference: gather, the
   reference above, scatter; on CUDA one Triton kernel (``conv_triton.py``).
+* ``causal_conv1d_pooled``: T tokens per row after the states of pool rows, which are read and
+  not written (the serving engine's speculative verify step). Reference: gather, the reference
+  above; on CUDA one Triton kernel.
 
 fla's state is ``[N, C, W]``, one column wider than ours: its column 0 holds the input W steps
 back, which no output reads (the forward kernel loads columns 1.. only and the update kernel
@@ -395,4 +398,74 @@ def _conv_update_triton(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tenso
     block = 1024
     conv_update_kernel[(B, -(-C // block))](x, weight.reshape(C, W).contiguous(), pool, slots, y, B, C,
                                            C // parts, x.stride(0), pool.stride(0), W=W, BLOCK_C=block)
+    return y
+
+
+def causal_conv1d_pooled(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, *,
+                         parts: int = 1, backend: str = "auto") -> torch.Tensor:
+    """T tokens per row through the convolution after the states in rows ``slots`` of ``pool``,
+    which are read and not written (the speculative verify step, whose rollback writes the state
+    once it knows how many tokens stay: ``openk3.ops.kda.conv_state_rollback``).
+
+    Args:
+        x: ``[B, T, C]``, the tokens' inputs (C may be q|k|v side by side); row strides are fine.
+        weight: ``[C, 1, W]``, W >= 2.
+        pool: ``[n, C, W-1]`` contiguous states (the W-1 inputs before each row's first token).
+        slots: ``[B]`` integer rows of ``pool`` (repeats allowed: nothing is written).
+        parts: the channels are this many tensors side by side, each returned contiguous.
+        backend: ``"triton"`` (CUDA), ``"torch"`` the reference, ``"auto"`` Triton on CUDA
+            (unless ``OPENK3_REFERENCE=1``).
+
+    Returns:
+        y ``[parts, B, T, C / parts]`` in x.dtype: what ``causal_conv1d`` gives from the gathered
+        states, part by part.
+
+    Example::
+
+        >>> x, weight, pool = torch.randn(2, 5, 6), torch.randn(6, 1, 4), torch.randn(3, 6, 3)
+        >>> want, _ = causal_conv1d_ref(x, weight, pool[[2, 0]])
+        >>> y = causal_conv1d_pooled(x, weight, pool, torch.tensor([2, 0]), parts=3)
+        >>> y.shape, torch.equal(torch.cat(tuple(y), -1), want)
+        (torch.Size([3, 2, 5, 2]), True)
+    """
+    if backend not in ("auto", "torch", "triton"):
+        raise ValueError(f"`backend` must be 'auto', 'torch' or 'triton', got {backend!r}")
+    if x.dim() != 3:
+        raise ValueError(f"`x` must be [B, T, C], got {list(x.shape)}")
+    B, T, C = x.shape
+    if weight.dim() != 3 or weight.shape[:2] != (C, 1) or weight.shape[-1] < 2:
+        raise ValueError(f"`weight` must be [C, 1, W] with C = {C} and W >= 2, got {list(weight.shape)}")
+    W = weight.shape[-1]
+    if pool.dim() != 3 or pool.shape[1:] != (C, W - 1) or not pool.is_contiguous():
+        raise ValueError(f"`pool` must be a contiguous [n, C, W-1] = [n, {C}, {W - 1}], got "
+                         f"{list(pool.shape)}{'' if pool.is_contiguous() else ' (not contiguous)'}")
+    if slots.shape != (B,) or slots.dtype.is_floating_point:
+        raise ValueError(f"`slots` must be [B] = [{B}] integers, got {slots.dtype} {list(slots.shape)}")
+    if parts < 1 or C % parts:
+        raise ValueError(f"`parts` must divide the {C} channels, got {parts}")
+    for name, t in (("weight", weight), ("pool", pool), ("slots", slots)):
+        if t.device != x.device:
+            raise ValueError(f"`{name}` is on {t.device}, x on {x.device}")
+    if backend == "auto":
+        backend = "triton" if use_fast_path(x) else "torch"
+    if backend == "triton":
+        return _conv_pooled_triton(x, weight, pool, slots, parts)
+    y, _ = causal_conv1d_ref(x, weight, pool.index_select(0, slots))
+    return y.view(B, T, parts, C // parts).permute(2, 0, 1, 3).contiguous()
+
+
+@compile_disabled("a Triton kernel that reads the pool in place")
+def _conv_pooled_triton(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor,
+                        parts: int) -> torch.Tensor:
+    from openk3.ops.conv_triton import conv_pooled_kernel
+
+    B, T, C = x.shape
+    W = weight.shape[-1]
+    if x.stride(-1) != 1:
+        raise ValueError("`x` needs a contiguous last dimension")
+    y = torch.empty(parts, B, T, C // parts, device=x.device, dtype=x.dtype)
+    block = 1024
+    conv_pooled_kernel[(B * T, -(-C // block))](
+        x, weight.reshape(C, W).contiguous(), pool, slots, y, B * T, T, C, C // parts, x.stride(0), x.stride(1),
+        pool.stride(0), W=W, BLOCK_C=block)
     return y

@@ -227,3 +227,33 @@ def conv_varlen_state_kernel(x_ptr, state_ptr, new_ptr, cu_ptr, C, stride_xt,
         else:
             v = tl.load(x_ptr + (start + e - (W - 1)) * stride_xt + c, mask=c_ok, other=0.0)
         tl.store(new_ptr + (n * C + c) * (W - 1) + i, v.to(new_ptr.dtype.element_ty), mask=c_ok)
+
+
+# ``causal_conv1d_pooled``: T tokens per row after a state held in a pool, which is read and not
+# written (the speculative verify step: which of the tokens stay is known only later). One program
+# per (position t of row b, block of BLOCK_C channels); tap j reads x at position t - (W-1) + j, or,
+# before the row's first token, the state's column at that offset (pool row ``slots[b]``). The taps
+# are summed in ``conv_update_kernel``'s order (the token's own tap first), so a row's first output
+# is bit for bit what a decode step would give.
+
+
+@triton.jit
+def conv_pooled_kernel(x_ptr, w_ptr, pool_ptr, slots_ptr, y_ptr, BT, T, C, part, stride_xb, stride_xt,
+                       stride_pool, W: tl.constexpr, BLOCK_C: tl.constexpr):
+    i = tl.program_id(0)                                            # i = b * T + t
+    b, t = (i // T).to(tl.int64), i % T
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    ok = c < C
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    x_row = x_ptr + b * stride_xb + c
+    state = pool_ptr + slot * stride_pool + c * (W - 1)
+    acc = tl.load(x_row + t * stride_xt, mask=ok, other=0.0).to(tl.float32) * \
+        tl.load(w_ptr + c * W + (W - 1), mask=ok, other=0.0).to(tl.float32)
+    for j in tl.static_range(W - 1):
+        p = t - (W - 1) + j                                         # < 0: column p + W-1 of the state
+        tap = tl.load(x_row + p * stride_xt, mask=ok & (p >= 0), other=0.0).to(tl.float32) + \
+            tl.load(state + (p + W - 1), mask=ok & (p < 0), other=0.0).to(tl.float32)
+        acc += tap * tl.load(w_ptr + c * W + j, mask=ok, other=0.0).to(tl.float32)
+    y = acc * tl.sigmoid(acc)
+    # y is [C // part, B*T, part]: q, k, v each a contiguous [B, T, part]
+    tl.store(y_ptr + (c // part) * BT * part + i * part + c % part, y.to(y_ptr.dtype.element_ty), mask=ok)

@@ -48,9 +48,16 @@ class DraftProposer:
     1. ``propose(out, params, generators)`` after ``Scheduler.step``, before the target runs:
        the drafts of the speculating sequences (``out.num_draft_tokens``) and the draft's
        probabilities they were drawn from;
-    2. ``rollback(kept)`` after speculative sampling, before ``Scheduler.postprocess``;
+    2. ``rollback(result, num_kept, tokens)`` after speculative sampling, before the host reads
+       its results (everything it needs is on the device): ``num_kept`` [n] the positions each
+       verified sequence keeps (its last token and its accepted drafts), ``tokens`` [n, K + 1]
+       the tokens it emits (row b's first ``num_kept[b]``: the accepted drafts, then the
+       correction or bonus token, so ``tokens[b, j]`` follows kept position j);
     3. ``observe(out, result)`` after ``Scheduler.postprocess``: the target's output of the step
        (its features when ``feature_blocks`` is set) and every sequence's kept tokens.
+
+    A sequence whose run the engine cuts short (a stop token or string inside it) finishes in
+    this step, so the device's ``num_kept`` holds for every sequence that runs on.
 
     ``feature_blocks``: the target's AttnRes bank entries the draft reads (``ModelRunner.
     feature_blocks``); None for a draft that needs nothing of the target's forward."""
@@ -61,8 +68,8 @@ class DraftProposer:
                 generators: list[torch.Generator | None]) -> tuple[torch.Tensor, torch.Tensor] | None:
         raise NotImplementedError
 
-    def rollback(self, kept: list[tuple[Sequence, list[int]]]) -> None:
-        """(sequence, its accepted drafts) for every verified sequence; nothing by default."""
+    def rollback(self, result: StepResult, num_kept: torch.Tensor, tokens: torch.Tensor) -> None:
+        """The verified sequences' kept positions (device tensors); nothing by default."""
 
     def observe(self, out: SchedulerOutput, result: StepResult) -> None:
         """The step's target output, after postprocess; nothing by default."""
@@ -155,15 +162,14 @@ class Drafter(DraftProposer):
         return tokens, probs
 
     @torch.inference_mode()
-    def rollback(self, kept: list[tuple[Sequence, list[int]]]) -> None:
-        """(sequence, its accepted drafts) for every verified sequence, before
-        ``Scheduler.postprocess``: the snapshot back, then the verify step over the last token and
-        the drafts, committing the accepted ones."""
-        seqs, ks, slots, tokens = self._proposal
+    def rollback(self, result: StepResult, num_kept: torch.Tensor, tokens: torch.Tensor) -> None:
+        """The snapshot back, then the verify step over the last token and the drafts,
+        committing the kept positions."""
+        seqs, ks, slots, drafts = self._proposal
         self._proposal = None
-        if [s for s, _ in kept] != seqs:
+        if result.verified != seqs:
             raise RuntimeError("Drafter.rollback: the verified sequences differ from the proposal's")
         runner = self.runner
         runner.kda_state.copy_(slots, self.snapshots, slots)
-        runner.verifier.forward(seqs, ks, tokens)
-        runner.verifier.commit([len(accepted) + 1 for _, accepted in kept])
+        runner.verifier.forward(seqs, ks, drafts)
+        runner.verifier.commit(num_kept)

@@ -127,15 +127,21 @@ class EagleDrafter(DraftProposer):
         runner = self.runner
         runner.update_block_tables(out)  # the chain writes latents in the blocks this step appends
         n, ks = len(seqs), [out.num_draft_tokens[s.request_id] for s in seqs]
-        graph = self.graphs.get_or_capture(("chain", bucket(n)), lambda pool: self._capture_chain(bucket(n), pool))
-        B = bucket(n) if graph is not None else n
+        B = bucket(n) if self.graphs.enabled else n
         pad = B - n
         rows = runner.host_tensor([s.num_tokens for s in seqs] + [0] * pad,
                                   [s.state_slot for s in seqs] + [runner.scratch_slot] * pad,
                                   [self.base[s.state_slot] for s in seqs] + [0] * pad,
-                                  ks + [0] * pad).to(runner.device, non_blocking=True)
-        state = self.last.index_select(0, rows[1])  # g at position n - 2: drafts x_n
+                                  ks + [0] * pad)
         width = -(-(max(s.num_tokens for s in seqs) + self.K) // runner.block_size)
+        if all(p.temperature == 0 for p in params):  # the whole chain in one pass
+            greedy = self.graphs.get_or_capture(("greedy", B), lambda pool: self._capture_greedy(B, pool))
+            if greedy is not None:
+                return greedy.run(rows)[:n], None
+            return self._greedy_chain(rows.to(runner.device, non_blocking=True), width)[:n], None
+        rows = rows.to(runner.device, non_blocking=True)
+        state = self.last.index_select(0, rows[1])  # g at position n - 2: drafts x_n
+        graph = self.graphs.get_or_capture(("chain", B), lambda pool: self._capture_chain(B, pool))
 
         def advance(i: int, drawn: torch.Tensor) -> torch.Tensor:
             drawn = F.pad(drawn, (0, pad))
@@ -145,6 +151,24 @@ class EagleDrafter(DraftProposer):
             return graph.run(state if first else None, drawn, i + 1, rows if first else None)[:n]
 
         return sample_drafts(self.lm_head(state[:n]).float(), ks, self.K, params, generators, advance)
+
+    def _greedy_chain(self, rows: torch.Tensor, width: int) -> torch.Tensor:
+        """The drafts of a batch of greedy requests, every step of every chain in one pass (one
+        CUDA graph per bucket: no host work between the steps): rows [4, B] as ``_chain_step``'s.
+        Returns tokens [B, K] int64, the argmax of each step's logits, -1 past a row's k (what
+        ``sample_drafts`` draws for such a batch; the chain always runs K - 1 steps, those past
+        every row's k as padding rows)."""
+        state = self.last.index_select(0, rows[1])  # g at position n - 2: drafts x_n
+        drawn = self.lm_head(state).float().argmax(-1)
+        tokens = [torch.where(rows[3] > 0, drawn, -1)]
+        for i in range(1, self.K):
+            drawn = self._chain_step(state, drawn, i, rows, width).argmax(-1)
+            tokens.append(torch.where(rows[3] > i, drawn, -1))
+        return torch.stack(tokens, dim=1)
+
+    def _capture_greedy(self, B: int, pool) -> CapturedGraph:
+        rows = torch.tensor([[0] * B, [self.runner.scratch_slot] * B, [0] * B, [0] * B], device=self.runner.device)
+        return CapturedGraph(lambda rows: self._greedy_chain(rows, self.runner.max_blocks_per_seq), [rows], pool)
 
     def _capture_chain(self, B: int, pool) -> CapturedGraph:
         dev, runner = self.runner.device, self.runner
@@ -157,55 +181,59 @@ class EagleDrafter(DraftProposer):
 
     # Observe: the positions the target kept.
 
-    def _observe_verified(self, features: torch.Tensor, meta: torch.Tensor, width: int) -> None:
+    def _observe_verified(self, features: torch.Tensor, tokens: torch.Tensor, kept: torch.Tensor,
+                          rows: torch.Tensor, width: int) -> None:
         """The draft over the verify segments of B rows: features [B, T, 3d] (the target's, at
-        every position of the segment), meta [B, T + 4]: the next token of every position (its
-        successor among the kept tokens; 0 past them), then the segment's first position, the
-        state slot, ``base`` and the kept positions (padding rows: the scratch slot, 1 kept).
-        Writes the latents of the kept positions (the others' go to the scratch block) and
+        every position of the segment), tokens [B, T] (``tokens[b, j]`` the token after position
+        j of the segment, for its first ``kept[b]`` positions), kept [B] and rows [3, B]: the
+        segment's first position, the state slot and ``base`` (padding rows: the scratch slot, 1
+        kept). Writes the latents of the kept positions (the others' go to the scratch block) and
         ``last`` = g at the last kept one."""
         runner, bs, T = self.runner, self.runner.block_size, self.K + 1
-        next_ids, (start, slots, base, kept) = meta[:, :T], meta[:, T:].unbind(1)
-        j = torch.arange(T, device=meta.device)
+        start, slots, base = rows
+        j = torch.arange(T, device=tokens.device)
+        keeps = j < kept[:, None]
         pos = start[:, None] + torch.minimum(j, kept[:, None] - 1)  # past the kept: the last kept's context
         table = runner.block_tables[slots, :width]
         paged = table.gather(1, pos // bs).long() * bs + pos % bs
-        new_rows = torch.where(j < kept[:, None], paged, runner.scratch_block * bs)
+        new_rows = torch.where(keeps, paged, runner.scratch_block * bs)
         batch = DecodeBatch(new_rows.flatten(), table[:, None].expand(-1, T, -1).flatten(0, 1), (pos + 1).flatten(),
                             bs, base[:, None].expand(-1, T).flatten())
-        g = self.draft(self.draft.fc(features), self.embed(next_ids), PagedMLAView(self.cache, batch))
+        g = self.draft(self.draft.fc(features), self.embed(torch.where(keeps, tokens, 0)), PagedMLAView(self.cache, batch))
         self.last.index_copy_(0, slots, g[torch.arange(len(g), device=g.device), kept - 1])
 
     def _capture_observe(self, B: int, pool) -> CapturedGraph:
         dev, runner, T = self.runner.device, self.runner, self.K + 1
-        meta = torch.zeros(B, T + 4, dtype=torch.long, device=dev)
-        meta[:, T + 1], meta[:, T + 3] = runner.scratch_slot, 1
-        return CapturedGraph(lambda features, meta: self._observe_verified(features, meta, runner.max_blocks_per_seq),
-                             [torch.zeros(B, T, 3 * self.draft.cfg.hidden_size, device=dev, dtype=runner.dtype),
-                              meta], pool)
+        rows = torch.tensor([[0] * B, [runner.scratch_slot] * B, [0] * B], device=dev)
+        return CapturedGraph(
+            lambda features, tokens, kept, rows: self._observe_verified(features, tokens, kept, rows,
+                                                                        runner.max_blocks_per_seq),
+            [torch.zeros(B, T, 3 * self.draft.cfg.hidden_size, device=dev, dtype=runner.dtype),
+             torch.zeros(B, T, dtype=torch.long, device=dev), torch.ones(B, dtype=torch.long, device=dev), rows],
+            pool)
 
-    def _observe_verify_rows(self, result: StepResult) -> None:
-        """``observe`` of the verified sequences (fixed shape)."""
+    @torch.inference_mode()
+    def rollback(self, result: StepResult, num_kept: torch.Tensor, tokens: torch.Tensor) -> None:
+        """``observe`` of the verified sequences, run as soon as the device knows what they keep
+        (before the host does): one pass of fixed shape ``[B, K + 1]`` over the verify segments,
+        whose features the target's pass left. Their ``length`` moves on in ``observe``."""
         runner, T = self.runner, self.K + 1
-        n = len(result.verified)
+        seqs = result.verified
+        n = len(seqs)
         graph = self.graphs.get_or_capture(("observe", bucket(n)), lambda pool: self._capture_observe(bucket(n), pool))
         B = bucket(n) if graph is not None else n
-        meta, end = [[0] * T + [0, runner.scratch_slot, 0, 1] for _ in range(B)], 1
-        for b, seq in enumerate(result.verified):
-            if seq.status is not SequenceStatus.RUNNING:  # finished: nothing to draft for
-                continue
-            slot, first = seq.state_slot, self.length[seq.state_slot]
-            kept = seq.num_computed_tokens - first
-            next_ids = seq.token_ids[first + 1:first + kept + 1] + [0] * (T - kept)
-            meta[b] = next_ids + [first, slot, self.base[slot], kept]
-            self.length[slot], end = first + kept, max(end, first + kept)
-        meta = torch.tensor(meta, dtype=torch.long, pin_memory=runner.device.type == "cuda")
+        pad = B - n
+        rows = runner.host_tensor([self.length[s.state_slot] for s in seqs] + [0] * pad,
+                                  [s.state_slot for s in seqs] + [runner.scratch_slot] * pad,
+                                  [self.base[s.state_slot] for s in seqs] + [0] * pad)
+        tokens, kept = F.pad(tokens, (0, 0, 0, pad)), F.pad(num_kept, (0, pad), value=1)
         if graph is not None:
             graph.inputs[0][:n].copy_(result.verify_features)
-            graph.run(None, meta)
+            graph.run(None, tokens, kept, rows)
         else:
-            self._observe_verified(result.verify_features, meta.to(runner.device, non_blocking=True),
-                                   -(-end // runner.block_size))
+            end = max(self.length[s.state_slot] for s in seqs) + T
+            self._observe_verified(result.verify_features, tokens, kept, rows.to(runner.device, non_blocking=True),
+                                   min(-(-end // runner.block_size), runner.max_blocks_per_seq))
 
     def _batch(self, segments: list[tuple[int, int, int, int]]) -> PrefillBatch:
         """The attention batch of one packed draft pass over ``segments`` (state slot, first key
@@ -261,8 +289,9 @@ class EagleDrafter(DraftProposer):
         ``Scheduler.postprocess`` (so every kept position's next token is known)."""
         if result.feature_spans:
             self._observe_packed(out, result)
-        if result.verified:
-            self._observe_verify_rows(result)
+        for seq in result.verified:  # their kept positions ran in ``rollback``
+            if seq.status is SequenceStatus.RUNNING:  # finished: its slot is free
+                self.length[seq.state_slot] = seq.num_computed_tokens
 
 
 @torch.no_grad()

@@ -132,10 +132,11 @@ class _Request:
 
 @dataclass
 class _Tokens:
-    """One step's sampled tokens: ``device`` [n] and their copy to the host (pinned on CUDA),
-    queued behind the sampling with an event, so that reading them waits for this step only,
-    not for work queued after (an overlapped step). ``rows``: the rows of ``host`` to read (an
-    adopted step whose batch lost sequences), else all."""
+    """One step's sampled tokens (or a verify step's results): ``device`` [n] and their copy to
+    the host (pinned on CUDA), queued behind the sampling with an event, so that reading them
+    waits for this step only, not for work queued after (an overlapped step, a verify step's
+    rollback). ``rows``: the rows of ``host`` to read (an adopted step whose batch lost
+    sequences), else all."""
 
     device: torch.Tensor
     host: torch.Tensor
@@ -447,7 +448,8 @@ class LLMEngine:
                 draft_probs: torch.Tensor | None) -> list[list[int]]:
         """Speculative sampling for ``result.verified``; returns each sequence's emitted tokens
         (accepted drafts, then the correction or bonus token, cut after a stop string) and rolls
-        the target's and the draft's KDA states back to the kept tokens. ``draft_probs`` None: a
+        the target's and the draft's states back to the kept tokens (a run cut short finishes
+        its sequence, whose states are not used again). ``draft_probs`` None: a
         greedy batch (``sample_drafts``), verified from the logits alone."""
         seqs = result.verified
         reqs = [self.requests[s.request_id] for s in seqs]
@@ -458,9 +460,16 @@ class LLMEngine:
             target_probs = sampling_probs(result.verify_logits, params)
             num_accepted, tokens = speculative_sample(draft_tokens, draft_probs, target_probs, ks, params,
                                                       [r.generator for r in reqs])
-        K = draft_tokens.shape[1]
         # the step's one device -> host copy of verify results: accepted counts, tokens, drafts
-        rows = torch.cat([num_accepted[:, None], tokens, draft_tokens], dim=1).tolist()
+        results = _Tokens.copy_of(torch.cat([num_accepted[:, None], tokens, draft_tokens], dim=1))
+        # the states follow the kept positions (the last token and the accepted drafts; the last
+        # token of a run is fed next step), queued behind the copy: the device runs them while
+        # the host reads the copy and goes on with the step
+        num_kept = num_accepted + 1
+        self.runner.commit_verified(num_kept)
+        self.drafter.rollback(result, num_kept, tokens)
+        K = draft_tokens.shape[1]
+        rows = results.tolist()
         runs = []
         for seq, r, row, k in zip(seqs, reqs, rows, ks):
             seq.draft_token_ids = row[K + 2:K + 2 + k]
@@ -469,9 +478,6 @@ class LLMEngine:
         self.stats.spec_draft_tokens += sum(ks)
         self.stats.spec_accepted_tokens += sum(row[0] for row in rows)
         self._record_logprobs(reqs, result.verify_logits, runs)
-        # the kept positions: the last token and the accepted drafts (the last of a run is fed next step)
-        self.runner.commit_verified([len(run) for run in runs])
-        self.drafter.rollback([(s, run[:-1]) for s, run in zip(seqs, runs)])
         return runs
 
     def _cut_at_stop(self, r: _Request, run: list[int]) -> list[int]:

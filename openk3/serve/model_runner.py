@@ -425,10 +425,11 @@ class ModelRunner:
             rows, cols, block_ids = self._upload(*self._table_entries(out))
             self.block_tables[rows, cols] = block_ids.to(torch.int32)
 
-    def commit_verified(self, num_kept: list[int]) -> None:
+    def commit_verified(self, num_kept: list[int] | torch.Tensor) -> None:
         """After speculative sampling: ``StepResult.verified[i]`` of the last ``execute`` keeps
         its first ``num_kept[i]`` verified positions (its last token and its accepted drafts, 1 ..
-        k + 1); its KDA states become those after them (``VerifyStep.commit``)."""
+        k + 1; a list, or an int64 tensor on the device); its KDA states become those after them
+        (``VerifyStep.commit``)."""
         self.verifier.commit(num_kept)
 
     def _after_forward(self, out: SchedulerOutput) -> None:

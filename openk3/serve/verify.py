@@ -11,9 +11,9 @@ CUDA graph (``graphs.py``), like the decode step, whatever the contexts, draft c
   just before, which is the causal mask inside the segment. A padded position writes its latent
   to the scratch block and reads the context of the row's last real position; nothing reads its
   output.
-* KDA: every layer runs the segment from the row's state without writing the state
-  (``VerifyKDAView``, ``KDAttention``'s ``keep_segment``: ``kda_verify``), and the view keeps the
-  segment's inputs. Once speculative sampling knows how many positions each row keeps (its last
+* KDA: every layer runs the segment from the row's states in the pools without writing them
+  (``VerifyKDAView``, ``KDAttention._pooled_verify``: ``causal_conv1d_pooled``,
+  ``kda_verify_pooled``), and the view keeps the segment's inputs. Once speculative sampling knows how many positions each row keeps (its last
   token and the accepted drafts), ``commit`` writes the states after them: the recurrent states
   by a second pass of the recurrence from the old state with the positions past the kept ones
   masked (the recompute strategy of ``openk3/ops/kda/verify.py``, ``rollback_recompute_``), all
@@ -41,36 +41,32 @@ from openk3.serve.sequence import Sequence
 
 @dataclass
 class _Segment:
-    """One KDA layer's view of a verify pass: ``layer`` (its gate parameters), q, k, v, f
-    ``[B, T, H, K]``, beta ``[B, T, H]`` and the short convolutions' inputs (q, k, v
-    ``[B, T, H*K]``), as ``KDAttention`` hands them to ``keep_segment``."""
+    """One KDA layer's part of a verify pass: ``layer`` (its gate parameters), q, k, v, f
+    ``[B, T, H, K]``, beta's logits ``[B, T, H]`` and the short convolution's inputs (q|k|v
+    ``[B, T, 3*H*K]``), as ``KDAttention._pooled_verify`` hands them to ``keep``."""
 
     layer: torch.nn.Module
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
     f: torch.Tensor
-    beta: torch.Tensor
-    conv_inputs: tuple[torch.Tensor, ...]
+    beta_logits: torch.Tensor
+    conv_inputs: torch.Tensor
 
 
 class VerifyKDAView:
     """KDA layer ``layer`` (its index among the KDA layers) of ``pool``, rows ``slots`` [B], in a
-    verify pass: the states are read (gathered, as ``PagedKDAView`` does) and never written;
-    ``keep_segment`` appends the layer's segment to ``segments``."""
-
-    cu_seqlens = cu_seqlens_cpu = None  # [B, T] rows, not packed
+    verify pass: ``verify_pools`` hands the layer its pools, which it reads in place and does
+    not write, and a ``keep`` that appends its segment to ``segments``."""
 
     def __init__(self, pool: KDAPool, layer: int, slots: torch.Tensor, segments: list[_Segment]):
         self._pool, self._layer, self._slots, self._segments = pool, layer, slots, segments
 
-    def __getattr__(self, name):
-        if name in KDAPool.NAMES:
-            return getattr(self._pool, name)[self._layer].index_select(0, self._slots)
-        raise AttributeError(name)
-
-    def keep_segment(self, layer, q, k, v, f, beta, conv_inputs) -> None:
-        self._segments.append(_Segment(layer, q, k, v, f, beta, tuple(conv_inputs)))
+    def verify_pools(self):
+        def keep(layer, *segment):
+            self._segments.append(_Segment(layer, *segment))
+        pool, i = self._pool, self._layer
+        return pool.recurrent[i], pool.conv_qkv[i], self._slots, keep
 
 
 class VerifyStep:
@@ -111,17 +107,22 @@ class VerifyStep:
             self._commit = lambda num_kept: self._rollback(segments, meta[0], num_kept)
         return hidden[:n], None if features is None else features[:n]
 
-    def commit(self, num_kept: list[int]) -> None:
+    def commit(self, num_kept: list[int] | torch.Tensor) -> None:
         """After speculative sampling: row i of the last ``forward`` keeps its first
-        ``num_kept[i]`` positions (1 .. ks[i] + 1: the last token and the accepted drafts); the
-        KDA states (recurrent and convolution) of its slot become those after them. The MLA
-        latents of the kept positions are in the cache already; those after them are stale and
-        are overwritten before anything reads them."""
+        ``num_kept[i]`` positions (1 .. ks[i] + 1: the last token and the accepted drafts; a list,
+        or an int64 tensor on the device, which nothing reads on the host); the KDA states
+        (recurrent and convolution) of its slot become those after them. The MLA latents of the
+        kept positions are in the cache already; those after them are stale and are overwritten
+        before anything reads them."""
         if self._commit is None:
             raise RuntimeError("verify: commit without a forward to commit")
-        (kept,) = self.runner.host_tensor(list(num_kept) + [1] * (self._rows - len(num_kept)))
+        if isinstance(num_kept, torch.Tensor):
+            kept = F.pad(num_kept, (0, self._rows - len(num_kept)), value=1)  # padding rows keep 1
+        else:
+            (kept,) = self.runner.host_tensor(list(num_kept) + [1] * (self._rows - len(num_kept)))
+            kept = kept.to(self.runner.device, non_blocking=True)
         commit, self._commit = self._commit, None
-        commit(kept.to(self.runner.device, non_blocking=True))
+        commit(kept)
 
     def _forward(self, meta: torch.Tensor, drafts: torch.Tensor, width: int):
         """The pass: meta [4, B] on the device (state slots, the last token's positions, draft
@@ -155,16 +156,17 @@ class VerifyStep:
         L = len(segments)
         B, _, H, K = segments[0].q.shape
         # every layer at once: [B, T, L * H, K] inputs, [B, L * H, K, V] states, per-head gates
-        q, k, v, f, beta = (torch.cat([getattr(s, name) for s in segments], dim=2)
-                            for name in ("q", "k", "v", "f", "beta"))
+        q, k, v, f, beta_logits = (torch.cat([getattr(s, name) for s in segments], dim=2)
+                                   for name in ("q", "k", "v", "f", "beta_logits"))
         A_log = torch.cat([a_log_heads(s.layer.A_log, H) for s in segments])
         dt_bias = torch.cat([s.layer.dt_bias.reshape(-1) for s in segments])
         states = pool.recurrent.index_select(1, slots).transpose(0, 1).reshape(B, L * H, K, -1)
-        rollback_recompute_(states, torch.arange(B, device=slots.device), num_kept, q, k, v, f, beta,
+        rollback_recompute_(states, torch.arange(B, device=slots.device), num_kept, q, k, v, f,
+                            torch.sigmoid(beta_logits.float()),
                             A_log, dt_bias, lower_bound=cfg.kda_gate_lower_bound)
         pool.recurrent.index_copy_(1, slots, states.view(B, L, H, K, -1).transpose(0, 1))
         # the conv states of q|k|v side by side, every layer at once
-        x = torch.stack([torch.cat(s.conv_inputs, dim=-1) for s in segments])         # [L, B, T, 3C]
+        x = torch.stack([s.conv_inputs for s in segments])                            # [L, B, T, 3C]
         new = conv_state_rollback(pool.conv_qkv.index_select(1, slots).flatten(0, 1), x.flatten(0, 1),
                                   num_kept.repeat(L))                                  # [L * B, 3C, W-1]
         pool.conv_qkv.index_copy_(1, slots, new.view(L, B, *new.shape[1:]))

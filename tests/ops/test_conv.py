@@ -415,6 +415,83 @@ def test_pooled_update_kernel_matches_reference_gpu(dtype):
                      {"y": FLA_TOLS[dtype], "state": 0.0})
 
 
+# ---- causal_conv1d_pooled: T tokens per row after pool states, read and not written ----
+
+def verify_inputs(B=3, T=4, C=12, n=6, W=W, device="cpu", dtype=torch.float32):
+    """x [B, T, C] as a column slice of a wider tensor (the fused projection's q|k|v columns),
+    weight [C, 1, W], pool [n, C, W-1], slots with the scratch row 0 twice (padding rows)."""
+    wide = torch.randn(B, T, C + 7, device=device, dtype=dtype)
+    return dict(x=wide[..., 3:C + 3], weight=torch.randn(C, 1, W, device=device, dtype=dtype),
+                pool=torch.randn(n, C, W - 1, device=device, dtype=dtype),
+                slots=torch.tensor([4, 0, 0][:B], device=device))
+
+
+@pytest.mark.parametrize("width,T", [(4, 1), (4, 2), (4, 5), (2, 3)])
+def test_pooled_verify_conv_matches_the_loop_and_writes_nothing(width, T):
+    x = verify_inputs(T=T, W=width)
+    pool = x["pool"].clone()
+    y = conv_ops.causal_conv1d_pooled(**x, parts=3)
+    want, _ = conv_loop(x["x"], x["weight"], pool[x["slots"]])
+    assert y.shape == (3, 3, T, 4)
+    assert_all_close({"y": torch.cat(tuple(y), -1)}, {"y": want}, {"y": FP32_TOL})
+    assert torch.equal(x["pool"], pool)
+
+
+@pytest.mark.parametrize("name,bad,message", [
+    ("x", torch.randn(3, 12), "`x` must be"),
+    ("weight", torch.randn(12, 1, 1), "W >= 2"),
+    ("pool", torch.randn(6, 3, 12).transpose(1, 2), "contiguous"),
+    ("slots", torch.tensor([0.0, 1.0, 2.0]), "`slots` must be"),
+])
+def test_pooled_verify_conv_rejects_bad_arguments(name, bad, message):
+    with pytest.raises(ValueError, match=message):
+        conv_ops.causal_conv1d_pooled(**{**verify_inputs(), name: bad})
+
+
+_INTERPRETED_POOLED = """
+import torch
+from openk3.ops.conv import _conv_pooled_triton, _conv_update_triton, causal_conv1d_pooled
+from tests.ops.test_conv import verify_inputs
+torch.manual_seed(0)
+# 2502: three channel blocks, the last one short; T below, at and past the state's W-1 columns
+for width, T, C, parts in ((4, 1, 12, 1), (4, 3, 2502, 3), (4, 6, 12, 3), (2, 4, 7, 1)):
+    x = verify_inputs(T=T, C=C, W=width)
+    pool = x["pool"].clone()
+    got = _conv_pooled_triton(x["x"], x["weight"], x["pool"], x["slots"], parts)
+    want = causal_conv1d_pooled(x["x"], x["weight"], pool, x["slots"], parts=parts, backend="torch")
+    assert got.shape == want.shape == (parts, 3, T, C // parts), got.shape
+    assert (got - want).abs().max() < 1e-5, (got - want).abs().max()
+    assert torch.equal(x["pool"], pool), "the kernel wrote the pool"
+    step = _conv_update_triton(x["x"][:1, 0], x["weight"], pool, x["slots"][:1], parts)
+    assert torch.equal(got[:, :1, 0], step), "the first token differs from the decode kernel's"
+print("ok")
+"""
+
+
+def test_pooled_verify_kernel_in_the_triton_interpreter():
+    """The Triton kernel on the CPU (TRITON_INTERPRET=1, fp32) against the reference, the pool
+    untouched; a row's first token bit for bit the decode kernel's (the same taps in the same
+    order)."""
+    from tests.ops.checks import run_triton_interpreted
+
+    run_triton_interpreted(_INTERPRETED_POOLED)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_pooled_verify_kernel_matches_reference_gpu(dtype):
+    x = verify_inputs(B=3, T=8, C=3 * 1024, n=9, device="cuda", dtype=dtype)
+    pool = x["pool"].clone()
+    with nan_poisoned_empty():
+        got = conv_ops.causal_conv1d_pooled(**x, parts=3)
+    want = conv_ops.causal_conv1d_pooled(**{**x, "pool": pool}, parts=3, backend="torch")
+    assert_all_close({"y": got}, {"y": want}, {"y": FLA_TOLS[dtype]})
+    assert torch.equal(x["pool"], pool)
+    step = conv_ops.causal_conv1d_update_(x["x"][:1, 0], x["weight"], pool, x["slots"][:1], parts=3)
+    assert torch.equal(got[:, :1, 0], step)  # the decode kernel's taps, bit for bit
+
+
 # ---- openk3's Triton kernels: the serving prefill's convolution (a state, packed sequences) ----
 
 _INTERPRETED_VARLEN = """

@@ -128,11 +128,13 @@ def test_greedy_echo_draft_accepts_everything(echo):
     assert s.generation_tokens == 80 and 80 - 4 - 8 <= s.spec_draft_tokens + s.spec_verifications <= 80 - 4
 
 
-def test_proposals_equal_the_reference(model, draft):
+@pytest.mark.parametrize("temperature", [1.0, 0.0])
+def test_proposals_equal_the_reference(model, draft, temperature):
     """Sampling at temperature 1 (some drafts accepted, some rejected), shared prefixes (later
     requests start their draft cache after a prefix-cache hit): every proposal's probabilities
     equal those of ``eagle_propose_ref``, which recomputes target and draft over the whole
-    sequence from scratch given the same drafts."""
+    sequence from scratch given the same drafts. Greedy (the whole chain in one pass, no
+    probabilities): every draft is the argmax of the reference's logits."""
     eng = make_engine(model, draft, num_speculative_tokens=3)
     calls, propose = [], eng.drafter.propose
 
@@ -148,15 +150,20 @@ def test_proposals_equal_the_reference(model, draft):
     base = tokens(9, 20)
     prompts = [base + tokens(10 + i, 3 + i) for i in range(3)]
     for i, p in enumerate(prompts):  # in turn: later ones hit the cache of the first
-        eng.generate([p, tokens(20 + i, 6)], [SamplingParams(temperature=1.0, seed=i, max_tokens=10)] * 2)
+        eng.generate([p, tokens(20 + i, 6)], [SamplingParams(temperature=temperature, seed=i, max_tokens=10)] * 2)
     assert eng.block_manager.stats.hits > 0
-    assert 0 < eng.stats.spec_accepted_tokens < eng.stats.spec_draft_tokens
+    if temperature:
+        assert 0 < eng.stats.spec_accepted_tokens < eng.stats.spec_draft_tokens
     checked, bases = 0, set()
     for *rows, (drafted, probs) in calls:
+        assert (probs is None) == (temperature == 0)
         for b, (ids, start, k) in enumerate(rows):
             ref = eagle_propose_ref(model, draft, ids, drafted[b, :k].tolist(), start)
-            # log space: the random draft's probabilities are all near 1 / vocab
-            torch.testing.assert_close(probs[b, :k].log(), torch.log_softmax(ref, -1), atol=1e-4, rtol=0)
+            if probs is None:
+                assert drafted[b, :k].tolist() == ref.argmax(-1).tolist()
+                assert (drafted[b, k:] == -1).all()
+            else:  # log space: the random draft's probabilities are all near 1 / vocab
+                torch.testing.assert_close(probs[b, :k].log(), torch.log_softmax(ref, -1), atol=1e-4, rtol=0)
             checked, bases = checked + 1, bases | {start}
     assert checked > 10 and len(bases) > 1  # base 0 and after a hit
 

@@ -39,8 +39,8 @@ def test_eagle_engine_logprobs_match_full_forward():
     prompts = [torch.randint(3, 4000, (n,)).tolist() for n in (7, 33, 150, 64, 1)]
     outs = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=24, logprobs=1))
     assert eng.stats.spec_verifications > 0
-    # the verify steps, the draft's chain steps and its observe passes ran as CUDA graphs
-    assert eng.runner.verifier.graphs and {kind for kind, _ in eng.drafter.graphs} == {"chain", "observe"}
+    # the verify steps, the draft's greedy chains and its observe passes ran as CUDA graphs
+    assert eng.runner.verifier.graphs and {kind for kind, _ in eng.drafter.graphs} == {"greedy", "observe"}
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
     errs = []
     for p, o in zip(prompts, outs):

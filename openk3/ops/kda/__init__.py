@@ -7,7 +7,8 @@
 * ``fla.py``    fla-core's Triton kernels, the fast path on GPU.
 * ``dispatch.py`` ``kda``: the entry point layers call; picks fla on CUDA, the references elsewhere.
 * ``pooled.py`` ``kda_decode_``: one decode token per row, the states read from and written
-  back to a pool of state slots in place (the serving decode step).
+  back to a pool of state slots in place (the serving decode step); ``kda_verify_pooled``: T
+  tokens per row from pool rows, which are not written (the speculative verify step).
 * ``verify.py`` ``kda_verify``: a speculative-verification segment with per-position states, and
   the rollback of the recurrent and conv states to the last accepted token (``rollback_*``,
   ``conv_state_rollback``).
@@ -23,7 +24,7 @@ from openk3.ops.kda.decode import kda_decode_step
 from openk3.ops.kda.dispatch import kda
 from openk3.ops.kda.gate import SAFE_LOWER_BOUND, kda_gate
 from openk3.ops.kda.naive import kda_recurrent_ref
-from openk3.ops.kda.pooled import kda_decode_
+from openk3.ops.kda.pooled import kda_decode_, kda_verify_pooled
 from openk3.ops.kda.verify import (
     conv_state_rollback,
     conv_state_rollback_ref,
@@ -35,4 +36,4 @@ from openk3.ops.kda.verify import (
 
 __all__ = ["SAFE_LOWER_BOUND", "conv_state_rollback", "conv_state_rollback_ref", "kda",
            "kda_chunk_ref", "kda_decode_", "kda_decode_step", "kda_gate", "kda_recurrent_ref", "kda_verify",
-           "kda_verify_ref", "rollback_recompute_", "rollback_snapshot_"]
+           "kda_verify_pooled", "kda_verify_ref", "rollback_recompute_", "rollback_snapshot_"]

@@ -10,6 +10,12 @@ layer, and at batch 128 of ``small`` two extra reads and writes of 64 MB per lay
 kernel, so the raw beta logits go in (one cast and one sigmoid kernel fewer).
 
 Reference (CPU, or ``backend="torch"``): gather, ``kda_decode_step``, scatter.
+
+``kda_verify_pooled``: T tokens per row from the states of pool rows, which are read and not
+written (the speculative verify step; the rollback writes the state after the kept tokens:
+``rollback_recompute_``). fla's kernel in its plain batch mode on the gathered states (its
+continuous-batching mode writes the state after every token to the pool), with the gate and
+beta's sigmoid in the kernel and no zero fill of the output.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import torch
 
 from openk3.ops.fast import compile_disabled
 from openk3.ops.kda.decode import kda_decode_step
+from openk3.ops.kda.naive import kda_recurrent_ref
 from openk3.ops.kda.dispatch import _validate_kda_inputs
 from openk3.ops.kda.gate import SAFE_LOWER_BOUND, a_log_heads, kda_gate
 from openk3.ops.kda.verify import _check_pool, _pick_backend, _refuse_grad
@@ -89,6 +96,72 @@ def _decode_fla(q, k, v, f, beta_logits, A_log, dt_bias, pool, slots, lower_boun
             q=q.contiguous(), k=k.contiguous(), v=v, g=f.contiguous(), beta=beta_logits.contiguous(),
             A_log=a_log_heads(A_log, H).contiguous(), dt_bias=dt_bias.reshape(H * K), scale=scale,
             initial_state=pool, inplace_final_state=True, ssm_state_indices=slots,
+            use_qk_l2norm_in_kernel=use_qk_l2norm, use_gate_in_kernel=True,
+            use_beta_sigmoid_in_kernel=True, lower_bound=lower_bound,
+            out=torch.empty_like(v))  # every element is written: no zero fill
+    return o
+
+
+def kda_verify_pooled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor,
+                      beta_logits: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                      pool: torch.Tensor, slots: torch.Tensor, *,
+                      lower_bound: float | None = SAFE_LOWER_BOUND, scale: float | None = None,
+                      use_qk_l2norm: bool = True, backend: str = "auto") -> torch.Tensor:
+    """T tokens per row from the states in rows ``slots`` of ``pool``, which is not modified.
+
+    Args:
+        q, k: ``[B, T, H, K]`` (after the short convolution); v: ``[B, T, H, V]``.
+        f: raw decay logits ``[B, T, H, K]`` or ``[B, T, H*K]``.
+        beta_logits: ``[B, T, H]`` *before* the sigmoid.
+        A_log, dt_bias, lower_bound, scale, use_qk_l2norm: as ``kda``'s.
+        pool: ``[n, H, K, V]`` fp32 states; rows ``slots[b]`` hold each row's state before its
+            first token.
+        slots: ``[B]`` integer rows of ``pool`` (repeats allowed: nothing is written).
+        backend: ``"fla"`` (CUDA), ``"torch"`` the reference, ``"auto"`` fla on CUDA.
+
+    Returns:
+        o ``[B, T, H, V]`` in v.dtype: ``kda``'s output from the gathered states.
+
+    Example::
+
+        >>> B, T, H, K = 2, 3, 2, 8
+        >>> q, k, v, f = (torch.randn(B, T, H, K) for _ in range(4))
+        >>> b, pool = torch.randn(B, T, H), torch.randn(5, H, K, K)
+        >>> before = pool.clone()
+        >>> o = kda_verify_pooled(q, k, v, f, b, torch.zeros(H), torch.zeros(H * K), pool, torch.tensor([4, 1]))
+        >>> o.shape, torch.equal(pool, before)
+        (torch.Size([2, 3, 2, 8]), True)
+    """
+    B, T, H, K = q.shape
+    _validate_kda_inputs(q, k, v, f, beta_logits, A_log, dt_bias, lower_bound, None, backend, B)
+    _check_pool(pool, slots, B, H, K, v.shape[-1])
+    if pool.device != q.device:
+        raise ValueError(f"`pool` is on {pool.device}, q on {q.device}")
+    _refuse_grad("kda_verify_pooled", q=q, k=k, v=v, f=f, beta_logits=beta_logits, pool=pool)
+    states = pool.index_select(0, slots)
+    f = f.reshape(B, T, H, K)
+    if _pick_backend(backend, q) == "fla":
+        return _verify_pooled_fla(q, k, v, f, beta_logits, A_log, dt_bias, states, lower_bound, scale,
+                                  use_qk_l2norm)
+    o, _ = kda_recurrent_ref(q, k, v, kda_gate(f, A_log, dt_bias, lower_bound), torch.sigmoid(beta_logits.float()),
+                             scale, initial_state=states, use_qk_l2norm=use_qk_l2norm)
+    return o
+
+
+@compile_disabled("fla-core's Triton KDA kernels run as they are")
+def _verify_pooled_fla(q, k, v, f, beta_logits, A_log, dt_bias, states, lower_bound, scale, use_qk_l2norm):
+    """``kda_verify_pooled`` on fla's ``fused_recurrent_kda`` forward from the gathered states
+    (writing none); arguments validated, f ``[B, T, H, K]``."""
+    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+
+    H, K = q.shape[2:]
+    v = v.contiguous()
+    device = torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext()
+    with device:  # what the public wrapper's input_guard does
+        o, _ = fused_recurrent_kda_fwd(
+            q=q.contiguous(), k=k.contiguous(), v=v, g=f.contiguous(), beta=beta_logits.contiguous(),
+            A_log=a_log_heads(A_log, H).contiguous(), dt_bias=dt_bias.reshape(H * K), scale=scale,
+            initial_state=states, inplace_final_state=False, output_final_state=False,
             use_qk_l2norm_in_kernel=use_qk_l2norm, use_gate_in_kernel=True,
             use_beta_sigmoid_in_kernel=True, lower_bound=lower_bound,
             out=torch.empty_like(v))  # every element is written: no zero fill
