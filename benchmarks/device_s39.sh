@@ -16,7 +16,20 @@
 #    draft's step at K = 3 with its phases and each graph's replay time, then P9's table again: a
 #    `small` target with one MTP layer (150 steps), its LK draft (120 steps from the MTP layer),
 #    spec_bench at batch 1, K 3 and 7, greedy and temperature 1, held-out prompts.
+# 5: the draft chain's layout computed once for all its steps: the speculative GPU tests, then
+#    phase 4's target, draft and table again (the random draft's step is in the table's ms/step).
 source "$(dirname "$0")/device_common.sh"
+p9_table() {  # a `small` target with one MTP layer, its LK draft, spec_bench at batch 1
+  timeout -s INT -k 30 165 python3 -m openk3 train --preset small --mtp-layers 1 --max-steps 150 --warmup-steps 15 \
+    --log-interval 10 --no-compile --eval-interval 100000 --ckpt-interval 100000 --num-samples 0 \
+    --out /tmp/runs/target > "$OUT/target.log" 2>&1; echo "== rc $?" >> "$OUT/target.log"
+  timeout -s INT -k 30 140 python3 -m openk3 train-draft --checkpoint /tmp/runs/target --out /tmp/drafts/lk --loss lk \
+    --init mtp --steps 120 --ttt-steps 7 --batch-size 8 --seq-len 512 --log-interval 10 --save-interval 40 \
+    > "$OUT/draft_lk.log" 2>&1; echo "== rc $?" >> "$OUT/draft_lk.log"
+  timeout -k 5 120 python3 benchmarks/spec_bench.py --checkpoint /tmp/runs/target --drafts /tmp/drafts/lk \
+    --batch 1 --K 7 3 --temperatures 0 1 --num-prompts 8 --max-tokens 128 --prompts held-out \
+    --json "$OUT/spec_lk.json" > "$OUT/spec_lk.log" 2>&1; echo "== rc $?" >> "$OUT/spec_lk.log"
+}
 case "${1:?phase}" in
 1)
   for K in 3 7; do
@@ -57,16 +70,12 @@ case "${1:?phase}" in
   timeout -k 5 80 python3 benchmarks/spec_bench.py --preset small --drafts random --batch 1 --K 3 \
     --temperatures 0 --num-prompts 2 --max-tokens 64 --profile --json "$OUT/spec_random.json" \
     > "$OUT/spec_random.log" 2>&1; echo "== rc $?" >> "$OUT/spec_random.log"
-  timeout -s INT -k 30 165 python3 -m openk3 train --preset small --mtp-layers 1 --max-steps 150 --warmup-steps 15 \
-    --log-interval 10 --no-compile --eval-interval 100000 --ckpt-interval 100000 --num-samples 0 \
-    --out /tmp/runs/target > "$OUT/target.log" 2>&1; echo "== rc $?" >> "$OUT/target.log"
-  timeout -s INT -k 30 140 python3 -m openk3 train-draft --checkpoint /tmp/runs/target --out /tmp/drafts/lk --loss lk \
-    --init mtp --steps 120 --ttt-steps 7 --batch-size 8 --seq-len 512 --log-interval 10 --save-interval 40 \
-    > "$OUT/draft_lk.log" 2>&1; echo "== rc $?" >> "$OUT/draft_lk.log"
-  timeout -k 5 120 python3 benchmarks/spec_bench.py --checkpoint /tmp/runs/target --drafts /tmp/drafts/lk \
-    --batch 1 --K 7 3 --temperatures 0 1 --num-prompts 8 --max-tokens 128 --prompts held-out \
-    --json "$OUT/spec_lk.json" > "$OUT/spec_lk.log" 2>&1; echo "== rc $?" >> "$OUT/spec_lk.log"
+  p9_table
   ;;
-*) echo "phase 1 to 4" >&2; exit 2 ;;
+5)
+  gpu_tests 130 tests/serve/test_verify_gpu.py tests/serve/test_eagle_engine_gpu.py
+  p9_table
+  ;;
+*) echo "phase 1 to 5" >&2; exit 2 ;;
 esac
 summary

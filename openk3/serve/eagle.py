@@ -90,22 +90,26 @@ class EagleDrafter(DraftProposer):
 
     # The chain: propose.
 
-    def _chain_step(self, state: torch.Tensor, drawn: torch.Tensor, step: torch.Tensor | int,
-                    rows: torch.Tensor, width: int) -> torch.Tensor:
-        """Step i (``step``: an int, or a 0-d tensor in a CUDA graph) of every chain, in place:
-        state [B, d] the previous step's g (the new g on return), drawn [B] the draws d_i, rows
-        [4, B] each row's tokens n, state slot, ``base`` and draft count k (padding rows: k = 0).
-        A row with k > i computes position n - 2 + i of its chain, reading its cache from
-        ``base`` up to it (``width`` block-table columns); the others are padding rows. Returns
-        the logits [B, V] fp32 of d_{i+1}."""
+    def _chain_layout(self, rows: torch.Tensor, steps: torch.Tensor, width: int) -> tuple[torch.Tensor, list]:
+        """Where chain steps ``steps`` [S] (>= 1) of every row run, all at once: rows [4, B] each
+        row's tokens n, state slot, ``base`` and draft count k (padding rows: k = 0). A row with
+        k > i computes position n - 2 + i of its chain at step i, reading its cache from ``base``
+        up to it (``width`` block-table columns); the others are padding rows (the scratch slot).
+        Returns (live [S, B], a ``DecodeBatch`` per step)."""
         runner, bs = self.runner, self.runner.block_size
         num_tokens, slots, base, ks = rows
-        live = step < ks
-        pos = torch.where(live, num_tokens - 2 + step, 0)
-        slots = torch.where(live, slots, runner.scratch_slot)
-        table = runner.block_tables[slots, :width]                                     # [B, W] int32
-        new_rows = table.gather(1, (pos // bs)[:, None])[:, 0].long() * bs + pos % bs
-        batch = DecodeBatch(new_rows, table, pos + 1, bs, torch.where(live, base, 0))
+        live = steps[:, None] < ks                                                     # [S, B]
+        pos = torch.where(live, num_tokens - 2 + steps[:, None], 0)
+        table = runner.block_tables[torch.where(live, slots, runner.scratch_slot), :width]  # [S, B, W] int32
+        new_rows = table.gather(2, (pos // bs)[..., None])[..., 0].long() * bs + pos % bs
+        first = torch.where(live, base, 0)
+        return live, [DecodeBatch(new_rows[i], table[i], pos[i] + 1, bs, first[i]) for i in range(len(steps))]
+
+    def _chain_step(self, state: torch.Tensor, drawn: torch.Tensor, live: torch.Tensor,
+                    batch: DecodeBatch) -> torch.Tensor:
+        """One step of every chain, in place: state [B, d] the previous step's g (the new g on
+        return), drawn [B] the draws d_i, ``live`` [B] and ``batch`` this step's layout
+        (``_chain_layout``). Returns the logits [B, V] fp32 of d_{i+1}."""
         ids = torch.where(live, drawn, 0)
         state.copy_(self.draft(state[:, None], self.embed(ids)[:, None], PagedMLAView(self.cache, batch))[:, 0])
         return self.lm_head(state).float()
@@ -146,7 +150,8 @@ class EagleDrafter(DraftProposer):
         def advance(i: int, drawn: torch.Tensor) -> torch.Tensor:
             drawn = F.pad(drawn, (0, pad))
             if graph is None:
-                return self._chain_step(state, drawn, i + 1, rows, width)[:n]
+                live, (batch,) = self._chain_layout(rows, torch.full((1,), i + 1, device=rows.device), width)
+                return self._chain_step(state, drawn, live[0], batch)[:n]
             first = i == 0  # the state and the rows go in once; the graph keeps its state after
             return graph.run(state if first else None, drawn, i + 1, rows if first else None)[:n]
 
@@ -154,15 +159,16 @@ class EagleDrafter(DraftProposer):
 
     def _greedy_chain(self, rows: torch.Tensor, width: int) -> torch.Tensor:
         """The drafts of a batch of greedy requests, every step of every chain in one pass (one
-        CUDA graph per bucket: no host work between the steps): rows [4, B] as ``_chain_step``'s.
+        CUDA graph per bucket: no host work between the steps): rows [4, B] as ``_chain_layout``'s.
         Returns tokens [B, K] int64, the argmax of each step's logits, -1 past a row's k (what
         ``sample_drafts`` draws for such a batch; the chain always runs K - 1 steps, those past
         every row's k as padding rows)."""
         state = self.last.index_select(0, rows[1])  # g at position n - 2: drafts x_n
         drawn = self.lm_head(state).float().argmax(-1)
         tokens = [torch.where(rows[3] > 0, drawn, -1)]
-        for i in range(1, self.K):
-            drawn = self._chain_step(state, drawn, i, rows, width).argmax(-1)
+        live, batches = self._chain_layout(rows, torch.arange(1, self.K, device=rows.device), width)
+        for i, batch in enumerate(batches, 1):
+            drawn = self._chain_step(state, drawn, live[i - 1], batch).argmax(-1)
             tokens.append(torch.where(rows[3] > i, drawn, -1))
         return torch.stack(tokens, dim=1)
 
@@ -173,8 +179,11 @@ class EagleDrafter(DraftProposer):
     def _capture_chain(self, B: int, pool) -> CapturedGraph:
         dev, runner = self.runner.device, self.runner
         rows = torch.tensor([[0] * B, [runner.scratch_slot] * B, [0] * B, [0] * B], device=dev)
-        return CapturedGraph(lambda state, drawn, step, rows: self._chain_step(
-            state, drawn, step, rows, runner.max_blocks_per_seq),
+        def step_of(state, drawn, step, rows):
+            live, (batch,) = self._chain_layout(rows, step.view(1), runner.max_blocks_per_seq)
+            return self._chain_step(state, drawn, live[0], batch)
+
+        return CapturedGraph(step_of,
             [torch.zeros(B, self.draft.cfg.hidden_size, device=dev, dtype=runner.dtype),
              torch.zeros(B, dtype=torch.long, device=dev), torch.zeros((), dtype=torch.long, device=dev), rows],
             pool)
@@ -199,7 +208,8 @@ class EagleDrafter(DraftProposer):
         new_rows = torch.where(keeps, paged, runner.scratch_block * bs)
         batch = DecodeBatch(new_rows.flatten(), table[:, None].expand(-1, T, -1).flatten(0, 1), (pos + 1).flatten(),
                             bs, base[:, None].expand(-1, T).flatten())
-        g = self.draft(self.draft.fc(features), self.embed(torch.where(keeps, tokens, 0)), PagedMLAView(self.cache, batch))
+        g = self.draft(self.draft.fc(features), self.embed(torch.where(keeps, tokens, 0)),
+                       PagedMLAView(self.cache, batch))
         self.last.index_copy_(0, slots, g[torch.arange(len(g), device=g.device), kept - 1])
 
     def _capture_observe(self, B: int, pool) -> CapturedGraph:
