@@ -18,6 +18,8 @@
 #    spec_bench at batch 1, K 3 and 7, greedy and temperature 1, held-out prompts.
 # 5: the draft chain's layout computed once for all its steps: the speculative GPU tests, then
 #    phase 4's target, draft and table again (the random draft's step is in the table's ms/step).
+# 6: the random draft's step at K = 3 and 7 with its phases and graph replay times (phase 4's
+#    first run) with phase 5's code.
 source "$(dirname "$0")/device_common.sh"
 p9_table() {  # a `small` target with one MTP layer, its LK draft, spec_bench at batch 1
   timeout -s INT -k 30 165 python3 -m openk3 train --preset small --mtp-layers 1 --max-steps 150 --warmup-steps 15 \
@@ -76,6 +78,11 @@ case "${1:?phase}" in
   gpu_tests 130 tests/serve/test_verify_gpu.py tests/serve/test_eagle_engine_gpu.py
   p9_table
   ;;
-*) echo "phase 1 to 5" >&2; exit 2 ;;
+6)
+  timeout -k 5 100 python3 benchmarks/spec_bench.py --preset small --drafts random --batch 1 --K 3 7 \
+    --temperatures 0 --num-prompts 1 --max-tokens 64 --profile --json "$OUT/spec_random.json" \
+    > "$OUT/spec_random.log" 2>&1; echo "== rc $?" >> "$OUT/spec_random.log"
+  ;;
+*) echo "phase 1 to 6" >&2; exit 2 ;;
 esac
 summary
