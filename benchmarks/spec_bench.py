@@ -118,9 +118,12 @@ def make_engine(target, tokenizer, args, batch: int, K: int, draft) -> LLMEngine
 
 
 def steady(eng: LLMEngine) -> bool:
-    """Every unfinished request is running and decoding: the next step decodes or verifies only."""
+    """The next step decodes or verifies only: every running request decodes, and none waits or
+    none can be admitted (the batch is full; a request finishing frees its place only at the end
+    of the step). So at batch 1 every request's decoding steps count, not only the last one's."""
     s = eng.scheduler
-    return not s.waiting and bool(s.running) and not any(q.is_prefill for q in s.running)
+    return (bool(s.running) and not any(q.is_prefill for q in s.running)
+            and (not s.waiting or len(s.running) >= eng.config.max_num_seqs))
 
 
 def timed_generate(eng: LLMEngine, prompts, params) -> tuple[float, list[float], int]:

@@ -7,21 +7,22 @@ head) at position t reads the target's features at t and the next token::
     f_t = fc( cat(bank[lo]_t, bank[mid]_t, h_t) )         from the target's forward of position t
     g_t = draft(f_t, embed(x_{t+1}))                       q = softmax(lm_head(g_t)) drafts x_{t+2}
 
-so position t of the draft can run once the target has computed t *and* x_{t+1} is known. The
-engine calls ``observe`` after ``Scheduler.postprocess``, when both hold for every position the
-target kept this step (prompt chunks, plain decodes, the kept part of a verify segment: the last
-token, the accepted drafts, and the corrected or bonus token as the next input): the draft runs
-over them, writing their MLA latents into its cache and keeping ``g`` of each sequence's last
-kept position, ``n - 2`` for a sequence of ``n`` tokens, whose head gives the distribution of
+so position t of the draft can run once the target has computed t *and* x_{t+1} is known. For
+the kept part of a verify segment (the last token, the accepted drafts, and the corrected or
+bonus token as the next input) that is right after speculative sampling, on the device: the
+engine calls ``rollback``; for prompt chunks and plain decodes, ``observe`` after
+``Scheduler.postprocess``. The draft runs over those positions, writing their MLA latents into its
+cache and keeping ``g`` of each sequence's last kept position, ``n - 2`` for a sequence of ``n`` tokens, whose head gives the distribution of
 ``d_1 = x_n``. ``propose`` then needs no pass for ``d_1``; draft ``d_{i+1}`` comes from
 ``draft(g_prev, embed(d_i))`` (EAGLE's training-time test: the draft's own output replaces f),
 attending over the real positions and the chain's earlier speculative latents.
 
 Fixed shapes (CUDA graphs by batch bucket, as the target's decode and verify passes): a chain
 step runs every speculating row, a row that has made its ``k`` draws as a padding row (the
-scratch slot); ``observe`` runs the verified sequences as ``[B, K + 1]`` (the verify segment's
-positions, those past the kept ones writing to the scratch block). Prompt chunks and plain decodes
-go through one packed pass (eager).
+scratch slot); ``rollback`` runs the verified sequences as ``[B, K + 1]`` (the verify segment's
+positions, those past the kept ones writing to the scratch block). A batch of greedy requests
+runs its whole chain as one pass (one graph). Prompt chunks and plain decodes go through one packed
+pass (eager).
 
 Cache: the draft's one MLA layer keeps its latents in a paged tensor addressed through the
 *target's* block tables (rows ``block * block_size + offset``, as a target MLA layer), so it costs
