@@ -329,6 +329,31 @@ def _split(y: torch.Tensor, parts: int) -> torch.Tensor | tuple[torch.Tensor, ..
     return y.split(y.shape[-1] // parts, dim=-1) if parts > 1 else y
 
 
+def _pooled_backend(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor,
+                    parts: int, backend: str) -> str:
+    """The backend of a call on pool rows (``causal_conv1d_update_``, ``causal_conv1d_pooled``),
+    after checking the arguments: x ``[B, ..., C]`` (its rank checked by the caller)."""
+    if backend not in ("auto", "torch", "triton"):
+        raise ValueError(f"`backend` must be 'auto', 'torch' or 'triton', got {backend!r}")
+    B, C = x.shape[0], x.shape[-1]
+    if weight.dim() != 3 or weight.shape[:2] != (C, 1) or weight.shape[-1] < 2:
+        raise ValueError(f"`weight` must be [C, 1, W] with C = {C} and W >= 2, got {list(weight.shape)}")
+    W = weight.shape[-1]
+    if pool.dim() != 3 or pool.shape[1:] != (C, W - 1) or not pool.is_contiguous():
+        raise ValueError(f"`pool` must be a contiguous [n, C, W-1] = [n, {C}, {W - 1}], got "
+                         f"{list(pool.shape)}{'' if pool.is_contiguous() else ' (not contiguous)'}")
+    if slots.shape != (B,) or slots.dtype.is_floating_point:
+        raise ValueError(f"`slots` must be [B] = [{B}] integers, got {slots.dtype} {list(slots.shape)}")
+    if parts < 1 or C % parts:
+        raise ValueError(f"`parts` must divide the {C} channels, got {parts}")
+    for name, t in (("weight", weight), ("pool", pool), ("slots", slots)):
+        if t.device != x.device:
+            raise ValueError(f"`{name}` is on {t.device}, x on {x.device}")
+    if backend == "auto":
+        return "triton" if use_fast_path(x) else "torch"
+    return backend
+
+
 def causal_conv1d_update_(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor,
                           slots: torch.Tensor, *, parts: int = 1, backend: str = "auto") -> torch.Tensor:
     """One token per row through the convolution, its state read from and written back to rows
@@ -358,27 +383,10 @@ def causal_conv1d_update_(x: torch.Tensor, weight: torch.Tensor, pool: torch.Ten
         >>> torch.equal(torch.cat([q, k, v], -1), want[:, 0]), torch.equal(pool[[4, 1]], new)
         (True, True)
     """
-    if backend not in ("auto", "torch", "triton"):
-        raise ValueError(f"`backend` must be 'auto', 'torch' or 'triton', got {backend!r}")
     if x.dim() != 2:
         raise ValueError(f"`x` must be [B, C], got {list(x.shape)}")
     B, C = x.shape
-    if weight.dim() != 3 or weight.shape[:2] != (C, 1) or weight.shape[-1] < 2:
-        raise ValueError(f"`weight` must be [C, 1, W] with C = {C} and W >= 2, got {list(weight.shape)}")
-    W = weight.shape[-1]
-    if pool.dim() != 3 or pool.shape[1:] != (C, W - 1) or not pool.is_contiguous():
-        raise ValueError(f"`pool` must be a contiguous [n, C, W-1] = [n, {C}, {W - 1}], got "
-                         f"{list(pool.shape)}{'' if pool.is_contiguous() else ' (not contiguous)'}")
-    if slots.shape != (B,) or slots.dtype.is_floating_point:
-        raise ValueError(f"`slots` must be [B] = [{B}] integers, got {slots.dtype} {list(slots.shape)}")
-    if parts < 1 or C % parts:
-        raise ValueError(f"`parts` must divide the {C} channels, got {parts}")
-    for name, t in (("weight", weight), ("pool", pool), ("slots", slots)):
-        if t.device != x.device:
-            raise ValueError(f"`{name}` is on {t.device}, x on {x.device}")
-    if backend == "auto":
-        backend = "triton" if use_fast_path(x) else "torch"
-    if backend == "triton":
+    if _pooled_backend(x, weight, pool, slots, parts, backend) == "triton":
         return _conv_update_triton(x, weight, pool, slots, parts)
     y, state = causal_conv1d_ref(x[:, None], weight, pool.index_select(0, slots))
     pool.index_copy_(0, slots, state.to(pool.dtype))
@@ -428,27 +436,10 @@ def causal_conv1d_pooled(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tens
         >>> y.shape, torch.equal(torch.cat(tuple(y), -1), want)
         (torch.Size([3, 2, 5, 2]), True)
     """
-    if backend not in ("auto", "torch", "triton"):
-        raise ValueError(f"`backend` must be 'auto', 'torch' or 'triton', got {backend!r}")
     if x.dim() != 3:
         raise ValueError(f"`x` must be [B, T, C], got {list(x.shape)}")
     B, T, C = x.shape
-    if weight.dim() != 3 or weight.shape[:2] != (C, 1) or weight.shape[-1] < 2:
-        raise ValueError(f"`weight` must be [C, 1, W] with C = {C} and W >= 2, got {list(weight.shape)}")
-    W = weight.shape[-1]
-    if pool.dim() != 3 or pool.shape[1:] != (C, W - 1) or not pool.is_contiguous():
-        raise ValueError(f"`pool` must be a contiguous [n, C, W-1] = [n, {C}, {W - 1}], got "
-                         f"{list(pool.shape)}{'' if pool.is_contiguous() else ' (not contiguous)'}")
-    if slots.shape != (B,) or slots.dtype.is_floating_point:
-        raise ValueError(f"`slots` must be [B] = [{B}] integers, got {slots.dtype} {list(slots.shape)}")
-    if parts < 1 or C % parts:
-        raise ValueError(f"`parts` must divide the {C} channels, got {parts}")
-    for name, t in (("weight", weight), ("pool", pool), ("slots", slots)):
-        if t.device != x.device:
-            raise ValueError(f"`{name}` is on {t.device}, x on {x.device}")
-    if backend == "auto":
-        backend = "triton" if use_fast_path(x) else "torch"
-    if backend == "triton":
+    if _pooled_backend(x, weight, pool, slots, parts, backend) == "triton":
         return _conv_pooled_triton(x, weight, pool, slots, parts)
     y, _ = causal_conv1d_ref(x, weight, pool.index_select(0, slots))
     return y.view(B, T, parts, C // parts).permute(2, 0, 1, 3).contiguous()

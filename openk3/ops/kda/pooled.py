@@ -82,10 +82,17 @@ def kda_decode_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tens
     return o[:, None]
 
 
-@compile_disabled("fla-core's Triton KDA kernels run as they are")
 def _decode_fla(q, k, v, f, beta_logits, A_log, dt_bias, pool, slots, lower_bound, scale, use_qk_l2norm):
     """``kda_decode_`` on fla's ``fused_recurrent_kda`` forward in continuous-batching mode;
     arguments validated, f ``[B, 1, H, K]``. (Runs on CPU tensors too, in Triton's interpreter.)"""
+    return _fla_forward(q, k, v, f, beta_logits, A_log, dt_bias, lower_bound, scale, use_qk_l2norm,
+                        initial_state=pool, inplace_final_state=True, ssm_state_indices=slots)
+
+
+@compile_disabled("fla-core's Triton KDA kernels run as they are")
+def _fla_forward(q, k, v, f, beta_logits, A_log, dt_bias, lower_bound, scale, use_qk_l2norm, **states):
+    """fla's ``fused_recurrent_kda`` forward with the gate and beta's sigmoid in the kernel and
+    ``states`` its state arguments; returns o."""
     from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
 
     H, K = q.shape[2:]
@@ -95,10 +102,9 @@ def _decode_fla(q, k, v, f, beta_logits, A_log, dt_bias, pool, slots, lower_boun
         o, _ = fused_recurrent_kda_fwd(
             q=q.contiguous(), k=k.contiguous(), v=v, g=f.contiguous(), beta=beta_logits.contiguous(),
             A_log=a_log_heads(A_log, H).contiguous(), dt_bias=dt_bias.reshape(H * K), scale=scale,
-            initial_state=pool, inplace_final_state=True, ssm_state_indices=slots,
             use_qk_l2norm_in_kernel=use_qk_l2norm, use_gate_in_kernel=True,
             use_beta_sigmoid_in_kernel=True, lower_bound=lower_bound,
-            out=torch.empty_like(v))  # every element is written: no zero fill
+            out=torch.empty_like(v), **states)  # every element is written: no zero fill
     return o
 
 
@@ -148,21 +154,8 @@ def kda_verify_pooled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torc
     return o
 
 
-@compile_disabled("fla-core's Triton KDA kernels run as they are")
 def _verify_pooled_fla(q, k, v, f, beta_logits, A_log, dt_bias, states, lower_bound, scale, use_qk_l2norm):
     """``kda_verify_pooled`` on fla's ``fused_recurrent_kda`` forward from the gathered states
     (writing none); arguments validated, f ``[B, T, H, K]``."""
-    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
-
-    H, K = q.shape[2:]
-    v = v.contiguous()
-    device = torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext()
-    with device:  # what the public wrapper's input_guard does
-        o, _ = fused_recurrent_kda_fwd(
-            q=q.contiguous(), k=k.contiguous(), v=v, g=f.contiguous(), beta=beta_logits.contiguous(),
-            A_log=a_log_heads(A_log, H).contiguous(), dt_bias=dt_bias.reshape(H * K), scale=scale,
-            initial_state=states, inplace_final_state=False, output_final_state=False,
-            use_qk_l2norm_in_kernel=use_qk_l2norm, use_gate_in_kernel=True,
-            use_beta_sigmoid_in_kernel=True, lower_bound=lower_bound,
-            out=torch.empty_like(v))  # every element is written: no zero fill
-    return o
+    return _fla_forward(q, k, v, f, beta_logits, A_log, dt_bias, lower_bound, scale, use_qk_l2norm,
+                        initial_state=states, inplace_final_state=False, output_final_state=False)
