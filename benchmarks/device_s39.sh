@@ -20,6 +20,9 @@
 #    phase 4's target, draft and table again (the random draft's step is in the table's ms/step).
 # 6: the random draft's step at K = 3 and 7 with its phases and graph replay times (phase 4's
 #    first run) with phase 5's code.
+# 7 (written for the next session, not run): the review's shared argument check and fla call of
+#    the pooled ops (their GPU tests: decode and verify), the speculative GPU tests, then the P9
+#    table at batch 8 too (not measured this session).
 source "$(dirname "$0")/device_common.sh"
 p9_table() {  # a `small` target with one MTP layer, its LK draft, spec_bench at batch 1
   timeout -s INT -k 30 165 python3 -m openk3 train --preset small --mtp-layers 1 --max-steps 150 --warmup-steps 15 \
@@ -83,6 +86,14 @@ case "${1:?phase}" in
     --temperatures 0 --num-prompts 1 --max-tokens 64 --profile --json "$OUT/spec_random.json" \
     > "$OUT/spec_random.log" 2>&1; echo "== rc $?" >> "$OUT/spec_random.log"
   ;;
-*) echo "phase 1 to 6" >&2; exit 2 ;;
+7)
+  gpu_tests 120 tests/ops/test_conv.py tests/ops/test_kda_pooled.py -k "pooled or fla"
+  gpu_tests 150 tests/serve/test_verify_gpu.py tests/serve/test_eagle_engine_gpu.py
+  p9_table
+  timeout -k 5 120 python3 benchmarks/spec_bench.py --checkpoint /tmp/runs/target --drafts /tmp/drafts/lk \
+    --batch 8 --K 7 3 --temperatures 0 1 --num-prompts 16 --max-tokens 128 --prompts held-out \
+    --json "$OUT/spec_lk_b8.json" > "$OUT/spec_lk_b8.log" 2>&1; echo "== rc $?" >> "$OUT/spec_lk_b8.log"
+  ;;
+*) echo "phase 1 to 7" >&2; exit 2 ;;
 esac
 summary
