@@ -404,8 +404,8 @@ def _conv_update_triton(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tenso
         raise ValueError("`x` needs a contiguous last dimension")
     y = torch.empty(parts, B, C // parts, device=x.device, dtype=x.dtype)
     block = 1024
-    conv_update_kernel[(B, -(-C // block))](x, weight.reshape(C, W).contiguous(), pool, slots, y, B, C,
-                                           C // parts, x.stride(0), pool.stride(0), W=W, BLOCK_C=block)
+    conv_update_kernel[(B, -(-C // block))](x, weight.reshape(C, W).contiguous(), pool, slots.contiguous(), y,
+                                           B, C, C // parts, x.stride(0), pool.stride(0), W=W, BLOCK_C=block)
     return y
 
 
@@ -457,6 +457,6 @@ def _conv_pooled_triton(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tenso
     y = torch.empty(parts, B, T, C // parts, device=x.device, dtype=x.dtype)
     block = 1024
     conv_pooled_kernel[(B * T, -(-C // block))](
-        x, weight.reshape(C, W).contiguous(), pool, slots, y, B * T, T, C, C // parts, x.stride(0), x.stride(1),
-        pool.stride(0), W=W, BLOCK_C=block)
+        x, weight.reshape(C, W).contiguous(), pool, slots.contiguous(), y, B * T, T, C, C // parts, x.stride(0),
+        x.stride(1), pool.stride(0), W=W, BLOCK_C=block)
     return y

@@ -56,8 +56,9 @@ class DraftProposer:
     3. ``observe(out, result)`` after ``Scheduler.postprocess``: the target's output of the step
        (its features when ``feature_blocks`` is set) and every sequence's kept tokens.
 
-    A sequence whose run the engine cuts short (a stop token or string inside it) finishes in
-    this step, so the device's ``num_kept`` holds for every sequence that runs on.
+    ``num_kept`` is the device's ``num_accepted + 1`` (a run cut at a stop token ends its
+    sequence in this step), or, when a request of the batch has stop strings, the lengths of the
+    runs as the host cut them.
 
     ``feature_blocks``: the target's AttnRes bank entries the draft reads (``ModelRunner.
     feature_blocks``); None for a draft that needs nothing of the target's forward."""

@@ -101,10 +101,13 @@ class EagleDrafter(DraftProposer):
         num_tokens, slots, base, ks = rows
         live = steps[:, None] < ks                                                     # [S, B]
         pos = torch.where(live, num_tokens - 2 + steps[:, None], 0)
-        table = runner.block_tables[torch.where(live, slots, runner.scratch_slot), :width]  # [S, B, W] int32
-        new_rows = table.gather(2, (pos // bs)[..., None])[..., 0].long() * bs + pos % bs
+        # a row past its k writes its latent to the scratch block, and reads position 0 (its
+        # output is ignored) through the row's own table: one [B, W] table for every step
+        block = runner.block_tables[torch.where(live, slots, runner.scratch_slot), pos // bs]   # [S, B] int32
+        new_rows = block.long() * bs + pos % bs
+        table = runner.block_tables[slots, :width]                                     # [B, W]
         first = torch.where(live, base, 0)
-        return live, [DecodeBatch(new_rows[i], table[i], pos[i] + 1, bs, first[i]) for i in range(len(steps))]
+        return live, [DecodeBatch(new_rows[i], table, pos[i] + 1, bs, first[i]) for i in range(len(steps))]
 
     def _chain_step(self, state: torch.Tensor, drawn: torch.Tensor, live: torch.Tensor,
                     batch: DecodeBatch) -> torch.Tensor:
@@ -142,7 +145,7 @@ class EagleDrafter(DraftProposer):
         if all(p.temperature == 0 for p in params):  # the whole chain in one pass
             greedy = self.graphs.get_or_capture(("greedy", B), lambda pool: self._capture_greedy(B, pool))
             if greedy is not None:
-                return greedy.run(rows)[:n], None
+                return greedy.run(rows)[:n].clone(), None  # the graph pool's memory: the update may reuse it
             return self._greedy_chain(rows.to(runner.device, non_blocking=True), width)[:n], None
         rows = rows.to(runner.device, non_blocking=True)
         state = self.last.index_select(0, rows[1])  # g at position n - 2: drafts x_n

@@ -48,7 +48,14 @@ from openk3.serve.eagle import EagleDrafter
 from openk3.serve.inputs import Checked, RequestInputs
 from openk3.serve.model_runner import ModelRunner, PromptLogprobs, StepResult
 from openk3.serve.multimodal import ImageLike, MultiModalInput
-from openk3.serve.sampler import InvalidRequest, SamplingParams, make_generator, sample, token_logprobs
+from openk3.serve.sampler import (
+    InvalidRequest,
+    SamplingParams,
+    host_to_device,
+    make_generator,
+    sample,
+    token_logprobs,
+)
 from openk3.serve.scheduler import Scheduler, SchedulerOutput
 from openk3.serve.sequence import Sequence, SequenceStatus
 from openk3.serve.speculative import greedy_verify, sampling_probs, speculative_sample
@@ -448,8 +455,7 @@ class LLMEngine:
                 draft_probs: torch.Tensor | None) -> list[list[int]]:
         """Speculative sampling for ``result.verified``; returns each sequence's emitted tokens
         (accepted drafts, then the correction or bonus token, cut after a stop string) and rolls
-        the target's and the draft's states back to the kept tokens (a run cut short finishes
-        its sequence, whose states are not used again). ``draft_probs`` None: a
+        the target's and the draft's states back to the kept tokens. ``draft_probs`` None: a
         greedy batch (``sample_drafts``), verified from the logits alone."""
         seqs = result.verified
         reqs = [self.requests[s.request_id] for s in seqs]
@@ -462,23 +468,33 @@ class LLMEngine:
                                                       [r.generator for r in reqs])
         # the step's one device -> host copy of verify results: accepted counts, tokens, drafts
         results = _Tokens.copy_of(torch.cat([num_accepted[:, None], tokens, draft_tokens], dim=1))
-        # the states follow the kept positions (the last token and the accepted drafts; the last
-        # token of a run is fed next step), queued behind the copy: the device runs them while
-        # the host reads the copy and goes on with the step
-        num_kept = num_accepted + 1
-        self.runner.commit_verified(num_kept)
-        self.drafter.rollback(result, num_kept, tokens)
+        # The states follow the kept positions (the last token and the accepted drafts; the last
+        # token of a run is fed next step). Queued behind the copy, the device runs them while the
+        # host reads it and goes on with the step. A run cut at a stop string may leave its
+        # sequence running for a step (the detokenizer holds back an incomplete character), so
+        # with stop strings in the batch the kept counts are the host's, after the read.
+        early = not any(p.stop for p in params)
+        if early:
+            self._rollback(result, num_accepted + 1, tokens)
         K = draft_tokens.shape[1]
         rows = results.tolist()
         runs = []
         for seq, r, row, k in zip(seqs, reqs, rows, ks):
             seq.draft_token_ids = row[K + 2:K + 2 + k]
             runs.append(self._cut_at_stop(r, row[1:row[0] + 2]))
+        if not early:
+            self._rollback(result, host_to_device([len(run) for run in runs], tokens.device), tokens)
         self.stats.spec_verifications += len(seqs)
         self.stats.spec_draft_tokens += sum(ks)
         self.stats.spec_accepted_tokens += sum(row[0] for row in rows)
         self._record_logprobs(reqs, result.verify_logits, runs)
         return runs
+
+    def _rollback(self, result: StepResult, num_kept: torch.Tensor, tokens: torch.Tensor) -> None:
+        """The target's and the draft's states after each verified sequence's first ``num_kept``
+        [n] positions (device); ``tokens`` [n, K + 1] the emitted runs (``DraftProposer.rollback``)."""
+        self.runner.commit_verified(num_kept)
+        self.drafter.rollback(result, num_kept, tokens)
 
     def _cut_at_stop(self, r: _Request, run: list[int]) -> list[int]:
         """``run`` up to the first token whose text completes a stop string (or an eos), as

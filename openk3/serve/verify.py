@@ -56,8 +56,9 @@ class _Segment:
 
 class VerifyKDAView:
     """KDA layer ``layer`` (its index among the KDA layers) of ``pool``, rows ``slots`` [B], in a
-    verify pass: ``verify_pools`` hands the layer its pools, which it reads in place and does
-    not write, and a ``keep`` that appends its segment to ``segments``."""
+    verify pass: ``verify_pools`` hands the layer its pools, which it reads (the conv pool in
+    place, the recurrent rows gathered) and does not write, and a ``keep`` that appends its
+    segment to ``segments``."""
 
     def __init__(self, pool: KDAPool, layer: int, slots: torch.Tensor, segments: list[_Segment]):
         self._pool, self._layer, self._slots, self._segments = pool, layer, slots, segments
