@@ -378,8 +378,8 @@ def test_pooled_update_rejects_bad_arguments(name, bad, message):
 
 _INTERPRETED_UPDATE = """
 import torch
-from openk3.ops.conv import _conv_update_triton, causal_conv1d_update_
-from tests.ops.test_conv import pooled_inputs
+from openk3.ops.conv import _conv_pooled_triton, _conv_update_triton, causal_conv1d_pooled, causal_conv1d_update_
+from tests.ops.test_conv import pooled_inputs, verify_inputs
 torch.manual_seed(0)
 # 2502: three channel blocks, the last one short; parts 3: q|k|v each written contiguous
 for width, C, parts in ((4, 10, 1), (4, 2502, 3), (2, 7, 1)):
@@ -390,13 +390,26 @@ for width, C, parts in ((4, 10, 1), (4, 2502, 3), (2, 7, 1)):
     assert got.shape == want.shape == (parts, 3, C // parts), got.shape
     assert (got - want).abs().max() < 1e-5, (got - want).abs().max()
     assert torch.equal(x["pool"], pool), "the pool rows differ from the reference's"
+# causal_conv1d_pooled: T below, at and past the state's W-1 columns
+for width, T, C, parts in ((4, 1, 12, 1), (4, 3, 2502, 3), (4, 6, 12, 3), (2, 4, 7, 1)):
+    x = verify_inputs(T=T, C=C, W=width)
+    pool = x["pool"].clone()
+    got = _conv_pooled_triton(x["x"], x["weight"], x["pool"], x["slots"], parts)
+    want = causal_conv1d_pooled(x["x"], x["weight"], pool, x["slots"], parts=parts, backend="torch")
+    assert got.shape == want.shape == (parts, 3, T, C // parts), got.shape
+    assert (got - want).abs().max() < 1e-5, (got - want).abs().max()
+    assert torch.equal(x["pool"], pool), "the kernel wrote the pool"
+    step = _conv_update_triton(x["x"][:1, 0], x["weight"], pool, x["slots"][:1], parts)
+    assert torch.equal(got[:, :1, 0], step), "the first token differs from the decode kernel's"
 print("ok")
 """
 
 
-def test_pooled_update_kernel_in_the_triton_interpreter():
-    """The Triton kernel on the CPU (TRITON_INTERPRET=1, fp32): output and every pool row (the
-    slots' updated, the others untouched) against the reference."""
+def test_pooled_kernels_in_the_triton_interpreter():
+    """The Triton kernels on the CPU (TRITON_INTERPRET=1, fp32) against the reference: the
+    update's output and every pool row (the slots' updated, the others untouched); the verify
+    convolution's output, the pool untouched, a row's first token bit for bit the update
+    kernel's (one subprocess for both)."""
     from tests.ops.checks import run_triton_interpreted
 
     run_triton_interpreted(_INTERPRETED_UPDATE)
@@ -448,33 +461,7 @@ def test_pooled_verify_conv_rejects_bad_arguments(name, bad, message):
         conv_ops.causal_conv1d_pooled(**{**verify_inputs(), name: bad})
 
 
-_INTERPRETED_POOLED = """
-import torch
-from openk3.ops.conv import _conv_pooled_triton, _conv_update_triton, causal_conv1d_pooled
-from tests.ops.test_conv import verify_inputs
-torch.manual_seed(0)
-# 2502: three channel blocks, the last one short; T below, at and past the state's W-1 columns
-for width, T, C, parts in ((4, 1, 12, 1), (4, 3, 2502, 3), (4, 6, 12, 3), (2, 4, 7, 1)):
-    x = verify_inputs(T=T, C=C, W=width)
-    pool = x["pool"].clone()
-    got = _conv_pooled_triton(x["x"], x["weight"], x["pool"], x["slots"], parts)
-    want = causal_conv1d_pooled(x["x"], x["weight"], pool, x["slots"], parts=parts, backend="torch")
-    assert got.shape == want.shape == (parts, 3, T, C // parts), got.shape
-    assert (got - want).abs().max() < 1e-5, (got - want).abs().max()
-    assert torch.equal(x["pool"], pool), "the kernel wrote the pool"
-    step = _conv_update_triton(x["x"][:1, 0], x["weight"], pool, x["slots"][:1], parts)
-    assert torch.equal(got[:, :1, 0], step), "the first token differs from the decode kernel's"
-print("ok")
-"""
 
-
-def test_pooled_verify_kernel_in_the_triton_interpreter():
-    """The Triton kernel on the CPU (TRITON_INTERPRET=1, fp32) against the reference, the pool
-    untouched; a row's first token bit for bit the decode kernel's (the same taps in the same
-    order)."""
-    from tests.ops.checks import run_triton_interpreted
-
-    run_triton_interpreted(_INTERPRETED_POOLED)
 
 
 @pytest.mark.gpu

@@ -79,7 +79,7 @@ def test_inference_only():
 
 _INTERPRETED = """
 import torch
-from openk3.ops.kda.pooled import _decode_fla, kda_decode_
+from openk3.ops.kda.pooled import _decode_fla, _verify_pooled_fla, kda_decode_, kda_verify_pooled
 from tests.ops.test_kda_pooled import pooled
 for lower_bound in (-5.0, None):
     x = pooled(B=3, H=2, K=16, n=6, seed=2)
@@ -91,13 +91,23 @@ for lower_bound in (-5.0, None):
     assert (x["pool"] - pool).abs().max() < 1e-4, (x["pool"] - pool).abs().max()
     others = [i for i in range(6) if i not in x["slots"].tolist()]
     assert torch.equal(x["pool"][others], pool[others])
+for lower_bound in (-5.0, None):
+    x = pooled(B=3, H=2, K=16, n=6, seed=6, T=5)
+    pool = x["pool"].clone()
+    want = kda_verify_pooled(**x, lower_bound=lower_bound, backend="torch")
+    got = _verify_pooled_fla(x["q"], x["k"], x["v"], x["f"].view(3, 5, 2, 16), x["beta_logits"], x["A_log"],
+                             x["dt_bias"], x["pool"][x["slots"]], lower_bound, None, True)
+    assert (got - want).abs().max() < 1e-4, (got - want).abs().max()
+    assert torch.equal(x["pool"], pool)
 print("ok")
 """
 
 
-def test_fla_continuous_batching_in_the_triton_interpreter():
-    """fla's kernel on the CPU (TRITON_INTERPRET=1, fp32) in the mode ``kda_decode_`` uses:
-    states read from and written to the pool rows of ``slots``, beta's sigmoid in the kernel."""
+def test_fla_pooled_modes_in_the_triton_interpreter():
+    """fla's kernel on the CPU (TRITON_INTERPRET=1, fp32) in the modes the pooled ops use:
+    ``kda_decode_``'s, states read from and written to the pool rows of ``slots``; and
+    ``kda_verify_pooled``'s, T tokens per row from the gathered states, no state written; beta's
+    sigmoid in the kernel in both (one subprocess: fla's import is most of its time)."""
     pytest.importorskip("fla")
     run_triton_interpreted(_INTERPRETED)
 
@@ -138,29 +148,6 @@ def test_verify_first_token_is_the_decode_step():
             "pool": x["pool"].clone()}
     o_step = kda_decode_(**{**x, **step})
     assert_all_close({"o": o[:, :1]}, {"o": o_step}, {"o": 1e-6})
-
-
-_INTERPRETED_VERIFY = """
-import torch
-from openk3.ops.kda.pooled import _verify_pooled_fla, kda_verify_pooled
-from tests.ops.test_kda_pooled import pooled
-for lower_bound in (-5.0, None):
-    x = pooled(B=3, H=2, K=16, n=6, seed=6, T=5)
-    pool = x["pool"].clone()
-    want = kda_verify_pooled(**x, lower_bound=lower_bound, backend="torch")
-    got = _verify_pooled_fla(x["q"], x["k"], x["v"], x["f"].view(3, 5, 2, 16), x["beta_logits"], x["A_log"],
-                             x["dt_bias"], x["pool"][x["slots"]], lower_bound, None, True)
-    assert (got - want).abs().max() < 1e-4, (got - want).abs().max()
-    assert torch.equal(x["pool"], pool)
-print("ok")
-"""
-
-
-def test_fla_verify_in_the_triton_interpreter():
-    """fla's kernel on the CPU (TRITON_INTERPRET=1, fp32) in the mode ``kda_verify_pooled`` uses:
-    T tokens per row from the gathered states, beta's sigmoid in the kernel, no state written."""
-    pytest.importorskip("fla")
-    run_triton_interpreted(_INTERPRETED_VERIFY)
 
 
 @pytest.mark.gpu
