@@ -80,11 +80,11 @@ class KDAttention(nn.Module):
         ``openk3/serve/verify.py``: T = K + 1 positions per row, of which only the first few
         will be kept) is read and not written: ``verify_pools()`` gives the layer's recurrent
         pool, its conv pool, the rows' slots and ``keep``, and the segment runs from the rows'
-        states (``_pooled_verify``); ``keep(self, q, k, v, f, beta_logits, conv_inputs)`` receives what
-        writing the states after the kept positions needs (``rollback_recompute_``,
-        ``conv_state_rollback``): q, k, v ``[B, T, H, K]`` after the short convolution, f
-        ``[B, T, H, K]``, beta's logits ``[B, T, H]`` and the convolution's inputs
-        ``[B, T, 3*H*K]``. It needs a fused layer (``openk3.model.fuse``)."""
+        states (``_pooled_verify``); ``keep(self, q, k, v, f, beta_logits, conv_inputs)``
+        receives what writing the states after the kept positions needs
+        (``rollback_recompute_``, ``conv_state_rollback``): q, k, v ``[B, T, H, K]`` after the
+        short convolution, f ``[B, T, H, K]``, beta's logits ``[B, T, H]`` and the
+        convolution's inputs ``[B, T, 3*H*K]``. It needs a fused layer (``openk3.model.fuse``)."""
         B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
         fused = (is_fused(self.fused_proj, self.input_projections())

@@ -11,9 +11,9 @@ so position t of the draft can run once the target has computed t *and* x_{t+1} 
 the kept part of a verify segment (the last token, the accepted drafts, and the corrected or
 bonus token as the next input) that is right after speculative sampling, on the device: the
 engine calls ``rollback``; for prompt chunks and plain decodes, ``observe`` after
-``Scheduler.postprocess``. The draft runs over those positions, writing their MLA latents into its
-cache and keeping ``g`` of each sequence's last kept position, ``n - 2`` for a sequence of ``n`` tokens, whose head gives the distribution of
-``d_1 = x_n``. ``propose`` then needs no pass for ``d_1``; draft ``d_{i+1}`` comes from
+``Scheduler.postprocess``. The draft runs over those positions, writing their MLA latents into
+its cache and keeping ``g`` of each sequence's last kept position, ``n - 2`` for a sequence of
+``n`` tokens, whose head gives the distribution of ``d_1 = x_n``. ``propose`` then needs no pass for ``d_1``; draft ``d_{i+1}`` comes from
 ``draft(g_prev, embed(d_i))`` (EAGLE's training-time test: the draft's own output replaces f),
 attending over the real positions and the chain's earlier speculative latents.
 
@@ -183,6 +183,7 @@ class EagleDrafter(DraftProposer):
     def _capture_chain(self, B: int, pool) -> CapturedGraph:
         dev, runner = self.runner.device, self.runner
         rows = torch.tensor([[0] * B, [runner.scratch_slot] * B, [0] * B, [0] * B], device=dev)
+
         def step_of(state, drawn, step, rows):
             live, (batch,) = self._chain_layout(rows, step.view(1), runner.max_blocks_per_seq)
             return self._chain_step(state, drawn, live[0], batch)

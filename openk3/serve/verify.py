@@ -13,13 +13,14 @@ CUDA graph (``graphs.py``), like the decode step, whatever the contexts, draft c
   output.
 * KDA: every layer runs the segment from the row's states in the pools without writing them
   (``VerifyKDAView``, ``KDAttention._pooled_verify``: ``causal_conv1d_pooled``,
-  ``kda_verify_pooled``), and the view keeps the segment's inputs. Once speculative sampling knows how many positions each row keeps (its last
-  token and the accepted drafts), ``commit`` writes the states after them: the recurrent states
-  by a second pass of the recurrence from the old state with the positions past the kept ones
-  masked (the recompute strategy of ``openk3/ops/kda/verify.py``, ``rollback_recompute_``), all
-  KDA layers in one call as one batch of L * H heads (heads are independent); the convolution
-  states by a gather from the old states and the segment's inputs (``conv_state_rollback``). A
-  padded position is never kept, so it changes no state.
+  ``kda_verify_pooled``), and the view keeps the segment's inputs. Once speculative sampling
+  knows how many positions each row keeps (its last token and the accepted drafts), ``commit``
+  writes the states after them: the recurrent states by a second pass of the recurrence from
+  the old state with the positions past the kept ones masked (the recompute strategy of
+  ``openk3/ops/kda/verify.py``, ``rollback_recompute_``), all KDA layers in one call as one
+  batch of L * H heads (heads are independent); the convolution states by a gather from the old
+  states and the segment's inputs (``conv_state_rollback``). A padded position is never kept, so
+  it changes no state.
 
 ``commit`` must follow ``forward`` before anything else runs the same sequences.
 """
