@@ -20,9 +20,11 @@ attending over the real positions and the chain's earlier speculative latents.
 Fixed shapes (CUDA graphs by batch bucket, as the target's decode and verify passes): a chain
 step runs every speculating row, a row that has made its ``k`` draws as a padding row (the
 scratch slot); ``rollback`` runs the verified sequences as ``[B, K + 1]`` (the verify segment's
-positions, those past the kept ones writing to the scratch block). A batch of greedy requests
-runs its whole chain as one pass (one graph). Prompt chunks and plain decodes go through one packed
-pass (eager).
+positions, those past the kept ones writing to the scratch block). A batch runs its whole chain
+as one pass (one graph): greedy, the argmax of each step; with sampled requests, each draw by the
+inverse CDF from a uniform hashed on the host from the request's seed and length
+(``sampler.counter_uniforms``), since a request's own generator cannot be replayed in a graph.
+Prompt chunks and plain decodes go through one packed pass (eager).
 
 Cache: the draft's one MLA layer keeps its latents in a paged tensor addressed through the
 *target's* block tables (rows ``block * block_size + offset``, as a target MLA layer), so it costs
@@ -48,7 +50,8 @@ from openk3.model.draft import Eagle3Draft, target_fingerprint
 from openk3.model.fuse import fuse_projections
 from openk3.model.model import _keep_fp32
 from openk3.serve.config import EngineConfig
-from openk3.serve.draft import DraftProposer, sample_drafts
+from openk3.serve import sampler
+from openk3.serve.draft import DraftProposer
 from openk3.serve.graphs import CapturedGraph, Graphs, bucket
 from openk3.serve.model_runner import ModelRunner, StepResult
 from openk3.serve.paged_views import DecodeBatch, PagedMLAView, PrefillBatch
@@ -124,7 +127,8 @@ class EagleDrafter(DraftProposer):
         """Drafts of the speculating sequences, as ``Drafter.propose`` returns them: (tokens [n, K]
         int64, probabilities [n, K, V] fp32), row b beyond its own ``k_b`` -1 / 0; None when
         nobody speculates. ``d_1`` comes from the kept output ``last``; each later draft from one
-        chain step of every row."""
+        chain step of every row, all of them in one pass (``_greedy_chain``, ``_sampled_chain``).
+        A request's generator is not advanced: its drafts' uniforms are keyed by its seed."""
         seqs = [s for s, _ in out.scheduled if s.request_id in out.num_draft_tokens]
         if not seqs:
             return None
@@ -137,29 +141,32 @@ class EagleDrafter(DraftProposer):
         n, ks = len(seqs), [out.num_draft_tokens[s.request_id] for s in seqs]
         B = bucket(n) if self.graphs.enabled else n
         pad = B - n
-        rows = runner.host_tensor([s.num_tokens for s in seqs] + [0] * pad,
-                                  [s.state_slot for s in seqs] + [runner.scratch_slot] * pad,
-                                  [self.base[s.state_slot] for s in seqs] + [0] * pad,
-                                  ks + [0] * pad)
+        columns = ([s.num_tokens for s in seqs] + [0] * pad, [s.state_slot for s in seqs] + [runner.scratch_slot] * pad,
+                   [self.base[s.state_slot] for s in seqs] + [0] * pad, ks + [0] * pad)
         width = -(-(max(s.num_tokens for s in seqs) + self.K) // runner.block_size)
         if all(p.temperature == 0 for p in params):  # the whole chain in one pass
+            rows = runner.host_tensor(*columns)
             greedy = self.graphs.get_or_capture(("greedy", B), lambda pool: self._capture_greedy(B, pool))
             if greedy is not None:
                 return greedy.run(rows)[:n].clone(), None  # the graph pool's memory: the update may reuse it
             return self._greedy_chain(rows.to(runner.device, non_blocking=True), width)[:n], None
-        rows = rows.to(runner.device, non_blocking=True)
-        state = self.last.index_select(0, rows[1])  # g at position n - 2: drafts x_n
-        graph = self.graphs.get_or_capture(("chain", B), lambda pool: self._capture_chain(B, pool))
-
-        def advance(i: int, drawn: torch.Tensor) -> torch.Tensor:
-            drawn = F.pad(drawn, (0, pad))
-            if graph is None:
-                live, (batch,) = self._chain_layout(rows, torch.full((1,), i + 1, device=rows.device), width)
-                return self._chain_step(state, drawn, live[0], batch)[:n]
-            first = i == 0  # the state and the rows go in once; the graph keeps its state after
-            return graph.run(state if first else None, drawn, i + 1, rows if first else None)[:n]
-
-        return sample_drafts(self.lm_head(state[:n]).float(), ks, self.K, params, generators, advance)
+        # sampled: the whole chain in one pass too, each row's K uniforms hashed on the host from
+        # its key (``sampler.counter_uniforms``): the request's seed (an unseeded request a fresh
+        # random one) and its length, so a seeded request's drafts do not depend on the batch
+        seeds = [g.initial_seed() if g is not None else int(torch.randint(0, 2**62, ())) for g in generators]
+        draws = sampler.counter_uniforms(seeds + [0] * pad, columns[0], self.K)
+        rows = runner.host_tensor(*columns, *draws.T.tolist())
+        settings = torch.tensor([[p.temperature, p.top_p, p.top_k] for p in params] + [[0.0, 1.0, 0]] * pad,
+                                dtype=torch.float32, pin_memory=rows.is_pinned())
+        filtering = sampler.filters(params)
+        sampled = self.graphs.get_or_capture(("filtered" if filtering else "sampled", B),
+                                             lambda pool: self._capture_sampled(B, filtering, pool))
+        if sampled is not None:
+            tokens, probs = sampled.run(rows, settings)  # the verify reads probs before the pool's next replay
+            return tokens[:n].clone(), probs[:n]
+        tokens, probs = self._sampled_chain(rows.to(runner.device, non_blocking=True),
+                                            settings.to(runner.device, non_blocking=True), filtering, width)
+        return tokens[:n], probs[:n]
 
     def _greedy_chain(self, rows: torch.Tensor, width: int) -> torch.Tensor:
         """The drafts of a batch of greedy requests, every step of every chain in one pass (one
@@ -180,18 +187,38 @@ class EagleDrafter(DraftProposer):
         rows = torch.tensor([[0] * B, [self.runner.scratch_slot] * B, [0] * B, [0] * B], device=self.runner.device)
         return CapturedGraph(lambda rows: self._greedy_chain(rows, self.runner.max_blocks_per_seq), [rows], pool)
 
-    def _capture_chain(self, B: int, pool) -> CapturedGraph:
+    def _sampled_chain(self, rows: torch.Tensor, settings: torch.Tensor, filtering: bool,
+                       width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The drafts of a batch with sampled requests, every step in one pass (one CUDA graph per
+        bucket and ``filtering``: keys "sampled" and "filtered"), as ``_greedy_chain``: rows [4 + K, B], ``_chain_layout``'s rows
+        and then each row's K uniforms (``sampler.counter_uniforms``' numerators); settings [B, 3]
+        fp32 each row's temperature, top-p and top-k (a greedy row's distribution is one-hot at
+        the argmax). Draft i of a row is ``inverse_cdf_sample`` of its distribution after the
+        row's settings (``sampler.filtered_logprobs``) with its uniform i. Returns (tokens [B, K]
+        int64, those distributions [B, K, V] fp32), -1 / 0 past a row's k."""
+        state = self.last.index_select(0, rows[1])  # g at position n - 2: drafts x_n
+        temperature, top_p, top_k = settings.unbind(1)
+        u = rows[4:].double() * 2.0 ** -53                                            # [K, B]
+        live, batches = self._chain_layout(rows[:4], torch.arange(1, self.K, device=rows.device), width)
+        logits = self.lm_head(state).float()
+        tokens, probs = [], []
+        for i in range(self.K):
+            q = sampler.filtered_logprobs(logits, temperature, top_k.long(), top_p, filtering).exp()
+            drawn = sampler.inverse_cdf_sample(q, u[i])
+            drafting = rows[3] > i
+            tokens.append(torch.where(drafting, drawn, -1))
+            probs.append(q * drafting[:, None])
+            if i + 1 < self.K:
+                logits = self._chain_step(state, drawn, live[i], batches[i])
+        return torch.stack(tokens, dim=1), torch.stack(probs, dim=1)
+
+    def _capture_sampled(self, B: int, filtering: bool, pool) -> CapturedGraph:
         dev, runner = self.runner.device, self.runner
-        rows = torch.tensor([[0] * B, [runner.scratch_slot] * B, [0] * B, [0] * B], device=dev)
-
-        def step_of(state, drawn, step, rows):
-            live, (batch,) = self._chain_layout(rows, step.view(1), runner.max_blocks_per_seq)
-            return self._chain_step(state, drawn, live[0], batch)
-
-        return CapturedGraph(step_of,
-            [torch.zeros(B, self.draft.cfg.hidden_size, device=dev, dtype=runner.dtype),
-             torch.zeros(B, dtype=torch.long, device=dev), torch.zeros((), dtype=torch.long, device=dev), rows],
-            pool)
+        rows = torch.tensor([[0] * B, [runner.scratch_slot] * B, [0] * B, [0] * B] + [[0] * B] * self.K, device=dev)
+        settings = torch.tensor([[1.0, 1.0, 0.0]] * B, device=dev)
+        return CapturedGraph(lambda rows, settings: self._sampled_chain(rows, settings, filtering,
+                                                                        runner.max_blocks_per_seq),
+                             [rows, settings], pool)
 
     # Observe: the positions the target kept.
 

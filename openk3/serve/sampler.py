@@ -2,7 +2,10 @@
 
 Batched over requests with per-row settings. A seeded request draws its randomness from its own
 generator (the exponential-race form of sampling: ``argmax(p / q)`` with ``q ~ Exp(1)`` per token),
-so its tokens do not depend on which other requests share the batch. Stop strings, stop token
+so its tokens do not depend on which other requests share the batch. Draws made inside a CUDA
+graph, where a request's generator cannot go, use counter-based uniforms instead
+(``counter_uniforms``: a hash of the request's seed, its position and the draw's index, computed
+on the host) and the inverse CDF (``inverse_cdf_sample``): the EAGLE draft's sampled chain. Stop strings, stop token
 ids and max_tokens are the engine's business: they look at the text and counts, not at logits.
 """
 
@@ -10,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -139,6 +143,37 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> torch.
     logp = torch.log_softmax(logits.float(), dim=-1)
     top = logp.topk(k, dim=-1)
     return torch.cat([t.double() for t in (logp.gather(-1, tokens[:, None]), top.values, top.indices)], dim=1)
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    """SplitMix64's output function (Steele, Lea and Flood 2014) on uint64 arrays: a bijection
+    whose outputs pass BigCrush for consecutive inputs (numpy's uint64 arithmetic wraps)."""
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def counter_uniforms(seeds: list[int], counters: list[int], n: int) -> np.ndarray:
+    """Row b's ``n`` uniform draws for key (``seeds[b]``, ``counters[b]``) as int64 numerators of
+    ``2**-53`` in ``[0, 2**53)`` [len(seeds), n]: draw j is a hash of (seed, counter, j), so a
+    request's draws depend on its own key only, and a new counter (its position) gives new,
+    independent draws. Seeds are any 64-bit ints (negative ones wrap); counters >= 0."""
+    with np.errstate(over="ignore"):
+        seed = np.array([s % 2**64 for s in seeds], dtype=np.uint64)[:, None]
+        counter = np.array(counters, dtype=np.uint64)[:, None]
+        h = _splitmix64(_splitmix64(_splitmix64(seed) ^ counter) ^ np.arange(n, dtype=np.uint64)[None])
+    return (h >> np.uint64(11)).astype(np.int64)
+
+
+def inverse_cdf_sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token per row of ``probs`` [B, V] (any non-negative weights; fp32) from the uniform
+    ``u`` [B] in [0, 1) (fp64): the first token whose cumulative weight exceeds ``u`` times the
+    row's total, the cumulative sums in fp64 (so the draw follows ``probs`` to fp64 rounding, not
+    fp32's ~1e-7 per token of a 65K-token vocabulary). A token of weight 0 is never drawn."""
+    cdf = probs.double().cumsum(-1)
+    x = (u * cdf[:, -1])[:, None]
+    return torch.searchsorted(cdf, x, right=True)[:, 0].clamp(max=probs.shape[-1] - 1)
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:

@@ -211,11 +211,11 @@ def _pair_statistic(eng, model, prompt: list[int], n: int) -> tuple[float, int]:
     """Pearson's statistic of the first two tokens of ``n`` seeded requests at temperature 1
     (the second comes out of a verify step: accepted draft or resample) against the target's
     own joint p(x1) p(x2 | x1), cells expected under 5 pooled; (statistic, dof)."""
-    V = model.cfg.vocab_size
+    V, dev = model.cfg.vocab_size, model.lm_head.weight.device
     with torch.no_grad():
-        p1 = torch.softmax(model(torch.tensor([prompt])).logits[0, -1].double(), -1)
-        joint = torch.stack([p1[a] * torch.softmax(model(torch.tensor([prompt + [a]])).logits[0, -1].double(), -1)
-                             for a in range(V)]).flatten()
+        p1 = torch.softmax(model(torch.tensor([prompt], device=dev)).logits[0, -1].double(), -1)
+        joint = torch.stack([p1[a] * torch.softmax(model(torch.tensor([prompt + [a]], device=dev)).logits[0, -1].double(), -1)
+                             for a in range(V)]).flatten().cpu()
     outs = eng.generate([prompt] * n, [SamplingParams(temperature=1.0, seed=s, max_tokens=3) for s in range(n)])
     counts = torch.bincount(torch.tensor([o.token_ids[0] * V + o.token_ids[1] for o in outs]), minlength=V * V)
     expected = n * joint

@@ -2,7 +2,8 @@
 the decode, verify and commit passes and of the draft's chain steps and observe passes): the
 log-probability the engine reports for each output token against a fresh full-sequence forward
 (teacher-forced, as ``test_engine_gpu.py``), and the echo draft's acceptance (``test_eagle_engine.echo_pair``), which drops if the draft reads the wrong
-features or tokens. Run on the device: ``pytest -m gpu tests/serve/test_eagle_engine_gpu.py``."""
+features or tokens; sampled drafting in its graph (counter-based uniforms) against the target's
+joint distribution (``test_eagle_engine._pair_statistic``). Run on the device: ``pytest -m gpu tests/serve/test_eagle_engine_gpu.py``."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from openk3.serve.config import EngineConfig
 from openk3.serve.engine import LLMEngine
 from openk3.serve.sampler import SamplingParams
 from openk3.tokenizer import ByteTokenizer
-from tests.serve.test_eagle_engine import echo_pair
+from tests.serve.test_eagle_engine import _chi2_crit, _draft, _model, _pair_statistic, echo_pair
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -66,3 +67,23 @@ def test_echo_draft_is_accepted_on_cuda():
     s = eng.stats
     # every draft is the target's next token up to bf16 near-ties; a wrong offset accepts ~0
     assert s.spec_verifications > 0 and s.spec_acceptance_rate > 0.9, s
+
+
+def test_sampled_chain_in_a_graph_follows_the_target():
+    """Temperature 1 with graphs (bf16, the reference forward's too: their differences move
+    probabilities by ~1%, far below what 800 draws resolve): the chains run as one graph per
+    bucket ("sampled"), and 800 requests' first two tokens follow the target's joint distribution
+    (chi-square at 1e-3, as on the CPU: ``test_eagle_engine.test_sampled_tokens_follow_the_target``)."""
+    target = _model(4, vocab_size=5)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(8)
+    draft = _draft(target, 5).to("cuda", torch.bfloat16)
+    target = target.to("cuda", torch.bfloat16)
+    _keep_fp32(target)
+    config = EngineConfig(max_num_seqs=8, max_num_batched_tokens=128, physical_block_size=64, hash_block_size=16,
+                          kda_checkpoint_interval=64, max_model_len=256, num_speculative_tokens=2)
+    eng = LLMEngine(target, ByteTokenizer(), config, eos_token_ids=(), draft_model=draft)
+    stat, df = _pair_statistic(eng, target, [1, 3, 0, 4, 2], 800)
+    assert "sampled" in {kind for kind, _ in eng.drafter.graphs}
+    assert eng.stats.spec_draft_tokens == 800 and 0.2 < eng.stats.spec_acceptance_rate < 0.9
+    assert stat < _chi2_crit(df), f"chi2 = {stat:.1f} with {df} dof"
