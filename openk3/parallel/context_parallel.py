@@ -37,7 +37,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.bias import causal_lower_right
 
 from openk3.model.kda import KDAttention
 from openk3.model.mla import MLAttention
@@ -267,6 +266,8 @@ def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> 
     Dv = v.shape[-1]
     if Dv < q.shape[-1]:
         v = F.pad(v, (0, q.shape[-1] - Dv))
+    from torch.nn.attention.bias import causal_lower_right  # imports dynamo (~1 s): not at start-up
+
     mask = causal_lower_right(q.shape[2], k.shape[2])
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)[..., :Dv]
 
