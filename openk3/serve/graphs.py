@@ -172,9 +172,21 @@ class Graphs(dict):
             except Exception as e:  # noqa: BLE001 - an op of the pass cannot be captured (a
                 # RuntimeError from CUDA, or an assertion or compile error of a kernel library)
                 warnings.warn(f"CUDA graph capture failed ({e}); running this pass eagerly from now on")
+                release_generator()
                 self.enabled = False
                 return None
         return self[key]
+
+
+def release_generator() -> None:
+    """After a capture that failed at its end, the device's default CUDA generator still counts
+    itself mid-capture (PyTorch ends its capture only after a capture that succeeded), and the
+    next random draw outside a graph raises "Offset increment outside graph capture encountered
+    unexpectedly": an engine that falls back to eager passes would then fail every sampled
+    request. The generator gets a fresh copy of its state (same seed and offset), which no
+    capture holds."""
+    gen = torch.cuda.default_generators[torch.cuda.current_device()]
+    gen.graphsafe_set_state(gen.clone_state())
 
 
 def bucket(n: int) -> int:

@@ -51,6 +51,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from openk3.serve.graphs import release_generator
 from openk3.train.config import RunConfig
 from openk3.train.optim import adamw_fusable
 from openk3.train.trainer import Training, _finite, micro_step, train_step, update_step
@@ -158,6 +159,7 @@ class GraphedTrainStep:
                 for p, g in grads.items():  # none made during the capture (pool memory)
                     p.grad = g
                 torch.cuda.synchronize()
+                release_generator()  # random draws outside graphs would fail (serve/graphs.py)
                 cause = _root_cause(e)
                 why = f"{type(cause).__name__}: {cause}"
                 if self.strict:

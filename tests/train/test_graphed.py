@@ -118,14 +118,16 @@ def test_a_failed_capture_falls_back_to_eager_steps(monkeypatch, fail_at):
     """The graphed trainer's own logic on the CPU, with the CUDA calls stubbed and the capture
     failing (in the first or the second graph): the first step runs eagerly, the second tries
     to capture, says why it failed and runs eagerly, and every later step is eager; the
-    losses and weights are those of plain eager steps, and the param groups keep their float
-    learning rates. ``strict`` turns the failure into an error naming the setting."""
+    losses and weights are those of plain eager steps, the param groups keep their float
+    learning rates, and the CUDA generator is released from the failed capture. ``strict`` turns the failure into an error naming the setting."""
     from openk3.train import graphed
 
     for name in ("synchronize", "empty_cache", "graph_pool_handle"):
         monkeypatch.setattr(torch.cuda, name, lambda *a, **k: None)
     monkeypatch.setattr(graphed, "unsupported_reason", lambda t, cfg: None)
     monkeypatch.setattr(graphed, "set_capturable", lambda opts, flag: None)  # CUDA-only in torch
+    released = []  # the CUDA generator is released from the failed capture (serve/graphs.py)
+    monkeypatch.setattr(graphed, "release_generator", lambda: released.append(True))
     calls = []
 
     def capture(fn, pool):
@@ -145,7 +147,7 @@ def test_a_failed_capture_falls_back_to_eager_steps(monkeypatch, fail_at):
         want = train_step(plain, [_batch(s)], cfg)
         got = step([_batch(s)])
         assert got[0] == want[0] and torch.equal(got[1], want[1])
-    assert len(calls) == fail_at and step.eager and step.graphs is None
+    assert len(calls) == fail_at and step.eager and step.graphs is None and released == [True]
     assert len(messages) == 1 and "capturing the training step failed (RuntimeError: operation" in messages[0]
     assert all(isinstance(g["lr"], float) for opt in t.optimizers for g in opt.param_groups)
     for a, b in zip(plain.model.parameters(), t.model.parameters()):
