@@ -22,8 +22,9 @@ go back to the snapshot and the draft runs the target's verify step over the sam
 and drafts (``VerifyStep``: one fixed-shape pass, then the commit of the accepted positions), so
 its caches again hold exactly the target's kept tokens.
 
-Neither drafter reads the device while drafting: the loop (``sample_drafts``) draws every
-draft on the device, and its inputs travel to the device once per step.
+Neither drafter reads the device while drafting: ``Drafter``'s loop (``sample_drafts``) and the
+EAGLE draft's chain (one pass) draw every draft on the device, and their inputs travel to the
+device once per step.
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ class DraftProposer:
 
 def sample_drafts(logits: torch.Tensor, ks: list[int], K: int, params: list[SamplingParams],
                   generators: list[torch.Generator | None], advance) -> tuple[torch.Tensor, torch.Tensor]:
-    """The drafting loop of both drafters, without reading the device: draw d_1 of every chain
+    """``Drafter``'s drafting loop, without reading the device: draw d_1 of every chain
     from ``logits`` [n, V], then ``advance(i, drawn)`` (``drawn`` [n]: the draws d_{i+1}) returns
     the logits [n, V] of d_{i+2} of every chain (fixed shapes: a chain that has made its draws is
     computed on, and ignored). Chain b makes ``ks[b]`` <= K draws; a seeded request's generator

@@ -456,7 +456,7 @@ class LLMEngine:
         """Speculative sampling for ``result.verified``; returns each sequence's emitted tokens
         (accepted drafts, then the correction or bonus token, cut after a stop string) and rolls
         the target's and the draft's states back to the kept tokens. ``draft_probs`` None: a
-        greedy batch (``sample_drafts``), verified from the logits alone."""
+        greedy batch (its drafts argmaxes), verified from the logits alone."""
         seqs = result.verified
         reqs = [self.requests[s.request_id] for s in seqs]
         params, ks = [r.params for r in reqs], [out.num_draft_tokens[s.request_id] for s in seqs]
