@@ -168,20 +168,31 @@ class EagleDrafter(DraftProposer):
                                             settings.to(runner.device, non_blocking=True), filtering, width)
         return tokens[:n], probs[:n]
 
-    def _greedy_chain(self, rows: torch.Tensor, width: int) -> torch.Tensor:
-        """The drafts of a batch of greedy requests, every step of every chain in one pass (one
-        CUDA graph per bucket: no host work between the steps): rows [4, B] as ``_chain_layout``'s.
-        Returns tokens [B, K] int64, the argmax of each step's logits, -1 past a row's k (what
-        ``sample_drafts`` draws for such a batch; the chain always runs K - 1 steps, those past
-        every row's k as padding rows)."""
+    def _chain(self, rows: torch.Tensor, width: int, draw) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The drafts of a batch, every step of every chain in one pass (one CUDA graph per bucket:
+        no host work between the steps): rows [4 + ..., B], ``_chain_layout``'s first; ``draw(i,
+        logits)`` gives draft i of every row from its logits [B, V] fp32: (tokens [B], the
+        distribution [B, V] they were drawn from, or None). Returns (tokens [B, K] int64, the
+        distributions [B, K, V] or None), -1 / 0 past a row's k (the chain always runs K - 1
+        steps, those past every row's k as padding rows)."""
         state = self.last.index_select(0, rows[1])  # g at position n - 2: drafts x_n
-        drawn = self.lm_head(state).float().argmax(-1)
-        tokens = [torch.where(rows[3] > 0, drawn, -1)]
-        live, batches = self._chain_layout(rows, torch.arange(1, self.K, device=rows.device), width)
-        for i, batch in enumerate(batches, 1):
-            drawn = self._chain_step(state, drawn, live[i - 1], batch).argmax(-1)
-            tokens.append(torch.where(rows[3] > i, drawn, -1))
-        return torch.stack(tokens, dim=1)
+        live, batches = self._chain_layout(rows[:4], torch.arange(1, self.K, device=rows.device), width)
+        logits = self.lm_head(state).float()
+        tokens, probs = [], []
+        for i in range(self.K):
+            drawn, q = draw(i, logits)
+            drafting = rows[3] > i
+            tokens.append(torch.where(drafting, drawn, -1))
+            if q is not None:
+                probs.append(q * drafting[:, None])
+            if i + 1 < self.K:
+                logits = self._chain_step(state, drawn, live[i], batches[i])
+        return torch.stack(tokens, dim=1), torch.stack(probs, dim=1) if probs else None
+
+    def _greedy_chain(self, rows: torch.Tensor, width: int) -> torch.Tensor:
+        """``_chain`` of a batch of greedy requests: rows [4, B]; each draft the argmax of its
+        step's logits (what ``sample_drafts`` draws for such a batch). Returns tokens [B, K]."""
+        return self._chain(rows, width, lambda i, logits: (logits.argmax(-1), None))[0]
 
     def _capture_greedy(self, B: int, pool) -> CapturedGraph:
         rows = torch.tensor([[0] * B, [self.runner.scratch_slot] * B, [0] * B, [0] * B], device=self.runner.device)
@@ -189,28 +200,21 @@ class EagleDrafter(DraftProposer):
 
     def _sampled_chain(self, rows: torch.Tensor, settings: torch.Tensor, filtering: bool,
                        width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The drafts of a batch with sampled requests, every step in one pass (one CUDA graph per
-        bucket and ``filtering``: keys "sampled" and "filtered"), as ``_greedy_chain``: rows [4 + K, B], ``_chain_layout``'s rows
-        and then each row's K uniforms (``sampler.counter_uniforms``' numerators); settings [B, 3]
-        fp32 each row's temperature, top-p and top-k (a greedy row's distribution is one-hot at
-        the argmax). Draft i of a row is ``inverse_cdf_sample`` of its distribution after the
-        row's settings (``sampler.filtered_logprobs``) with its uniform i. Returns (tokens [B, K]
-        int64, those distributions [B, K, V] fp32), -1 / 0 past a row's k."""
-        state = self.last.index_select(0, rows[1])  # g at position n - 2: drafts x_n
+        """``_chain`` of a batch with sampled requests (one graph per bucket and ``filtering``:
+        keys "sampled" and "filtered"): rows [4 + K, B], ``_chain_layout``'s rows and then each
+        row's K uniforms (``sampler.counter_uniforms``' numerators); settings [B, 3] fp32 each
+        row's temperature, top-p and top-k (a greedy row's distribution is one-hot at the
+        argmax). Draft i of a row is ``inverse_cdf_sample`` of its distribution after the row's
+        settings (``sampler.filtered_logprobs``) with its uniform i. Returns (tokens [B, K] int64,
+        those distributions [B, K, V] fp32)."""
         temperature, top_p, top_k = settings.unbind(1)
         u = rows[4:].double() * 2.0 ** -53                                            # [K, B]
-        live, batches = self._chain_layout(rows[:4], torch.arange(1, self.K, device=rows.device), width)
-        logits = self.lm_head(state).float()
-        tokens, probs = [], []
-        for i in range(self.K):
+
+        def draw(i: int, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             q = sampler.filtered_logprobs(logits, temperature, top_k.long(), top_p, filtering).exp()
-            drawn = sampler.inverse_cdf_sample(q, u[i])
-            drafting = rows[3] > i
-            tokens.append(torch.where(drafting, drawn, -1))
-            probs.append(q * drafting[:, None])
-            if i + 1 < self.K:
-                logits = self._chain_step(state, drawn, live[i], batches[i])
-        return torch.stack(tokens, dim=1), torch.stack(probs, dim=1)
+            return sampler.inverse_cdf_sample(q, u[i]), q
+
+        return self._chain(rows, width, draw)
 
     def _capture_sampled(self, B: int, filtering: bool, pool) -> CapturedGraph:
         dev, runner = self.runner.device, self.runner
