@@ -4,7 +4,6 @@ docstring examples, and running a script under the Triton interpreter."""
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import doctest
 import os
@@ -15,6 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from tests.forkserver import ForkServer
 
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -77,38 +78,10 @@ def run_doctests(module) -> None:
     assert result.failed == 0, f"{result.failed} example(s) of {module.__name__} failed"
 
 
-# The interpreter's scripts run in children forked from one process that has imported torch,
-# Triton and openk3's ops once (~2.8 s a process on CI's CPUs, for ~17 scripts): each child starts
-# from the same fresh state, and its stdout and stderr come back apart.
-_FORK_SERVER = r"""
-import os, sys, tempfile, traceback
-import numpy, torch, triton  # noqa: F401
-import openk3.ops  # noqa: F401
-while header := sys.stdin.buffer.readline():
-    script = sys.stdin.buffer.read(int(header)).decode()
-    out, err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
-    pid = os.fork()
-    if pid == 0:
-        os.dup2(out.fileno(), 1)
-        os.dup2(err.fileno(), 2)
-        code = 0
-        try:
-            exec(compile(script, "<interpreted script>", "exec"), {"__name__": "__main__"})
-        except BaseException:
-            traceback.print_exc()
-            code = 1
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-    bodies = []
-    for f in (out, err):
-        f.seek(0)
-        bodies.append(f.read())
-        f.close()
-    os.write(1, b"%d %d %d\n" % (code, *map(len, bodies)) + b"".join(bodies))
-"""
-_server: subprocess.Popen | None = None
+# The interpreter's scripts run in children of one fork server (tests/forkserver.py) that has
+# imported torch, Triton and openk3's ops under TRITON_INTERPRET=1 (~2.8 s a process on CI's
+# CPUs, for ~17 scripts).
+_server: ForkServer | None = None
 
 
 def _interpreter_env() -> tuple[Path, dict]:
@@ -120,23 +93,6 @@ def _interpreter_env() -> tuple[Path, dict]:
         [str(root), str(interpreter), os.environ.get("PYTHONPATH", "")]))
 
 
-def _run_forked(script: str, root: Path, env: dict) -> tuple[int, str, str]:
-    """``script`` in a child of the fork server (started on first use, ended at exit)."""
-    global _server
-    if _server is None or _server.poll() is not None:
-        _server = subprocess.Popen([sys.executable, "-c", _FORK_SERVER], env=env, cwd=root,
-                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-        atexit.register(_server.kill)
-    data = script.encode()
-    _server.stdin.write(b"%d\n" % len(data) + data)
-    _server.stdin.flush()
-    header = _server.stdout.readline()
-    if not header:
-        raise RuntimeError(f"the interpreter's fork server ended (exit {_server.wait()})")
-    code, n_out, n_err = map(int, header.split())
-    return code, _server.stdout.read(n_out).decode(), _server.stdout.read(n_err).decode()
-
-
 def run_triton_interpreted(script: str) -> None:
     """Run ``script`` with ``TRITON_INTERPRET=1`` (the interpreter is chosen when a kernel is
     defined, so it cannot be switched on in this process) from the repository root: in a child
@@ -145,8 +101,10 @@ def run_triton_interpreted(script: str) -> None:
     not importable here."""
     root, env = _interpreter_env()
     script = textwrap.dedent(script)
+    global _server
     if sys.platform == "linux":
-        code, out, err = _run_forked(script, root, env)
+        _server = _server or ForkServer(("numpy", "torch", "triton", "openk3.ops"), env)
+        code, out, err, _ = _server.run("script", script)
     else:
         run = subprocess.run([sys.executable, "-c", script], env=env, cwd=root,
                              capture_output=True, text=True, timeout=300, check=False)

@@ -16,7 +16,6 @@ import pytest
 import torch
 import torch._dynamo
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch._dynamo.testing import CompileCounter, CompileCounterWithBackend
 from torch._dynamo.utils import counters
@@ -32,6 +31,7 @@ from openk3.parallel.parallelize import parallelize
 from openk3.train import trainer as trainer_mod
 from openk3.train.balance import Balancer
 from openk3.train.trainer import Env, train
+from tests import forkserver
 from tests.parallel.test_parallelize import TINY, _free_port
 from tests.train.test_trainer import cache_dir, corpus, tiny  # noqa: F401 (fixtures)
 
@@ -233,7 +233,7 @@ def test_compiled_elementwise_ops_are_traced_inside_a_compiled_region():
     assert counter.frame_count == 1 and counter.op_count > 2
 
 
-def _fsdp_worker(rank: int, world: int, port: int, results) -> None:
+def _fsdp_worker(rank: int, world: int, port: int) -> str:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
@@ -250,7 +250,7 @@ def _fsdp_worker(rank: int, world: int, port: int, results) -> None:
         _loss(model, ids.chunk(world)[rank]).backward()
         parallel.reduce_gradients()
         torch.testing.assert_close(parallel.clip_grad_norm_(1e30), want, rtol=1e-5, atol=0)
-        results[rank] = "ok"
+        return "ok"
     finally:
         dist.destroy_process_group()
 
@@ -258,10 +258,7 @@ def _fsdp_worker(rank: int, world: int, port: int, results) -> None:
 def test_fsdp_with_compiled_and_checkpointed_layers_equals_one_process():
     """FSDP2 shards each layer after its regions are compiled and its forward checkpointed: the
     recomputation in backward runs on the parameters FSDP gathered again for it."""
-    results = mp.Manager().dict()
-    mp.start_processes(_fsdp_worker, args=(2, _free_port(), results), nprocs=2, join=True,
-                       start_method="spawn")
-    assert dict(results) == {0: "ok", 1: "ok"}
+    assert forkserver.spawn(_fsdp_worker, 2, (2, _free_port())) == ["ok", "ok"]
 
 
 def test_trainer_losses_are_the_same_with_activation_checkpointing(corpus, tmp_path,  # noqa: F811

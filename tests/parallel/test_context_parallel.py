@@ -45,6 +45,7 @@ from openk3.parallel.parallelize import parallelize
 from openk3.train.config import RunConfig
 from openk3.train.optim import build_optimizers
 from openk3.train.trainer import Env
+from tests import forkserver
 
 TINY = {"num_hidden_layers": 2, "full_attn_layers": [2], "hidden_size": 32,
         "linear_num_heads": 2, "linear_head_dim": 8, "num_attention_heads": 2,
@@ -252,7 +253,7 @@ WORLD_CASES = {2: {"parallelize": lambda cp: case_parallelize(cp, ep=1)},
                4: {"parallelize_moonep": lambda cp: case_parallelize(cp, ep=2)}}
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
+def _worker(rank: int, world: int, port: int) -> dict[str, str]:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
     try:
@@ -264,17 +265,15 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
                 case(cp)
             except Exception:  # noqa: BLE001 - reported by name; a collective left hanging times out
                 failures[name] = traceback.format_exc(limit=-2)
-        (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(failures))
+        return failures
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_context_parallel_equals_one_process(world, tmp_path):
-    mp.start_processes(_worker, args=(world, _free_port(), str(tmp_path)), nprocs=world,
-                       join=True, start_method="spawn")
-    results = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)}
-    failures = {f"rank {r}: {name}": msg for r, f in results.items() for name, msg in f.items()}
+def test_context_parallel_equals_one_process(world):
+    results = forkserver.spawn(_worker, world, (world, _free_port()))
+    failures = {f"rank {r}: {name}": msg for r, f in enumerate(results) for name, msg in f.items()}
     assert not failures, "\n".join(f"{k}\n{v}" for k, v in failures.items())
 
 

@@ -10,12 +10,12 @@ import socket
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from openk3 import preset
 from openk3.model.moe import MoE
 from openk3.parallel.expert_parallel import apply_moonep, send_matrix
 from openk3.parallel.moonep import plan
+from tests import forkserver
 
 S = 24  # tokens per rank
 
@@ -45,13 +45,12 @@ def _layer(num_experts: int, skew: str) -> MoE:
 CASES = {2: [("one_rank", True), ("zipf", True), ("one_rank", False)], 4: [("one_rank", True), ("zipf", True)]}
 
 
-def _worker(rank: int, world: int, port: int, results) -> None:
+def _worker(rank: int, world: int, port: int) -> dict:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         torch.set_num_threads(1)
-        for skew, replicate in CASES[world]:
-            results[rank, skew, replicate] = _case(rank, world, skew, replicate)
+        return {(rank, skew, replicate): _case(rank, world, skew, replicate) for skew, replicate in CASES[world]}
     finally:
         dist.destroy_process_group()
 
@@ -96,10 +95,7 @@ def _case(rank: int, world: int, skew: str, replicate: bool) -> dict:
 @functools.cache
 def _results(world: int) -> dict:
     """{(rank, skew, replicate): errors} of every case in ``CASES[world]``."""
-    results = mp.Manager().dict()
-    mp.start_processes(_worker, args=(world, _free_port(), results), nprocs=world, join=True,
-                       start_method="spawn")
-    return dict(results)
+    return {key: errs for rank in forkserver.spawn(_worker, world, (world, _free_port())) for key, errs in rank.items()}
 
 
 @pytest.mark.parametrize("world", [2, 4])

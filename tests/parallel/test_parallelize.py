@@ -12,7 +12,6 @@ import socket
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 from torch.distributed.tensor import DTensor
@@ -25,6 +24,7 @@ from openk3.parallel.fsdp import apply_fsdp
 from openk3.parallel.parallelize import parallelize
 from openk3.train.optim import build_optimizers
 from openk3.train.trainer import Env
+from tests import forkserver
 
 TINY = dict(num_hidden_layers=2, full_attn_layers=[2], hidden_size=64, linear_head_dim=16,
             qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, kv_lora_rank=16, q_lora_rank=32,
@@ -131,11 +131,12 @@ def _free_port() -> int:
 CASES = [(1, True), (2, True), (2, False)]  # (ep, replicate): FSDP, + MoonEP, + plain EP
 
 
-def _worker(rank: int, world: int, port: int, results) -> None:
+def _worker(rank: int, world: int, port: int) -> dict:
     """Every case in one set of processes (a spawn costs each a torch import and a rendezvous).
     A failing case raises, naming itself; the other rank then fails at its next collective."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    results = {}
     try:
         torch.set_num_threads(1)
         for ep, replicate in CASES:
@@ -146,6 +147,7 @@ def _worker(rank: int, world: int, port: int, results) -> None:
             results[rank, ep, replicate] = "ok"
         _routers_stay_fp32(rank, world)
         results[rank, "bf16"] = "ok"
+        return results
     finally:
         dist.destroy_process_group()
 
@@ -195,9 +197,7 @@ def _case(rank: int, world: int, ep: int, replicate: bool) -> None:
 
 @functools.cache
 def _results() -> dict:
-    results = mp.Manager().dict()
-    mp.start_processes(_worker, args=(2, _free_port(), results), nprocs=2, join=True, start_method="spawn")
-    return dict(results)
+    return {key: ok for rank in forkserver.spawn(_worker, 2, (2, _free_port())) for key, ok in rank.items()}
 
 
 def test_routers_stay_fp32_under_a_bf16_policy():

@@ -1,13 +1,11 @@
 """Router load balancing: Quantile Balancing (exact and histogram), the sign step, the Switch loss."""
 
 import socket
-import time
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -17,6 +15,7 @@ from openk3.model.moe import MoE, Router
 from openk3.train.balance import (Balancer, expert_loads, histogram_quantile, load_max_over_mean,
                                   margin_bin_edges, qb_histogram, qb_margins, qb_update_exact,
                                   qb_update_histogram, sign_update, switch_aux_loss, target_load)
+from tests import forkserver
 
 
 def _scores(N, E, seed, spread=1.0):
@@ -160,7 +159,7 @@ class _ReplayRouter(Router):
         return self.scores, topk_idx, self.scores.gather(1, topk_idx)
 
 
-def _dp_worker(rank, world_size, port, scores, bias, k, out_path):
+def _dp_worker(rank, world_size, port, scores, bias, k):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=30))
     try:
@@ -173,26 +172,16 @@ def _dp_worker(rank, world_size, port, scores, bias, k, out_path):
         balancer.update()  # world size > 1: switches to the histogram
         out = {"hist": qb_update_histogram(shard, bias, k), "balancer": router.e_score_correction_bias,
                "sign": sign_update(topk_idx, bias, E, gamma=0.01)}
-        if rank == 0:
-            torch.save(out, out_path)
+        return out if rank == 0 else None
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_data_parallel_histogram_equals_one_process(world_size, tmp_path):
+def test_data_parallel_histogram_equals_one_process(world_size):
     N, E, k = 1003, 64, 4
     s, b = SyntheticRouter(E, seed=world_size).batch(N), _bias(E, 3, 0.1)
-    out_path = tmp_path / "out.pt"
-    ctx = mp.spawn(_dp_worker, args=(world_size, _free_port(), s, b, k, str(out_path)),
-                   nprocs=world_size, join=False)
-    deadline = time.monotonic() + 60
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"{world_size} gloo processes did not finish within 60 s")
-    out = torch.load(out_path)
+    out = forkserver.spawn(_dp_worker, world_size, (world_size, _free_port(), s, b, k), timeout=60)[0]
     whole = qb_update_histogram(s, b, k)
     assert torch.equal(out["hist"], whole) and torch.equal(out["balancer"], whole)
     edges = margin_bin_edges(b)

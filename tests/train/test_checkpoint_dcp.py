@@ -12,12 +12,12 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from openk3.parallel.parallelize import parallelize
 from openk3.train.optim import build_optimizers
 from openk3.train.state import latest_checkpoint, load_checkpoint, save_checkpoint
 from openk3.train.trainer import Env
+from tests import forkserver
 from tests.parallel.test_parallelize import (_assert_state_close, _backward, _batch, _free_port, _model,
                                              _step, full_state)
 
@@ -70,7 +70,7 @@ def test_old_full_state_checkpoint_is_refused(tmp_path):
         load_checkpoint(path, {})
 
 
-def _two_process_worker(rank: int, world: int, port: int, device: str, tmp, results) -> None:
+def _two_process_worker(rank: int, world: int, port: int, device: str, tmp) -> str:
     """Resume the one-process checkpoint ``tmp/one`` with ``ep=2``, check it against the state
     that was saved, take a step, save ``tmp/two`` and, on rank 0, its state gathered in full."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -90,7 +90,7 @@ def _two_process_worker(rank: int, world: int, port: int, device: str, tmp, resu
         saved = full_state(parallel.state_dict(opts))
         if rank == 0:
             torch.save(saved, tmp / "two.pt")
-        results[rank] = "ok"
+        return "ok"
     finally:
         dist.destroy_process_group()
 
@@ -105,10 +105,7 @@ def test_checkpoint_moves_between_one_process_and_moonep_on_two(tmp_path, device
     _train_step(parallel, opts)
     save_checkpoint(tmp_path / "one", 1, parallel.state_dict(opts), {}, keep_last=1)
     torch.save(parallel.state_dict(opts), tmp_path / "one.pt")
-    results = mp.Manager().dict()
-    mp.start_processes(_two_process_worker, args=(2, _free_port(), device, tmp_path, results),
-                       nprocs=2, join=True, start_method="spawn")
-    assert dict(results) == {0: "ok", 1: "ok"}
+    assert forkserver.spawn(_two_process_worker, 2, (2, _free_port(), device, tmp_path)) == ["ok", "ok"]
     two = latest_checkpoint(tmp_path / "two")
     assert sorted(p.name for p in two.iterdir() if p.suffix == ".distcp") == ["__0_0.distcp", "__1_0.distcp"]
     resumed, resumed_opts, trainer = _resumed(two, device)
