@@ -15,7 +15,7 @@ import typing
 from openk3.checkpoint.hf import EXPERTS_MODES
 from openk3.config import PRESETS, preset
 from openk3.runtime import DTYPES, checkpoint_dir, load_model, model_tokenizer, resolve_device
-from openk3.serve.config import EngineConfig
+from openk3.serve.config import GRACE_SECONDS, EngineConfig
 from openk3.train.config import RunConfig, resolve_run_config
 
 
@@ -302,6 +302,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.api_servers is None:  # several server processes where the engine's steps are fast
         gpu = args.engine == "process" and resolve_device(args.device).type == "cuda"
         args.api_servers = DEFAULT_GPU_API_SERVERS if gpu else 1
+    if not args.shutdown_grace >= 1:
+        print(f"openk3 serve: --shutdown-grace {args.shutdown_grace} must be >= 1 (responses in flight "
+              "get it less one second)", file=sys.stderr)
+        return 2
     if args.api_servers < 1:
         print(f"openk3 serve: --api-servers {args.api_servers} must be >= 1", file=sys.stderr)
         return 2
@@ -319,7 +323,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 from openk3.serve.api_servers import ApiServers, bound_socket
 
                 sock = bound_socket(args.host, args.port)  # a port in use fails before the model loads
-                servers = ApiServers(factory, args.api_servers, sock, api_key=api_key, chat_template=chat_template)
+                servers = ApiServers(factory, args.api_servers, sock, api_key=api_key, chat_template=chat_template,
+                                     grace=args.shutdown_grace)
             else:
                 async_engine = ProcessEngine(factory)
         except (RuntimeError, OSError) as e:
@@ -335,7 +340,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         async_engine = AsyncEngine(_serve_engine(args))
     serve(async_engine, async_engine.model_name, host=args.host, port=args.port, api_key=api_key,
-          chat_template=chat_template)
+          chat_template=chat_template, grace=args.shutdown_grace)
     return 0
 
 
@@ -390,6 +395,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="HTTP server processes in front of the engine process, sharing the port: a "
                         f"burst of requests is admitted N at a time (default: {DEFAULT_GPU_API_SERVERS} "
                         "with the engine process on a GPU, else 1; docs/serving.md)")
+    s.add_argument("--shutdown-grace", type=float, default=GRACE_SECONDS, metavar="SECONDS",
+                   help="on SIGTERM or Ctrl-C, responses in flight get this less one second to finish, "
+                        "then end with an error event; the server exits by then (>= 1; default %(default)s)")
     _add_config_flags(s, EngineConfig)
     s.set_defaults(fn=cmd_serve)
 

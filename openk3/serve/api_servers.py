@@ -42,6 +42,7 @@ import threading
 from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 
+from openk3.serve.config import GRACE_SECONDS
 from openk3.serve.engine import LLMEngine
 from openk3.serve.engine_process import EngineInfo, EngineProcess
 
@@ -56,7 +57,7 @@ def _die_with_parent(parent: int) -> None:
 
 
 def _server_main(parent: int, connection: Connection, info: EngineInfo, sock: socket.socket, started,
-                 metrics_dir: str, model_name: str, api_key: str | None, chat_template) -> None:
+                 metrics_dir: str, model_name: str, api_key: str | None, chat_template, grace: float) -> None:
     """One server process (``parent``: the supervisor's pid): ``openk3 serve``'s app over its
     connection to the engine."""
     os.setpgrp()  # out of the terminal's process group: the supervisor forwards signals
@@ -68,7 +69,7 @@ def _server_main(parent: int, connection: Connection, info: EngineInfo, sock: so
 
     engine = ProcessEngine.connect(connection, info)
     serve(engine, model_name, api_key=api_key, chat_template=chat_template, sockets=[sock],
-          started=started.set, metrics_dir=metrics_dir)
+          started=started.set, metrics_dir=metrics_dir, grace=grace)
 
 
 def bound_socket(host: str, port: int) -> socket.socket:
@@ -95,9 +96,13 @@ class ApiServers:
     stops everything."""
 
     def __init__(self, factory: Callable[[], LLMEngine], count: int, sock: socket.socket, *,
-                 api_key: str | None = None, chat_template=None, model_name: str | None = None):
+                 api_key: str | None = None, chat_template=None, model_name: str | None = None,
+                 grace: float = GRACE_SECONDS):
         if count < 1:
             raise ValueError(f"api_servers: {count} must be >= 1")
+        if not grace >= 1:
+            raise ValueError(f"shutdown grace: {grace} s must be >= 1 (responses in flight get it less 1 s)")
+        self.grace = grace
         self.engine = EngineProcess(factory, clients=count)
         self.model_name = model_name or self.engine.info.model_name
         self.servers: list[multiprocessing.process.BaseProcess] = []
@@ -122,7 +127,7 @@ class ApiServers:
             started = ctx.Event()
             proc = ctx.Process(target=_server_main, name=f"openk3-api-server-{i}",
                                args=(os.getpid(), conn, self.engine.info, sock, started, self.metrics_dir,
-                                     self.model_name, api_key, chat_template))
+                                     self.model_name, api_key, chat_template, self.grace))
             proc.start()
             conn.close()  # the server process has its copy
             self.servers.append(proc)

@@ -10,6 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# `openk3 serve --shutdown-grace`'s default: on SIGTERM or Ctrl-C, responses in flight get this
+# less one second to finish, and the HTTP server closes what is left at this (docs/serving.md)
+GRACE_SECONDS = 5.0
+
 
 @dataclass
 class EngineConfig:

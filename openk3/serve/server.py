@@ -43,6 +43,7 @@ from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 
 from openk3.serve.chat import ChatTemplate, ChatTemplateError, encode_with_images
+from openk3.serve.config import GRACE_SECONDS
 from openk3.serve.engine import AsyncEngine, RequestOutput
 from openk3.serve.inputs import Checked
 from openk3.serve.metrics import ServerMetrics
@@ -69,7 +70,6 @@ from openk3.vision.preprocess import image_prompt_ids
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 SHUTDOWN_MESSAGE = "the server is shutting down; this response was cut at the end of its grace period"
-GRACE_SECONDS = 5.0  # how long responses in flight may take to finish once shutdown begins
 
 
 class _EventStream(StreamingResponse):
@@ -471,16 +471,18 @@ class _DrainingServer(uvicorn.Server):
 def serve(async_engine: AsyncEngine, model_name: str, *, host: str = "127.0.0.1", port: int = 8000,
           api_key: str | None = None, chat_template: ChatTemplate | None = None,
           sockets: list[socket.socket] | None = None, started: Callable[[], object] | None = None,
-          metrics_dir: str | None = None) -> None:
-    """Serve until SIGTERM or Ctrl-C, then stop: responses in flight get ``GRACE_SECONDS - 1``
-    seconds to finish (then end with an error event, or a 503), uvicorn closes what is left at
-    ``GRACE_SECONDS``, and the engine stops. ``sockets``: listen there instead of on
+          metrics_dir: str | None = None, grace: float = GRACE_SECONDS) -> None:
+    """Serve until SIGTERM or Ctrl-C, then stop: responses in flight get ``grace - 1`` seconds
+    to finish (then end with an error event, or a 503), uvicorn closes what is left at
+    ``grace``, and the engine stops (``grace`` >= 1). ``sockets``: listen there instead of on
     ``host:port`` (an ``api_servers.py`` server process: the supervisor's socket); ``started``
     is called once it listens; ``metrics_dir``: ``ServerMetrics``'s multiprocess directory."""
     app = build_app(async_engine, model_name, api_key, chat_template, metrics_dir)
-    config = uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=GRACE_SECONDS)
+    if not grace >= 1:
+        raise ValueError(f"shutdown grace: {grace} s must be >= 1 (responses in flight get it less 1 s)")
+    config = uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=grace)
     try:
-        _DrainingServer(config, app.state.draining, GRACE_SECONDS - 1, started).run(sockets)
+        _DrainingServer(config, app.state.draining, grace - 1, started).run(sockets)
     except KeyboardInterrupt:  # uvicorn raises Ctrl-C again once it has shut down
         pass
     finally:
