@@ -279,11 +279,13 @@ def _serve_engine(args: argparse.Namespace):
     if decode or prefill:  # no request should wait for a capture
         start = time.perf_counter()
         print(f"openk3 serve: capturing CUDA graphs: decode batches {decode[0]}..{decode[-1]}"
-              + (f", prefill passes of {prefill[0]}..{prefill[-1]} tokens" if prefill else ""),
+              + (f", prefill passes of {prefill[0]}..{prefill[-1]} tokens" if prefill else "")
+              + (", the verify pass and the draft's chains of each batch" if engine.drafter is not None else ""),
               file=sys.stderr, flush=True)
-        engine.capture_graphs()
-        print(f"openk3 serve: {len(decode) + len(prefill)} graphs captured in "
-              f"{time.perf_counter() - start:.1f} s", file=sys.stderr)
+        captures = []
+        engine.capture_graphs(lambda kind, size: captures.append(kind))
+        print(f"openk3 serve: {len(captures)} graphs captured in {time.perf_counter() - start:.1f} s",
+              file=sys.stderr)
     return engine
 
 

@@ -30,6 +30,7 @@ device once per step.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -75,6 +76,10 @@ class DraftProposer:
 
     def observe(self, out: SchedulerOutput, result: StepResult) -> None:
         """The step's target output, after postprocess; nothing by default."""
+
+    def capture_graphs(self, sizes: list[int], progress: Callable[[str, int], None] | None = None) -> None:
+        """Capture the draft's CUDA graphs for the batch buckets ``sizes`` now rather than on first
+        use (``LLMEngine.capture_graphs``); nothing for a draft without graphs."""
 
 
 def sample_drafts(logits: torch.Tensor, ks: list[int], K: int, params: list[SamplingParams],

@@ -41,6 +41,7 @@ change.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -91,6 +92,26 @@ class EagleDrafter(DraftProposer):
 
     def cache_bytes(self) -> int:
         return self.cache.numel() * self.cache.element_size()
+
+    GRAPH_KINDS = ("greedy", "sampled", "filtered", "observe")
+
+    def graph(self, kind: str, B: int) -> CapturedGraph | None:
+        """The CUDA graph of ``kind`` (``GRAPH_KINDS``: the greedy chain, the sampled chain
+        without and with top-p / top-k, the update of the verified rows) for batch bucket ``B``,
+        captured on first use; None without graphs."""
+        make = {"greedy": lambda pool: self._capture_greedy(B, pool),
+                "sampled": lambda pool: self._capture_sampled(B, False, pool),
+                "filtered": lambda pool: self._capture_sampled(B, True, pool),
+                "observe": lambda pool: self._capture_observe(B, pool)}[kind]
+        return self.graphs.get_or_capture((kind, B), make)
+
+    def capture_graphs(self, sizes: list[int], progress: Callable[[str, int], None] | None = None) -> None:
+        """Every graph of every batch bucket in ``sizes`` now (``LLMEngine.capture_graphs``)."""
+        for B in sizes:
+            for kind in self.GRAPH_KINDS:
+                if progress is not None:
+                    progress(f"draft {kind}", B)
+                self.graph(kind, B)
 
     # The chain: propose.
 
@@ -146,7 +167,7 @@ class EagleDrafter(DraftProposer):
         width = -(-(max(s.num_tokens for s in seqs) + self.K) // runner.block_size)
         if all(p.temperature == 0 for p in params):  # the whole chain in one pass
             rows = runner.host_tensor(*columns)
-            greedy = self.graphs.get_or_capture(("greedy", B), lambda pool: self._capture_greedy(B, pool))
+            greedy = self.graph("greedy", B)
             if greedy is not None:
                 return greedy.run(rows)[:n].clone(), None  # the graph pool's memory: the update may reuse it
             return self._greedy_chain(rows.to(runner.device, non_blocking=True), width)[:n], None
@@ -159,8 +180,7 @@ class EagleDrafter(DraftProposer):
         settings = torch.tensor([[p.temperature, p.top_p, p.top_k] for p in params] + [[0.0, 1.0, 0]] * pad,
                                 dtype=torch.float32, pin_memory=rows.is_pinned())
         filtering = sampler.filters(params)
-        sampled = self.graphs.get_or_capture(("filtered" if filtering else "sampled", B),
-                                             lambda pool: self._capture_sampled(B, filtering, pool))
+        sampled = self.graph("filtered" if filtering else "sampled", B)
         if sampled is not None:
             tokens, probs = sampled.run(rows, settings)  # the verify reads probs before the pool's next replay
             return tokens[:n].clone(), probs[:n]
@@ -266,7 +286,7 @@ class EagleDrafter(DraftProposer):
         runner, T = self.runner, self.K + 1
         seqs = result.verified
         n = len(seqs)
-        graph = self.graphs.get_or_capture(("observe", bucket(n)), lambda pool: self._capture_observe(bucket(n), pool))
+        graph = self.graph("observe", bucket(n))
         B = bucket(n) if graph is not None else n
         pad = B - n
         rows = runner.host_tensor([self.length[s.state_slot] for s in seqs] + [0] * pad,

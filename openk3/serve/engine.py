@@ -253,9 +253,11 @@ class LLMEngine:
 
     def capture_graphs(self, progress=None) -> None:
         """Capture the runner's CUDA graphs now rather than when a request first needs each
-        (``ModelRunner.capture_graphs``; a no-op without graphs): ``openk3 serve`` does before it
-        listens."""
+        (``ModelRunner.capture_graphs``; a no-op without graphs), and the draft's for every decode
+        bucket (``DraftProposer.capture_graphs``): ``openk3 serve`` does before it listens."""
         self.runner.capture_graphs(progress)
+        if self.drafter is not None:
+            self.drafter.capture_graphs(self.runner.graph_sizes()[0], progress)
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         return self.inputs.tokenize(prompt)

@@ -647,13 +647,18 @@ class ModelRunner:
     def capture_graphs(self, progress: Callable[[str, int], None] | None = None) -> None:
         """Capture every decode and prefill graph now instead of on first use (``graph_sizes``), so
         that no request waits for a capture (each costs a few of its passes and, for a prefill
-        size, its warm-up's autotuning) and the graphs' memory is taken before serving starts.
+        size, its warm-up's autotuning) and the graphs' memory is taken before serving starts;
+        with speculative decoding the verify pass's graphs of every decode bucket too.
         ``progress(kind, size)`` is called before each capture."""
         decode, prefill = self.graph_sizes()
         for B in decode:
             if progress is not None:
                 progress("decode", B)
             self._decode_graph(B)
+            if self.verifier is not None:
+                if progress is not None:
+                    progress("verify", B)
+                self.verifier.graph(B)
         for Tb in prefill:
             if progress is not None:
                 progress("prefill", Tb)

@@ -80,6 +80,11 @@ class VerifyStep:
         self._commit = None  # the rollback of the last forward: a function of num_kept [B] (device)
         self._rows = 0
 
+    def graph(self, B: int) -> _VerifyGraphs | None:
+        """The verify pass and rollback of batch bucket ``B`` as CUDA graphs, captured on first
+        use; None without graphs."""
+        return self.graphs.get_or_capture(B, lambda pool: _VerifyGraphs(self, B, pool))
+
     def forward(self, seqs: list[Sequence], ks: list[int],
                 drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Verify the drafts of ``seqs``: ``ks[i]`` (1 .. K) drafts each, ``drafts`` [len(seqs), K]
@@ -91,7 +96,7 @@ class VerifyStep:
         runner, n = self.runner, len(seqs)
         if drafts.shape != (n, self.T - 1):
             raise ValueError(f"verify: `drafts` must be [{n}, K={self.T - 1}], got {list(drafts.shape)}")
-        graph = self.graphs.get_or_capture(bucket(n), lambda pool: _VerifyGraphs(self, bucket(n), pool))
+        graph = self.graph(bucket(n))
         B = bucket(n) if graph is not None else n
         pad = B - n
         meta = runner.host_tensor([s.state_slot for s in seqs] + [runner.scratch_slot] * pad,

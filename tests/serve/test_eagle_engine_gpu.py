@@ -87,3 +87,31 @@ def test_sampled_chain_in_a_graph_follows_the_target():
     assert "sampled" in {kind for kind, _ in eng.drafter.graphs}
     assert eng.stats.spec_draft_tokens == 800 and 0.2 < eng.stats.spec_acceptance_rate < 0.9
     assert stat < _chi2_crit(df), f"chi2 = {stat:.1f} with {df} dof"
+
+
+def test_speculative_graphs_captured_at_start_serve_as_those_captured_on_first_use():
+    """``capture_graphs`` (``openk3 serve`` before it listens) captures the verify pass and the
+    draft's chains (greedy, sampled, filtered) and update of every decode bucket too; greedy and
+    seeded sampled requests then capture nothing more and generate what an engine capturing on
+    first use generates."""
+    torch.manual_seed(0)
+    model = build_model(preset("debug"), device="cuda", dtype=torch.bfloat16).eval()
+    with torch.device("cuda"):
+        draft = Eagle3Draft(DraftConfig.for_target(model.cfg))
+    draft.init_weights(1)
+    prompts = [torch.randint(3, 4000, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (7, 33, 90)]
+    params = [SamplingParams(temperature=0, max_tokens=16), SamplingParams(temperature=1.0, seed=5, max_tokens=16),
+              SamplingParams(temperature=0.8, top_p=0.9, seed=6, max_tokens=16)]
+    expected = [o.token_ids for o in make_engine(model, draft).generate(prompts, params)]
+    eng = make_engine(model, draft)
+    decode = eng.runner.graph_sizes()[0]
+    seen = []
+    eng.capture_graphs(lambda kind, size: seen.append((kind, size)))
+    assert {k for k in seen if k[0] in ("verify", "draft greedy", "draft sampled", "draft filtered", "draft observe")} \
+        == {(kind, B) for B in decode for kind in ("verify", "draft greedy", "draft sampled", "draft filtered",
+                                                   "draft observe")}
+    captured = dict(eng.runner.verifier.graphs), dict(eng.drafter.graphs)
+    assert set(captured[0]) == set(decode) and len(captured[1]) == 4 * len(decode)
+    assert [o.token_ids for o in eng.generate(prompts, params)] == expected
+    assert eng.stats.spec_verifications > 0
+    assert (eng.runner.verifier.graphs, eng.drafter.graphs) == captured  # the same graph objects
