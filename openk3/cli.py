@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import functools
 import json
+import math
 import os
 import sys
 import time
@@ -282,10 +283,8 @@ def _serve_engine(args: argparse.Namespace):
               + (f", prefill passes of {prefill[0]}..{prefill[-1]} tokens" if prefill else "")
               + (", the verify pass and the draft's chains of each batch" if engine.drafter is not None else ""),
               file=sys.stderr, flush=True)
-        captures = []
-        engine.capture_graphs(lambda kind, size: captures.append(kind))
-        print(f"openk3 serve: {len(captures)} graphs captured in {time.perf_counter() - start:.1f} s",
-              file=sys.stderr)
+        engine.capture_graphs()
+        print(f"openk3 serve: CUDA graphs captured in {time.perf_counter() - start:.1f} s", file=sys.stderr)
     return engine
 
 
@@ -304,9 +303,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.api_servers is None:  # several server processes where the engine's steps are fast
         gpu = args.engine == "process" and resolve_device(args.device).type == "cuda"
         args.api_servers = DEFAULT_GPU_API_SERVERS if gpu else 1
-    if not args.shutdown_grace >= 1:
-        print(f"openk3 serve: --shutdown-grace {args.shutdown_grace} must be >= 1 (responses in flight "
-              "get it less one second)", file=sys.stderr)
+    if not (math.isfinite(args.shutdown_grace) and args.shutdown_grace >= 1):
+        print(f"openk3 serve: --shutdown-grace {args.shutdown_grace} must be >= 1 and finite (responses in "
+              "flight get it less one second)", file=sys.stderr)
         return 2
     if args.api_servers < 1:
         print(f"openk3 serve: --api-servers {args.api_servers} must be >= 1", file=sys.stderr)

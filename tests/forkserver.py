@@ -5,7 +5,9 @@ A multi-process test used to start every rank as a fresh interpreter (``torchrun
 on CI's two cores, for every rank of every launch) before its first collective. Here a server
 process imports them once and forks the ranks of each job; a child starts from the same fresh
 state a new interpreter would have after those imports: the server runs no torch op (so no
-OpenMP pool is forked) and no thread.
+OpenMP pool is forked) and starts no thread of its own (OpenBLAS's, which its import starts,
+handles fork itself). A rank ends as an interpreter does: non-daemon threads joined, atexit
+handlers run.
 
 * ``spawn(fn, nprocs, args)``: ``fn(rank, *args)`` on ``nprocs`` children, as
   ``torch.multiprocessing.start_processes(..., join=True)``; returns each rank's return value
@@ -14,13 +16,16 @@ OpenMP pool is forked) and no thread.
   N ARGV`` without the launcher's own process: each child gets torchrun's environment (``RANK``,
   ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, ...) and runs ``-m MODULE``
   or a script with ``argv``; returns the exit code (the first failed rank's, the others then
-  killed, as torchrun does) and the ranks' output.
+  killed, as torchrun does; a rank killed by a signal gives minus its number, where torchrun
+  says 1) and the ranks' output.
 * ``ForkServer.run(...)``: the general form, with its own environment and preloaded modules
   (``tests/ops/checks.py`` runs Triton-interpreter scripts in one).
 
-Children of one server differ from fresh interpreters in one way: Python's ``random`` and numpy's
-global generator start from the server's state, the same in every rank. On a platform without
-``fork`` the same calls start fresh interpreters.
+Children of one server differ from fresh interpreters in two ways: Python's ``random`` and
+numpy's global generator start from the server's state, the same in every rank; and their
+environment is the server's (the test process's when the server started: a later
+``monkeypatch.setenv`` does not reach them) plus what the job passes in ``env``. On a platform
+without ``fork`` the same calls start fresh interpreters.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # The server: reads jobs (a length line, then a pickled dict) from stdin, forks each job's ranks,
 # answers a length line and a pickled (exit code, stdout, stderr) once all have exited.
 _SERVER = r"""
-import importlib, os, pickle, runpy, signal, socket, sys, time, traceback
+import atexit, importlib, os, pickle, runpy, signal, socket, sys, threading, time, traceback
 for name in sys.argv[1:]:
     importlib.import_module(name)
 
@@ -53,14 +58,14 @@ def child(job, rank, port, out, err):
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
     os.dup2(out, 1)
     os.dup2(err, 2)
-    os.environ.update(job["env"])
-    n = job["nproc"]
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", WORLD_SIZE=str(n),
-                      LOCAL_WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    if "torch" in sys.modules and "OMP_NUM_THREADS" in job["env"]:  # OpenMP read it at torch's import
-        sys.modules["torch"].set_num_threads(int(job["env"]["OMP_NUM_THREADS"]))
     code = 0
     try:
+        os.environ.update(job["env"])
+        n = job["nproc"]
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", WORLD_SIZE=str(n),
+                          LOCAL_WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        if "torch" in sys.modules and "OMP_NUM_THREADS" in job["env"]:  # OpenMP read it at torch's import
+            sys.modules["torch"].set_num_threads(int(job["env"]["OMP_NUM_THREADS"]))
         kind, target = job["kind"], job["target"]
         if kind == "script":
             exec(compile(target, "<script>", "exec"), {"__name__": "__main__"})
@@ -83,9 +88,15 @@ def child(job, rank, port, out, err):
     except BaseException:
         traceback.print_exc()
         code = 1
+    try:  # the end of an interpreter: its non-daemon threads joined, its atexit handlers run
+        threading._shutdown()
+        atexit._run_exitfuncs()
+    except BaseException:
+        traceback.print_exc()
+        code = code or 1
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)
+    os._exit(code & 0xFF)
 
 while header := sys.stdin.buffer.readline():
     job = pickle.loads(sys.stdin.buffer.read(int(header)))
@@ -115,7 +126,7 @@ while header := sys.stdin.buffer.readline():
                 left.discard(pid) if pid else time.sleep(0.05)
             for other in left:
                 os.kill(other, signal.SIGKILL)
-    answer = pickle.dumps(code)
+    answer = pickle.dumps((job["id"], code))
     sys.stdout.buffer.write(b"%d\n" % len(answer) + answer)
     sys.stdout.buffer.flush()
 """
@@ -128,6 +139,7 @@ class ForkServer:
     def __init__(self, preload: tuple[str, ...], env: dict | None = None):
         self.preload, self.env = preload, env
         self._proc: subprocess.Popen | None = None
+        self._jobs = 0
 
     def _server(self) -> subprocess.Popen:
         if self._proc is None or self._proc.poll() is not None:
@@ -143,27 +155,36 @@ class ForkServer:
             self._proc.wait()
 
     def run(self, kind: str, target: str, nproc: int = 1, argv: tuple = (), args: tuple = (),
-            env: dict | None = None, timeout: float = 300) -> tuple[int, str, str, list]:
+            env: dict | None = None, timeout: float = 240) -> tuple[int, str, str, list]:
         """One job: ``kind`` "script" (``target`` is source code), "module" (``-m target argv``),
         "path" (a script file with ``argv``) or "call" (``target`` "module:function", called as
         ``function(rank, *args)``) on ``nproc`` ranks, ``env`` added to theirs. Returns (exit code,
         stdout, stderr, each rank's return value for "call"). A job past ``timeout`` seconds kills
-        the server with its ranks and raises TimeoutError with their output."""
+        the server with its ranks and raises TimeoutError with their output; so does anything else
+        that interrupts the wait (pytest-timeout's 300 s, Ctrl-C), so that no later job reads this
+        one's answer."""
         with tempfile.TemporaryDirectory() as tmp:
             tmp = Path(tmp)
-            job = {"kind": kind, "target": target, "nproc": nproc, "argv": list(argv), "args": args,
+            self._jobs += 1
+            job = {"id": self._jobs, "kind": kind, "target": target, "nproc": nproc, "argv": list(argv), "args": args,
                    "env": dict(env or {}), "out": str(tmp / "out"), "err": str(tmp / "err"),
                    "returns": [str(tmp / f"rank{r}.pkl") for r in range(nproc)]}
             (tmp / "out").touch()
             (tmp / "err").touch()
             server = self._server()
             data = pickle.dumps(job)
-            server.stdin.write(b"%d\n" % len(data) + data)
-            server.stdin.flush()
-            header = self._readline(server, timeout, tmp)
-            if not header:
-                raise RuntimeError(f"the fork server ended (exit {server.wait()}): {self._output(tmp)}")
-            code = pickle.loads(server.stdout.read(int(header)))
+            try:
+                server.stdin.write(b"%d\n" % len(data) + data)
+                server.stdin.flush()
+                header = self._readline(server, timeout, tmp)
+                if not header:
+                    raise RuntimeError(f"the fork server ended (exit {server.wait()}): {self._output(tmp)}")
+                answered, code = pickle.loads(server.stdout.read(int(header)))
+            except BaseException:
+                self._kill()  # its ranks with it: the next job starts a new server
+                raise
+            if answered != job["id"]:
+                raise RuntimeError(f"the fork server answered job {answered} for job {job['id']}")
             out, err = self._output(tmp)
             returns = [pickle.loads(p.read_bytes()) if code == 0 and p.exists() else None
                        for p in map(Path, job["returns"])]
@@ -188,7 +209,7 @@ _DISTRIBUTED = ForkServer(("torch", "torch.distributed", "torch.distributed.fsdp
                            "torch.distributed.checkpoint", "openk3.cli", "openk3.train.trainer"))
 
 
-def spawn(fn, nprocs: int, args: tuple = (), timeout: float = 300) -> list:
+def spawn(fn, nprocs: int, args: tuple = (), timeout: float = 240) -> list:
     """``fn(rank, *args)`` on ``nprocs`` forked ranks (``fn`` a module-level function, ``args``
     picklable); each rank's return value. Raises RuntimeError with the ranks' output if one
     failed (the others are then killed)."""
@@ -201,7 +222,7 @@ def spawn(fn, nprocs: int, args: tuple = (), timeout: float = 300) -> list:
     return returns
 
 
-def torchrun(argv: list[str], nproc: int, env: dict | None = None, timeout: float = 300) -> tuple[int, str]:
+def torchrun(argv: list[str], nproc: int, env: dict | None = None, timeout: float = 240) -> tuple[int, str]:
     """``torchrun --standalone --nproc-per-node nproc ARGV`` with ARGV ``["-m", MODULE, ...]`` or
     ``[SCRIPT, ...]``: (exit code, the ranks' stdout and stderr)."""
     if sys.platform != "linux":

@@ -5,6 +5,7 @@ its timeout."""
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 
@@ -50,3 +51,34 @@ def test_a_module_run_as_torchrun_would_and_a_hang_cut_at_its_timeout():
         bare.run("call", f"{__name__}:_sleeps", 2, timeout=1)
     code, _, _, returns = bare.run("call", f"{__name__}:_rank_and_env", 1, args=(1,))  # a new server
     assert code == 0 and returns[0][0] == 0
+
+
+class _Interrupted(Exception):
+    pass
+
+
+def _interrupt(signum, frame):
+    raise _Interrupted
+
+
+_AT_EXIT = """
+import atexit, threading, time
+atexit.register(print, "atexit ran")
+threading.Thread(target=lambda: (time.sleep(0.3), print("thread finished"))).start()
+"""
+
+
+def test_a_rank_ends_as_an_interpreter_does_and_an_interrupted_wait_leaves_no_answer_behind():
+    bare = forkserver.ForkServer(preload=())
+    code, out, _, _ = bare.run("script", _AT_EXIT)
+    assert code == 0 and out.splitlines() == ["thread finished", "atexit ran"]
+    previous = signal.signal(signal.SIGALRM, _interrupt)  # as pytest-timeout ends a test's wait
+    signal.setitimer(signal.ITIMER_REAL, 0.5)
+    try:
+        with pytest.raises(_Interrupted):
+            bare.run("script", "import time; time.sleep(5)", timeout=60)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    code, _, err, _ = bare.run("script", "raise SystemExit(3)")  # its own answer, not the cut job's
+    assert code == 3, err

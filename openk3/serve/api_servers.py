@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import math
 import multiprocessing
 import os
 import shutil
@@ -100,8 +101,8 @@ class ApiServers:
                  grace: float = GRACE_SECONDS):
         if count < 1:
             raise ValueError(f"api_servers: {count} must be >= 1")
-        if not grace >= 1:
-            raise ValueError(f"shutdown grace: {grace} s must be >= 1 (responses in flight get it less 1 s)")
+        if not (math.isfinite(grace) and grace >= 1):
+            raise ValueError(f"shutdown grace: {grace} s must be >= 1 and finite (responses in flight get it less 1 s)")
         self.grace = grace
         self.engine = EngineProcess(factory, clients=count)
         self.model_name = model_name or self.engine.info.model_name

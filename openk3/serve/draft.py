@@ -127,6 +127,11 @@ class Drafter(DraftProposer):
                                  runner.device, runner.dtype)
         self._proposal: tuple[list[Sequence], list[int], torch.Tensor, torch.Tensor] | None = None
 
+    def capture_graphs(self, sizes: list[int], progress: Callable[[str, int], None] | None = None) -> None:
+        """The draft runner's own decode, prefill and verify graphs (``ModelRunner.capture_graphs``;
+        its buckets are the target's, ``sizes``)."""
+        self.runner.capture_graphs(None if progress is None else lambda kind, size: progress(f"draft {kind}", size))
+
     @torch.inference_mode()
     def propose(self, out: SchedulerOutput, params: list[SamplingParams],
                 generators: list[torch.Generator | None]) -> tuple[torch.Tensor, torch.Tensor] | None:

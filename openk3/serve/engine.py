@@ -255,9 +255,10 @@ class LLMEngine:
         """Capture the runner's CUDA graphs now rather than when a request first needs each
         (``ModelRunner.capture_graphs``; a no-op without graphs), and the draft's for every decode
         bucket (``DraftProposer.capture_graphs``): ``openk3 serve`` does before it listens."""
+        decode = self.runner.graph_sizes()[0]  # before a failed capture could turn the runner's off
         self.runner.capture_graphs(progress)
         if self.drafter is not None:
-            self.drafter.capture_graphs(self.runner.graph_sizes()[0], progress)
+            self.drafter.capture_graphs(decode, progress)
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         return self.inputs.tokenize(prompt)

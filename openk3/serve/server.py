@@ -27,6 +27,7 @@ import contextlib
 import functools
 import json
 import logging
+import math
 import secrets
 import signal
 import socket
@@ -478,8 +479,8 @@ def serve(async_engine: AsyncEngine, model_name: str, *, host: str = "127.0.0.1"
     ``host:port`` (an ``api_servers.py`` server process: the supervisor's socket); ``started``
     is called once it listens; ``metrics_dir``: ``ServerMetrics``'s multiprocess directory."""
     app = build_app(async_engine, model_name, api_key, chat_template, metrics_dir)
-    if not grace >= 1:
-        raise ValueError(f"shutdown grace: {grace} s must be >= 1 (responses in flight get it less 1 s)")
+    if not (math.isfinite(grace) and grace >= 1):
+        raise ValueError(f"shutdown grace: {grace} s must be >= 1 and finite (responses in flight get it less 1 s)")
     config = uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=grace)
     try:
         _DrainingServer(config, app.state.draining, grace - 1, started).run(sockets)
