@@ -20,12 +20,7 @@
 #    shown and the change was dropped (docs/benchmarks.md, thirty-third session).
 source "$(dirname "$0")/device_common.sh"
 p9_table() {  # a `small` target with one MTP layer, its LK draft, spec_bench at batch 1
-  timeout -s INT -k 30 190 python3 -m openk3 train --preset small --mtp-layers 1 --max-steps 150 --warmup-steps 15 \
-    --log-interval 10 --no-compile --eval-interval 100000 --ckpt-interval 100000 --num-samples 0 \
-    --out /tmp/runs/target > "$OUT/target.log" 2>&1; echo "== rc $?" >> "$OUT/target.log"
-  timeout -s INT -k 30 140 python3 -m openk3 train-draft --checkpoint /tmp/runs/target --out /tmp/drafts/lk --loss lk \
-    --init mtp --steps 120 --ttt-steps 7 --batch-size 8 --seq-len 512 --log-interval 10 --save-interval 40 \
-    > "$OUT/draft_lk.log" 2>&1; echo "== rc $?" >> "$OUT/draft_lk.log"
+  p9_target_and_draft
   timeout -k 5 110 python3 benchmarks/spec_bench.py --checkpoint /tmp/runs/target --drafts /tmp/drafts/lk \
     --batch 1 --K 7 3 --temperatures 0 1 --num-prompts 8 --max-tokens 128 --prompts held-out \
     --json "$OUT/spec_lk.json" > "$OUT/spec_lk.log" 2>&1; echo "== rc $?" >> "$OUT/spec_lk.log"

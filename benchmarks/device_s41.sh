@@ -46,12 +46,7 @@ case "${1:?phase}" in
 4)
   (gpu_tests 230 tests/serve/test_eagle_engine_gpu.py tests/serve/test_verify_gpu.py \
      "tests/serve/test_engine_gpu.py::test_graphs_captured_at_start_serve_as_those_captured_on_first_use" --durations=8) &
-  timeout -s INT -k 30 190 python3 -m openk3 train --preset small --mtp-layers 1 --max-steps 150 --warmup-steps 15 \
-    --log-interval 10 --no-compile --eval-interval 100000 --ckpt-interval 100000 --num-samples 0 \
-    --out /tmp/runs/target > "$OUT/target.log" 2>&1; echo "== rc $?" >> "$OUT/target.log"
-  timeout -s INT -k 30 140 python3 -m openk3 train-draft --checkpoint /tmp/runs/target --out /tmp/drafts/lk --loss lk \
-    --init mtp --steps 120 --ttt-steps 7 --batch-size 8 --seq-len 512 --log-interval 10 --save-interval 40 \
-    > "$OUT/draft_lk.log" 2>&1; echo "== rc $?" >> "$OUT/draft_lk.log"
+  p9_target_and_draft
   wait
   timeout -k 5 200 python3 benchmarks/spec_bench.py --checkpoint /tmp/runs/target --drafts /tmp/drafts/lk \
     --batch 8 1 --K 3 --temperatures 0 1 --num-prompts 16 --max-tokens 128 --prompts held-out \
