@@ -12,7 +12,7 @@
 #    draft update of every decode bucket): the EAGLE, verify and capture GPU tests beside a
 #    150-step `small` target with one MTP layer, then its LK draft (120 steps), then spec_bench at
 #    batch 1 and 8, K = 3, greedy and temperature 1 (spec_bench now captures first, as openk3 serve).
-# 5: where a run's time outside the steady steps goes (spec_bench's other_s, slowest_other_ms): a
+# 5: where a run's time outside the steady steps goes (spec_bench's other_s, slowest_other): a
 #    random draft at batch 1, K = 3, temperature 1 then 0, 16 prompts (phase 4's plain engine at
 #    temperature 1 spent ~6 s outside its steps).
 source "$(dirname "$0")/device_common.sh"
@@ -56,7 +56,7 @@ case "${1:?phase}" in
   timeout -k 5 130 python3 benchmarks/spec_bench.py --preset small --drafts random --batch 1 --K 3 --temperatures 1 0 \
     --num-prompts 16 --max-tokens 128 --json "$OUT/spec_random.json" > "$OUT/spec_random.log" 2>&1
   echo "== rc $?" >> "$OUT/spec_random.log"
-  python3 -c "import json; [print({k: r.get(k) for k in ('draft', 'temperature', 'K', 'seconds', 'tok_s', 'ms_per_step', 'steady_steps', 'other_steps', 'other_s', 'slowest_other_ms')}) for r in json.load(open('$OUT/spec_random.json'))['rows']]" >> "$OUT/spec_random.log" 2>&1
+  python3 -c "import json; [print({k: r.get(k) for k in ('draft', 'temperature', 'K', 'seconds', 'tok_s', 'ms_per_step', 'steady_steps', 'other_steps', 'other_s', 'slowest_other')}) for r in json.load(open('$OUT/spec_random.json'))['rows']]" >> "$OUT/spec_random.log" 2>&1
   ;;
 *) echo "phase 1 to 5" >&2; exit 2 ;;
 esac

@@ -131,8 +131,8 @@ def steady(eng: LLMEngine) -> bool:
 
 def timed_generate(eng: LLMEngine, prompts, params) -> tuple[float, list[float], int, list[float]]:
     """Run the requests to completion: (seconds, wall times of the steady steps in seconds,
-    tokens those steps generated, wall times of the other steps: prefills, admissions, the last
-    steps of a shrinking batch)."""
+    tokens those steps generated, and the other steps (prefills, admissions) as (seconds, prompt
+    tokens computed, sequences running before the step))."""
     device = eng.runner.device
     for p, sp in zip(prompts, params):
         eng.add_request(p, sp)
@@ -140,13 +140,17 @@ def timed_generate(eng: LLMEngine, prompts, params) -> tuple[float, list[float],
     sync(device)
     t0 = time.perf_counter()
     while eng.has_unfinished():
-        was_steady, before = steady(eng), eng.stats.generation_tokens
+        was_steady, before, prompt = steady(eng), eng.stats.generation_tokens, eng.stats.prompt_tokens
+        running = len(eng.scheduler.running)
         t = time.perf_counter()
         eng.step()
         sync(device)
-        (steps if was_steady else other).append(time.perf_counter() - t)
+        dt = time.perf_counter() - t
         if was_steady:
+            steps.append(dt)
             steady_tokens += eng.stats.generation_tokens - before
+        else:  # what the step did: its seconds, the prompt tokens it computed, the sequences it ran
+            other.append((dt, eng.stats.prompt_tokens - prompt, running))
     sync(device)
     return time.perf_counter() - t0, steps, steady_tokens, other
 
@@ -166,7 +170,8 @@ def run(target, tokenizer, prompts, args, temperature: float, batch: int, K: int
             "tokens_per_verify": accepted + 1 if K else None,
             "acceptance": s.spec_acceptance_rate if K else None, "verify_steps": s.spec_verifications,
             "ms_per_step": 1e3 * sum(steps) / max(1, len(steps)), "steady_steps": len(steps),
-            "other_steps": len(other), "other_s": sum(other), "slowest_other_ms": 1e3 * max(other, default=0),
+            "other_steps": len(other), "other_s": sum(dt for dt, _, _ in other),
+            "slowest_other": [(round(1e3 * dt, 2), tokens, running) for dt, tokens, running in sorted(other)[-3:]],
             "decode_tok_s": steady_tokens / max(sum(steps), 1e-9)}
 
 
