@@ -144,10 +144,10 @@ def test_sealed_backward_kernel_in_the_triton_interpreter():
         torch.manual_seed(0)
         # D = 48 and 20 pad to 64 and 32 features: tile 8192 holds all sources, 128 (D = 48) two
         # a tile, the last part-filled, 64 (D = 20) two, 64 (D = 48) and 32 (D = 20) one
-        for tile, N, D, L, acc in ((8192, 37, 48, 3, (True, False, False)), (8192, 16, 64, 1, (False,)),
+        for tile, N, D, L, acc in ((8192, 13, 48, 3, (True, False, False)), (8192, 16, 64, 1, (False,)),
                                    (8192, 5, 20, 4, (True, True, False, True)),
-                                   (128, 37, 48, 3, (True, False, False)), (64, 5, 20, 4, (True, True, False, True)),
-                                   (64, 37, 48, 3, (False, True, True)), (32, 5, 20, 4, (False, True, False, True))):
+                                   (128, 13, 48, 3, (True, False, False)), (64, 5, 20, 4, (True, True, False, True)),
+                                   (64, 13, 48, 3, (False, True, True)), (32, 5, 20, 4, (False, True, False, True))):
             attnres.BWD_TILE = tile
             srcs = [torch.randn(N, D) * s for s in (1, 3, 0.1, 10)[:L]]
             q, w, eps = torch.randn(D), torch.rand(D) + 0.5, 1e-5
