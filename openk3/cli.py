@@ -6,7 +6,6 @@ import argparse
 import dataclasses
 import functools
 import json
-import math
 import os
 import sys
 import time
@@ -16,7 +15,7 @@ import typing
 from openk3.checkpoint.hf import EXPERTS_MODES
 from openk3.config import PRESETS, preset
 from openk3.runtime import DTYPES, checkpoint_dir, load_model, model_tokenizer, resolve_device
-from openk3.serve.config import GRACE_SECONDS, EngineConfig
+from openk3.serve.config import GRACE_SECONDS, EngineConfig, check_grace
 from openk3.train.config import RunConfig, resolve_run_config
 
 
@@ -303,7 +302,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.api_servers is None:  # several server processes where the engine's steps are fast
         gpu = args.engine == "process" and resolve_device(args.device).type == "cuda"
         args.api_servers = DEFAULT_GPU_API_SERVERS if gpu else 1
-    if not (math.isfinite(args.shutdown_grace) and args.shutdown_grace >= 1):
+    try:
+        check_grace(args.shutdown_grace)
+    except ValueError:
         print(f"openk3 serve: --shutdown-grace {args.shutdown_grace} must be >= 1 and finite (responses in "
               "flight get it less one second)", file=sys.stderr)
         return 2

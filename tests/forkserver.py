@@ -42,8 +42,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# The server: reads jobs (a length line, then a pickled dict) from stdin, forks each job's ranks,
-# answers a length line and a pickled (exit code, stdout, stderr) once all have exited.
+# The server: reads jobs (a length line, then a pickled dict) from stdin, forks each job's ranks
+# (their stdout and stderr go to the job's two files), answers a length line and a pickled (job
+# id, exit code) once all have exited.
 _SERVER = r"""
 import atexit, importlib, os, pickle, runpy, signal, socket, sys, threading, time, traceback
 for name in sys.argv[1:]:

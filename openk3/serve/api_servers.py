@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import math
 import multiprocessing
 import os
 import shutil
@@ -43,7 +42,7 @@ import threading
 from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 
-from openk3.serve.config import GRACE_SECONDS
+from openk3.serve.config import GRACE_SECONDS, check_grace
 from openk3.serve.engine import LLMEngine
 from openk3.serve.engine_process import EngineInfo, EngineProcess
 
@@ -101,8 +100,7 @@ class ApiServers:
                  grace: float = GRACE_SECONDS):
         if count < 1:
             raise ValueError(f"api_servers: {count} must be >= 1")
-        if not (math.isfinite(grace) and grace >= 1):
-            raise ValueError(f"shutdown grace: {grace} s must be >= 1 and finite (responses in flight get it less 1 s)")
+        check_grace(grace)
         self.grace = grace
         self.engine = EngineProcess(factory, clients=count)
         self.model_name = model_name or self.engine.info.model_name

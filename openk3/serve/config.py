@@ -8,11 +8,18 @@ others as arguments, never written back here.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 # `openk3 serve --shutdown-grace`'s default: on SIGTERM or Ctrl-C, responses in flight get this
 # less one second to finish, and the HTTP server closes what is left at this (docs/serving.md)
 GRACE_SECONDS = 5.0
+
+
+def check_grace(grace: float) -> None:
+    """Raise ValueError unless ``grace`` (seconds) is a usable shutdown grace: finite and >= 1."""
+    if not (math.isfinite(grace) and grace >= 1):
+        raise ValueError(f"shutdown grace: {grace} s must be >= 1 and finite (responses in flight get it less 1 s)")
 
 
 @dataclass

@@ -93,22 +93,22 @@ class EagleDrafter(DraftProposer):
     def cache_bytes(self) -> int:
         return self.cache.numel() * self.cache.element_size()
 
-    GRAPH_KINDS = ("greedy", "sampled", "filtered", "observe")
+    # the graphs by kind: the greedy chain, the sampled chain without and with top-p / top-k, the
+    # update of the verified rows; each captured as capture(drafter, B, pool)
+    _CAPTURES = {"greedy": lambda d, B, pool: d._capture_greedy(B, pool),
+                 "sampled": lambda d, B, pool: d._capture_sampled(B, False, pool),
+                 "filtered": lambda d, B, pool: d._capture_sampled(B, True, pool),
+                 "observe": lambda d, B, pool: d._capture_observe(B, pool)}
 
     def graph(self, kind: str, B: int) -> CapturedGraph | None:
-        """The CUDA graph of ``kind`` (``GRAPH_KINDS``: the greedy chain, the sampled chain
-        without and with top-p / top-k, the update of the verified rows) for batch bucket ``B``,
-        captured on first use; None without graphs."""
-        make = {"greedy": lambda pool: self._capture_greedy(B, pool),
-                "sampled": lambda pool: self._capture_sampled(B, False, pool),
-                "filtered": lambda pool: self._capture_sampled(B, True, pool),
-                "observe": lambda pool: self._capture_observe(B, pool)}[kind]
-        return self.graphs.get_or_capture((kind, B), make)
+        """The CUDA graph of ``kind`` (a key of ``_CAPTURES``) for batch bucket ``B``, captured on
+        first use; None without graphs."""
+        return self.graphs.get_or_capture((kind, B), lambda pool: self._CAPTURES[kind](self, B, pool))
 
     def capture_graphs(self, sizes: list[int], progress: Callable[[str, int], None] | None = None) -> None:
         """Every graph of every batch bucket in ``sizes`` now (``LLMEngine.capture_graphs``)."""
         for B in sizes:
-            for kind in self.GRAPH_KINDS:
+            for kind in self._CAPTURES:
                 if progress is not None:
                     progress(f"draft {kind}", B)
                 self.graph(kind, B)

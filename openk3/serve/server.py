@@ -27,7 +27,6 @@ import contextlib
 import functools
 import json
 import logging
-import math
 import secrets
 import signal
 import socket
@@ -44,7 +43,7 @@ from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 
 from openk3.serve.chat import ChatTemplate, ChatTemplateError, encode_with_images
-from openk3.serve.config import GRACE_SECONDS
+from openk3.serve.config import GRACE_SECONDS, check_grace
 from openk3.serve.engine import AsyncEngine, RequestOutput
 from openk3.serve.inputs import Checked
 from openk3.serve.metrics import ServerMetrics
@@ -479,8 +478,7 @@ def serve(async_engine: AsyncEngine, model_name: str, *, host: str = "127.0.0.1"
     ``host:port`` (an ``api_servers.py`` server process: the supervisor's socket); ``started``
     is called once it listens; ``metrics_dir``: ``ServerMetrics``'s multiprocess directory."""
     app = build_app(async_engine, model_name, api_key, chat_template, metrics_dir)
-    if not (math.isfinite(grace) and grace >= 1):
-        raise ValueError(f"shutdown grace: {grace} s must be >= 1 and finite (responses in flight get it less 1 s)")
+    check_grace(grace)
     config = uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=grace)
     try:
         _DrainingServer(config, app.state.draining, grace - 1, started).run(sockets)
