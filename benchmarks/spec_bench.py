@@ -36,6 +36,11 @@ it counts instead what would on a GPU: ops dispatched (kernel equivalents), devi
 (``tolist``, ``item``, ``cpu``) and host tensors built straight onto a device
 (``torch.tensor(..., device=...)``, a blocking copy on a GPU).
 
+``--profile-other`` puts each timed run's other steps (prefills, admissions: what ``other_s`` and
+``slowest_other`` report) under cProfile and logs every Triton kernel compiled during the run with
+the openk3 frames that launched it: ``$OUT/other_DRAFT_T*_b*_K*.txt``. A compile inside a serving
+step costs ~0.3-0.5 s (the thirty-fifth session found six in the EAGLE draft's packed pass).
+
 Issue #14's targets (on the device, ``small`` trained on the corpus, its draft trained with LK
 and KL): tokens/verify >= 3 at K = 7 and a batch-1 speed-up >= 2x.
 
@@ -54,10 +59,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
+import io
+import pstats
 import json
 import os
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -129,10 +138,12 @@ def steady(eng: LLMEngine) -> bool:
             and (not s.waiting or len(s.running) >= eng.config.max_num_seqs))
 
 
-def timed_generate(eng: LLMEngine, prompts, params) -> tuple[float, list[float], int, list[float]]:
+def timed_generate(eng: LLMEngine, prompts, params, profiler: cProfile.Profile | None = None
+                   ) -> tuple[float, list[float], int, list[float]]:
     """Run the requests to completion: (seconds, wall times of the steady steps in seconds,
     tokens those steps generated, and the other steps (prefills, admissions) as (seconds, prompt
-    tokens computed, sequences running before the step))."""
+    tokens computed, sequences running before the step)). ``profiler`` (cProfile) runs over the
+    other steps only, their synchronisation included."""
     device = eng.runner.device
     for p, sp in zip(prompts, params):
         eng.add_request(p, sp)
@@ -142,10 +153,15 @@ def timed_generate(eng: LLMEngine, prompts, params) -> tuple[float, list[float],
     while eng.has_unfinished():
         was_steady, before, prompt = steady(eng), eng.stats.generation_tokens, eng.stats.prompt_tokens
         running = len(eng.scheduler.running)
+        profiling = profiler is not None and not was_steady
+        if profiling:
+            profiler.enable()
         t = time.perf_counter()
         eng.step()
         sync(device)
         dt = time.perf_counter() - t
+        if profiling:
+            profiler.disable()
         if was_steady:
             steps.append(dt)
             steady_tokens += eng.stats.generation_tokens - before
@@ -155,13 +171,18 @@ def timed_generate(eng: LLMEngine, prompts, params) -> tuple[float, list[float],
     return time.perf_counter() - t0, steps, steady_tokens, other
 
 
-def run(target, tokenizer, prompts, args, temperature: float, batch: int, K: int, draft) -> dict:
+def run(target, tokenizer, prompts, args, temperature: float, batch: int, K: int, draft,
+        label: str = "none") -> dict:
     eng = make_engine(target, tokenizer, args, batch, K, draft)
     params = [SamplingParams(temperature=temperature, seed=i, max_tokens=args.max_tokens)
               for i in range(len(prompts))]
     eng.generate(prompts[:batch], params[:batch])  # warm-up: kernels, graphs, allocator
     eng.stats = type(eng.stats)()
-    dt, steps, steady_tokens, other = timed_generate(eng, prompts, params)
+    profiler = cProfile.Profile() if args.profile_other else None
+    with TritonCompiles(args.profile_other) as compiles:
+        dt, steps, steady_tokens, other = timed_generate(eng, prompts, params, profiler)
+    if profiler is not None:
+        write_other_profile(profiler, f"other_{label}_T{temperature:g}_b{batch}_K{K}.txt", other, compiles.seen)
     s = eng.stats
     n = s.generation_tokens
     accepted = s.spec_mean_accepted_tokens
@@ -173,6 +194,59 @@ def run(target, tokenizer, prompts, args, temperature: float, batch: int, K: int
             "other_steps": len(other), "other_s": sum(dt for dt, _, _ in other),
             "slowest_other": [(round(1e3 * dt, 2), tokens, running) for dt, tokens, running in sorted(other)[-3:]],
             "decode_tok_s": steady_tokens / max(sum(steps), 1e-9)}
+
+
+class TritonCompiles:
+    """Within ``with``: every Triton kernel compiled (name, its specialisation as Triton prints
+    it, and the openk3 frames that launched it), through Triton's post-compile hook; nothing
+    when off or without Triton."""
+
+    def __init__(self, on: bool):
+        self.on, self.seen, self._knobs, self._before = on, [], None, None
+
+    def __enter__(self):
+        if not self.on:
+            return self
+        try:
+            from triton import knobs
+        except ImportError:
+            return self
+        self._knobs, self._before = knobs, knobs.runtime.jit_post_compile_hook
+
+        def hook(*args, **kwargs):
+            fn = kwargs.get("fn")
+            frames = [f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in traceback.extract_stack()
+                      if "/openk3/" in f.filename.replace(os.sep, "/")]
+            self.seen.append((getattr(fn, "name", repr(fn)), str(kwargs.get("repr", ""))[:300], frames[-6:]))
+            return self._before(*args, **kwargs) if self._before is not None else None
+
+        knobs.runtime.jit_post_compile_hook = hook
+        return self
+
+    def __exit__(self, *exc):
+        if self._knobs is not None:
+            self._knobs.runtime.jit_post_compile_hook = self._before
+
+
+def write_other_profile(profiler: cProfile.Profile, name: str, other: list, compiles: list = (),
+                        top: int = 40) -> None:
+    """``--profile-other``: the Triton kernels compiled during the run, then the host functions
+    of its other steps (cProfile, by cumulative and by own time) to ``$OUT/name`` (stdout without
+    $OUT)."""
+    text = io.StringIO()
+    total = sum(dt for dt, _, _ in other)
+    text.write(f"{len(other)} other steps, {total:.3f} s (under cProfile); slowest (ms, prompt tokens, "
+               f"running): {[(round(1e3 * dt, 2), n, r) for dt, n, r in sorted(other)[-8:]]}\n")
+    text.write(f"{len(compiles)} Triton compiles in the timed run\n")
+    for kernel, spec, frames in compiles:
+        text.write(f"  {kernel}: {spec}\n    " + "\n    ".join(frames) + "\n")
+    for key in ("cumulative", "tottime"):
+        pstats.Stats(profiler, stream=text).sort_stats(key).print_stats(top)
+    out = os.environ.get("OUT")
+    if out:
+        Path(out, name).write_text(text.getvalue())
+    else:
+        print(text.getvalue())
 
 
 def serving_code(frame) -> bool:
@@ -387,6 +461,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None, help="write the rows here")
     p.add_argument("--profile", action="store_true",
                    help="profile the first speculative configuration (summary in $OUT/spec_profile.txt)")
+    p.add_argument("--profile-other", action="store_true",
+                   help="cProfile each run's steps outside the steady ones (prefills, admissions): "
+                        "$OUT/other_DRAFT_T*_b*_K*.txt")
     args = p.parse_args(argv)
 
     target, tokenizer, name = load_model(args.checkpoint, args.preset, random_init=args.preset is not None,
@@ -404,7 +481,7 @@ def main(argv: list[str] | None = None) -> int:
             print_table(rows[-1:])
             for spec, draft in drafts.items():
                 for K in args.K:
-                    r = run(target, tokenizer, prompts, args, temperature, batch, K, draft)
+                    r = run(target, tokenizer, prompts, args, temperature, batch, K, draft, Path(spec).name)
                     rows.append({"draft": spec, **r, "plain_ms_per_step": base["ms_per_step"],
                                  "speed_up": r["tok_s"] / base["tok_s"],
                                  "decode_speed_up": r["decode_tok_s"] / base["decode_tok_s"]})

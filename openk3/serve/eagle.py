@@ -88,7 +88,7 @@ class EagleDrafter(DraftProposer):
         self.base, self.length = [0] * slots, [0] * slots
         self.last = torch.zeros(slots, draft.cfg.hidden_size, device=runner.device, dtype=runner.dtype)
         # chain steps and observe passes by (kind, batch bucket); they replay in turn
-        self.graphs = Graphs(runner.use_graphs)
+        self.graphs = Graphs(runner.use_graphs, "EAGLE draft")
 
     def cache_bytes(self) -> int:
         return self.cache.numel() * self.cache.element_size()

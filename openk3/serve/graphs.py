@@ -153,11 +153,12 @@ class EagerPieces:
 
 class Graphs(dict):
     """Graphs by key (a batch bucket), captured on first use into one memory pool; ``enabled``
-    False (or a capture that failed, after one warning) means the caller runs eagerly."""
+    False (or a capture that failed, after one warning naming the pass, ``name``, and the key)
+    means the caller runs eagerly."""
 
-    def __init__(self, enabled: bool):
+    def __init__(self, enabled: bool, name: str):
         super().__init__()
-        self.enabled = enabled
+        self.enabled, self.name = enabled, name
         self.pool = None
 
     def get_or_capture(self, key, make: Callable):
@@ -171,11 +172,24 @@ class Graphs(dict):
                 self[key] = make(self.pool)
             except Exception as e:  # noqa: BLE001 - an op of the pass cannot be captured (a
                 # RuntimeError from CUDA, or an assertion or compile error of a kernel library)
-                warnings.warn(f"CUDA graph capture failed ({e}); running this pass eagerly from now on")
+                warnings.warn(f"CUDA graph capture of the {self.name} pass ({key}) failed ({e}) with "
+                              f"{_memory()}; running the {self.name} passes eagerly from now on")
                 release_generator()
                 self.enabled = False
                 return None
         return self[key]
+
+
+def _memory() -> str:
+    """The device's memory as a failed capture's warning states it (a capture that needs a new
+    segment when the device is full is one way to fail)."""
+    try:
+        free, total = torch.cuda.mem_get_info()
+    except RuntimeError as e:  # the failure left the context unusable
+        return f"the free memory unknown ({e})"
+    gib = 1 << 30
+    return (f"{free / gib:.1f} GiB of {total / gib:.1f} free, {torch.cuda.memory_reserved() / gib:.1f} GiB "
+            f"reserved by PyTorch")
 
 
 def release_generator() -> None:

@@ -290,16 +290,16 @@ class ModelRunner:
                                        self.device, self.dtype)
         # graphs serve the fast paths: the references sync and gather whole block tables
         graphs = config.cuda_graphs and use_fast_path(p)
-        self._graphs = Graphs(graphs)  # the decode pass, by batch bucket
+        self._graphs = Graphs(graphs, "decode")  # the decode pass, by batch bucket
         # prefill passes of up to ``prefill_graph_tokens`` tokens, by padded size: a pool of their
         # own (a step's prefill replays after its decode pass, whose logits are still to be read)
         self.prefill_graph_tokens = (config.max_num_batched_tokens if config.prefill_graph_tokens is None
                                      else config.prefill_graph_tokens)
         self.pad_prefill = graphs and self.prefill_graph_tokens > 0
-        self._prefill_graphs = Graphs(graphs)
+        self._prefill_graphs = Graphs(graphs, "prefill")
         self._prefill_passes: dict[int, _PaddedPrefill] = {}
         # the verify pass has a memory pool of its own: it replays in the same step as a decode
-        self.verifier = (VerifyStep(self, config.num_speculative_tokens, Graphs(graphs))
+        self.verifier = (VerifyStep(self, config.num_speculative_tokens, Graphs(graphs, "verify"))
                          if config.num_speculative_tokens else None)
         self._pin = self.device.type == "cuda"  # pinned host tensors copy asynchronously
         # what ``_upload`` copies from: a prefill pass's ids and offsets, several steps' worth

@@ -379,6 +379,35 @@ def test_group_pairs_on_the_gpu_and_the_experts_unchanged():
         assert torch.equal(fast, openk3.ops.moe.combine_pairs(ys, order, topk_weight))
 
 
+@pytest.mark.gpu
+@needs_cuda
+def test_token_counts_do_not_compile_the_routing_kernels_again():
+    """The router's top-k, the routing and the combine kernels take any token count without a new
+    compile (Triton specialises an int argument by its divisibility by 16 unless told not to, and
+    compiles each value of a constexpr): the EAGLE draft's packed pass over prompt chunks of 256
+    to 1,019 tokens compiled them up to six times inside serving steps (~0.3-0.5 s each)."""
+    from triton import knobs
+
+    from openk3.ops.router import router_topk
+
+    ex = experts(64, 4, 256, 512, "situ", "cuda", torch.bfloat16)
+    bias = torch.zeros(64, device="cuda")
+    compiled, before = [], knobs.runtime.jit_post_compile_hook
+    knobs.runtime.jit_post_compile_hook = lambda *a, **kw: compiled.append(getattr(kw.get("fn"), "name", "?"))
+    try:
+        for i, N in enumerate((1024, 773, 1019, 64, 300, 2000, 777)):
+            x = torch.randn(N, 512, device="cuda", dtype=torch.bfloat16)
+            with torch.no_grad():
+                _, topk_idx, topk_weight = router_topk(torch.randn(N, 64, device="cuda"), bias, k=4)
+                ex.forward_sorted(x, topk_idx, topk_weight)
+            if i == 0:
+                compiled.clear()  # whatever the first size compiled
+        torch.cuda.synchronize()
+    finally:
+        knobs.runtime.jit_post_compile_hook = before
+    assert compiled == []
+
+
 def grouped_case(P: int, E: int, F: int, D: int, act: str, empty: bool, device="cpu", dtype=torch.float32,
                  seed: int = 0):
     """(experts, xs [P, D], counts [E]): P expert-sorted rows over random counts (with

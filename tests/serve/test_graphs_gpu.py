@@ -21,8 +21,8 @@ def _uncapturable(x: torch.Tensor) -> torch.Tensor:
 
 def test_a_failed_capture_falls_back_and_leaves_random_draws_working():
     x = torch.zeros(4, device="cuda")
-    graphs = Graphs(enabled=True)
-    with pytest.warns(UserWarning, match="CUDA graph capture failed"):
+    graphs = Graphs(enabled=True, name="test")
+    with pytest.warns(UserWarning, match=r"CUDA graph capture of the test pass \(bad\) failed"):
         assert graphs.get_or_capture("bad", lambda pool: CapturedGraph(_uncapturable, [x], pool)) is None
     assert not graphs.enabled
     torch.manual_seed(0)
