@@ -7,7 +7,7 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 . .venv/bin/activate
-if ! python -c "import openk3, pytest, pytest_timeout, transformers, fastapi, openai, lm_eval, prometheus_client" 2>/dev/null; then
+if ! python -c "import openk3, pytest, pytest_timeout, xdist, transformers, fastapi, openai, lm_eval, prometheus_client" 2>/dev/null; then
   python -m pip install -q --upgrade pip
   # The CPU build of torch; on a CUDA machine install the matching torch first instead.
   python -c "import torch" 2>/dev/null || python -m pip install -q "torch==2.13.0"
