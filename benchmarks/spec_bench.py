@@ -39,7 +39,8 @@ it counts instead what would on a GPU: ops dispatched (kernel equivalents), devi
 ``--profile-other`` puts each timed run's other steps (prefills, admissions: what ``other_s`` and
 ``slowest_other`` report) under cProfile and logs every Triton kernel compiled during the run with
 the openk3 frames that launched it: ``$OUT/other_DRAFT_T*_b*_K*.txt``. A compile inside a serving
-step costs ~0.3-0.5 s (the thirty-fifth session found six in the EAGLE draft's packed pass).
+step costs ~0.3-0.5 s (the thirty-fifth session found six in the EAGLE draft's packed pass). Those
+steps run under the profiler then: the rows' times count its overhead (``profiled`` in the JSON).
 
 Issue #14's targets (on the device, ``small`` trained on the corpus, its draft trained with LK
 and KL): tokens/verify >= 3 at K = 7 and a batch-1 speed-up >= 2x.
@@ -156,12 +157,14 @@ def timed_generate(eng: LLMEngine, prompts, params, profiler: cProfile.Profile |
         profiling = profiler is not None and not was_steady
         if profiling:
             profiler.enable()
-        t = time.perf_counter()
-        eng.step()
-        sync(device)
-        dt = time.perf_counter() - t
-        if profiling:
-            profiler.disable()
+        try:
+            t = time.perf_counter()
+            eng.step()
+            sync(device)
+            dt = time.perf_counter() - t
+        finally:
+            if profiling:
+                profiler.disable()
         if was_steady:
             steps.append(dt)
             steady_tokens += eng.stats.generation_tokens - before
@@ -182,7 +185,8 @@ def run(target, tokenizer, prompts, args, temperature: float, batch: int, K: int
     with TritonCompiles(args.profile_other) as compiles:
         dt, steps, steady_tokens, other = timed_generate(eng, prompts, params, profiler)
     if profiler is not None:
-        write_other_profile(profiler, f"other_{label}_T{temperature:g}_b{batch}_K{K}.txt", other, compiles.seen)
+        write_other_profile(profiler, f"other_{label}_T{temperature:g}_b{batch}_K{K}.txt", other,
+                            compiles.seen if compiles.tracked else None)
     s = eng.stats
     n = s.generation_tokens
     accepted = s.spec_mean_accepted_tokens
@@ -193,7 +197,8 @@ def run(target, tokenizer, prompts, args, temperature: float, batch: int, K: int
             "ms_per_step": 1e3 * sum(steps) / max(1, len(steps)), "steady_steps": len(steps),
             "other_steps": len(other), "other_s": sum(dt for dt, _, _ in other),
             "slowest_other": [(round(1e3 * dt, 2), tokens, running) for dt, tokens, running in sorted(other)[-3:]],
-            "decode_tok_s": steady_tokens / max(sum(steps), 1e-9)}
+            "decode_tok_s": steady_tokens / max(sum(steps), 1e-9),
+            "profiled": bool(args.profile_other)}
 
 
 class TritonCompiles:
@@ -204,12 +209,16 @@ class TritonCompiles:
     def __init__(self, on: bool):
         self.on, self.seen, self._knobs, self._before = on, [], None, None
 
+    @property
+    def tracked(self) -> bool:
+        return self._knobs is not None
+
     def __enter__(self):
         if not self.on:
             return self
         try:
             from triton import knobs
-        except ImportError:
+        except ImportError:  # no Triton, or one without the hook (before 3.4)
             return self
         self._knobs, self._before = knobs, knobs.runtime.jit_post_compile_hook
 
@@ -228,17 +237,20 @@ class TritonCompiles:
             self._knobs.runtime.jit_post_compile_hook = self._before
 
 
-def write_other_profile(profiler: cProfile.Profile, name: str, other: list, compiles: list = (),
+def write_other_profile(profiler: cProfile.Profile, name: str, other: list, compiles: list | None,
                         top: int = 40) -> None:
-    """``--profile-other``: the Triton kernels compiled during the run, then the host functions
-    of its other steps (cProfile, by cumulative and by own time) to ``$OUT/name`` (stdout without
-    $OUT)."""
+    """``--profile-other``: the Triton kernels compiled during the run (None: not tracked), then
+    the host functions of its other steps (cProfile, by cumulative and by own time) to
+    ``$OUT/name`` (stdout without $OUT)."""
     text = io.StringIO()
     total = sum(dt for dt, _, _ in other)
     text.write(f"{len(other)} other steps, {total:.3f} s (under cProfile); slowest (ms, prompt tokens, "
                f"running): {[(round(1e3 * dt, 2), n, r) for dt, n, r in sorted(other)[-8:]]}\n")
-    text.write(f"{len(compiles)} Triton compiles in the timed run\n")
-    for kernel, spec, frames in compiles:
+    if compiles is None:
+        text.write("Triton compiles not tracked (no Triton, or one without knobs.runtime.jit_post_compile_hook)\n")
+    else:
+        text.write(f"{len(compiles)} Triton compiles in the timed run\n")
+    for kernel, spec, frames in compiles or ():
         text.write(f"  {kernel}: {spec}\n    " + "\n    ".join(frames) + "\n")
     for key in ("cumulative", "tottime"):
         pstats.Stats(profiler, stream=text).sort_stats(key).print_stats(top)
@@ -462,8 +474,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", action="store_true",
                    help="profile the first speculative configuration (summary in $OUT/spec_profile.txt)")
     p.add_argument("--profile-other", action="store_true",
-                   help="cProfile each run's steps outside the steady ones (prefills, admissions): "
-                        "$OUT/other_DRAFT_T*_b*_K*.txt")
+                   help="cProfile each run's steps outside the steady ones (prefills, admissions) and log "
+                        "Triton's compiles: $OUT/other_DRAFT_T*_b*_K*.txt; those steps then run under the "
+                        "profiler, so the rows' seconds, tok/s and speed-ups count its overhead ('profiled')"),
     args = p.parse_args(argv)
 
     target, tokenizer, name = load_model(args.checkpoint, args.preset, random_init=args.preset is not None,

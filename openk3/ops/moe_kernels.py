@@ -220,6 +220,9 @@ def group_pairs_triton(topk_idx: torch.Tensor, num_experts: int
     int64, counts [E] int64, ends [E] int32)."""
     N, k = topk_idx.shape
     P, E, dev = N * k, num_experts, topk_idx.device
+    if not route_fits(P, E):  # the kernel's histogram tile would miss blocks: wrong rows, stray writes
+        raise ValueError(f"group_pairs_triton: {P} pairs over {E} experts exceed the routing tile "
+                         f"(route_fits); use openk3.ops.moe.group_pairs")
     e_pow2, block = triton.next_power_of_2(E), route_block(E)
     nb = triton.cdiv(P, block)
     idx = topk_idx.contiguous().view(P)

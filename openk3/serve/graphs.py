@@ -172,7 +172,8 @@ class Graphs(dict):
                 self[key] = make(self.pool)
             except Exception as e:  # noqa: BLE001 - an op of the pass cannot be captured (a
                 # RuntimeError from CUDA, or an assertion or compile error of a kernel library)
-                warnings.warn(f"CUDA graph capture of the {self.name} pass ({key}) failed ({e}) with "
+                shown = ", ".join(map(str, key)) if isinstance(key, tuple) else key
+                warnings.warn(f"CUDA graph capture of the {self.name} pass ({shown}) failed ({e}) with "
                               f"{_memory()}; running the {self.name} passes eagerly from now on")
                 release_generator()
                 self.enabled = False
@@ -185,7 +186,7 @@ def _memory() -> str:
     segment when the device is full is one way to fail)."""
     try:
         free, total = torch.cuda.mem_get_info()
-    except RuntimeError as e:  # the failure left the context unusable
+    except Exception as e:  # noqa: BLE001 - the failure left the context unusable: the warning still goes out
         return f"the free memory unknown ({e})"
     gib = 1 << 30
     return (f"{free / gib:.1f} GiB of {total / gib:.1f} free, {torch.cuda.memory_reserved() / gib:.1f} GiB "

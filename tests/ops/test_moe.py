@@ -341,6 +341,12 @@ for N, k, E, hot in _ROUTE_CASES:  # one block and several, 5 and 896 experts (m
     topk_idx = route_case(N, k, E, hot, seed=N)
     check_grouped(topk_idx, E, group_pairs_triton(topk_idx, E))
 assert not route_fits(65537, 64) and route_fits(65536, 64) and not route_fits(1024, 896)
+try:  # past the widest histogram tile: refused, not a silently wrong order
+    group_pairs_triton(route_case(512, 2, 896, False), 896)
+except ValueError as e:
+    assert "1024 pairs over 896 experts exceed the routing tile" in str(e), e
+else:
+    raise AssertionError("group_pairs_triton took 1,024 pairs over 896 experts")
 print("ok")
 """
 
@@ -382,26 +388,34 @@ def test_group_pairs_on_the_gpu_and_the_experts_unchanged():
 @pytest.mark.gpu
 @needs_cuda
 def test_token_counts_do_not_compile_the_routing_kernels_again():
-    """The router's top-k, the routing and the combine kernels take any token count without a new
-    compile (Triton specialises an int argument by its divisibility by 16 unless told not to, and
-    compiles each value of a constexpr): the EAGLE draft's packed pass over prompt chunks of 256
-    to 1,019 tokens compiled them up to six times inside serving steps (~0.3-0.5 s each)."""
-    from triton import knobs
-
+    """The router's top-k, the routing and the combine kernels take any token count of 16 and
+    more without a new compile (Triton specialises an int argument by its divisibility by 16 and
+    its being 1 unless told not to, and compiles each value of a constexpr): the EAGLE draft's
+    packed pass over prompt chunks of 256 to 1,019 tokens compiled them up to six times inside
+    serving steps (~0.3-0.5 s each). Below 16 tokens the top-k's tile (``TOKENS``) follows the
+    count's power of two, which the decode graphs' captures compile. The kernels' in-process
+    caches are emptied first, so what earlier tests compiled hides nothing."""
+    knobs = pytest.importorskip("triton.knobs")
+    from openk3.ops.moe_kernels import _combine_kernel, _route_count_kernel, _route_place_kernel
     from openk3.ops.router import router_topk
+    from openk3.ops.router_triton import router_topk_kernel
 
+    for kernel in (router_topk_kernel, _route_count_kernel, _route_place_kernel, _combine_kernel):
+        kernel.device_caches.clear()
     ex = experts(64, 4, 256, 512, "situ", "cuda", torch.bfloat16)
     bias = torch.zeros(64, device="cuda")
     compiled, before = [], knobs.runtime.jit_post_compile_hook
     knobs.runtime.jit_post_compile_hook = lambda *a, **kw: compiled.append(getattr(kw.get("fn"), "name", "?"))
     try:
+        # 64 to 2,000 tokens: 1 to 32 blocks of pairs (the old tile: 1, 8, 16 and 32 rows)
         for i, N in enumerate((1024, 773, 1019, 64, 300, 2000, 777)):
             x = torch.randn(N, 512, device="cuda", dtype=torch.bfloat16)
             with torch.no_grad():
                 _, topk_idx, topk_weight = router_topk(torch.randn(N, 64, device="cuda"), bias, k=4)
                 ex.forward_sorted(x, topk_idx, topk_weight)
             if i == 0:
-                compiled.clear()  # whatever the first size compiled
+                assert {"router_topk_kernel", "_route_place_kernel"} <= set(compiled)  # the hook sees them
+                compiled.clear()
         torch.cuda.synchronize()
     finally:
         knobs.runtime.jit_post_compile_hook = before

@@ -3,14 +3,31 @@ tasks protocol (``Problem`` / ``Task`` of openk3/posttrain/tasks.py), for CPU te
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import random
+import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
 from openk3 import build_model, preset
 from openk3.checkpoint import save_pretrained
+
+@pytest.fixture(autouse=True)
+def one_sandbox_test_at_a_time(request):
+    """Tests marked ``sandbox`` (they run sandboxed programs) hold a lock shared by every test
+    process of the machine: test_sandbox.py checks that no sandbox process is left anywhere, which
+    another process's sandboxed programs would break (scripts/test.sh runs two workers)."""
+    if request.node.get_closest_marker("sandbox") is None:
+        yield
+        return
+    with open(Path(tempfile.gettempdir(), f"openk3-tests-sandbox-{os.getuid()}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        yield
+
 
 SYMBOLS = ["<|pad|>", "<|bos|>", "<|eos|>", "\n", *"0123456789", "a", "<", ">", "q"]
 

@@ -19,6 +19,8 @@ from openk3.posttrain.tasks import get_task
 
 from .conftest import tiny_config
 
+pytestmark = pytest.mark.sandbox  # one such test at a time on the machine (conftest.py)
+
 
 class CharTokenizer:
     def encode(self, text: str) -> list[int]:

@@ -19,6 +19,8 @@ from openk3.train.trainer import TrainingDiverged
 
 from .conftest import FixedAnswerTask
 
+pytestmark = pytest.mark.sandbox  # one such test at a time on the machine (conftest.py)
+
 BASE = dict(task=("fixed",), prompts_per_step=4, group_size=8, max_new_tokens=2, max_model_len=24,
             lr=1e-2, device="cpu")
 

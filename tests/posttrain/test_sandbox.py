@@ -17,6 +17,8 @@ import pytest
 from openk3.posttrain import sandbox
 from openk3.posttrain.sandbox import SandboxLimits, run_python
 
+pytestmark = pytest.mark.sandbox  # one such test at a time on the machine (conftest.py)
+
 # The fallbacks: no namespaces (so no network namespace: the audit hook), and no Landlock either.
 MODES = [pytest.param({}, id="auto"), pytest.param({"namespaces": False, "landlock": False}, id="fallback")]
 

@@ -16,6 +16,8 @@ from openk3.posttrain.tasks import (
     score_all,
 )
 
+pytestmark = pytest.mark.sandbox  # one such test at a time on the machine (conftest.py)
+
 TEXT_TASKS = [name for name in TASK_NAMES if name != "python"]
 
 

@@ -31,6 +31,18 @@ def test_a_failed_capture_warns_with_the_pass_key_and_memory_and_turns_graphs_of
     assert released == [True] and not g.enabled and 256 not in g
 
 
+def test_a_tuple_key_reads_as_its_parts(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
+    monkeypatch.setattr(graphs, "_memory", lambda: "memory")
+    monkeypatch.setattr(graphs, "release_generator", lambda: None)
+
+    def fail(pool):
+        raise RuntimeError("no")
+
+    with pytest.warns(UserWarning, match=r"^CUDA graph capture of the EAGLE draft pass \(chain, 8\) failed \(no\) with memory;"):
+        graphs.Graphs(enabled=True, name="EAGLE draft").get_or_capture(("chain", 8), fail)
+
+
 def test_memory_unknown_when_the_device_cannot_say(monkeypatch):
     def broken():
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
