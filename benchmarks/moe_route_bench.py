@@ -5,9 +5,12 @@ kernels (``moe_grouped_triton``, by block sizes) against ``grouped_mm``; and
 ``RoutedExperts.forward_sorted`` with each combination.
 
 GPU time only: each variant is captured in a CUDA graph of ``REPS`` calls and replayed between
-events, so host launch time is not counted (the prefill passes are graphs too). Sizes: 1,024
-tokens (a warm request's tail), 4,096, 16,384 (the most the routing kernels take, 65,536 pairs),
-32,768 (a cold 32K pass in one chunk).
+events, so host launch time is not counted (the prefill passes are graphs too). Sizes: 32 tokens
+(a batch-8 verify pass at K = 3: 128 pairs), 256, 1,024 (a warm request's tail), 4,096, 16,384
+(the most the routing kernels take, 65,536 pairs), 32,768 (a cold 32K pass in one chunk). The
+routing kernels run with their histogram tile at its widest (what ``group_pairs`` launches: one
+compile for every size) and at the narrowest the blocks fit (``route_kernels_narrow_us``: what
+they launched before the thirty-fifth session, one compile per power of two of blocks).
 
 Run on the device: ``python benchmarks/moe_route_bench.py`` (JSON under $OUT: ``moe_route_bench.json``).
 """
@@ -22,6 +25,7 @@ from openk3 import preset
 from openk3.model.moe import RoutedExperts, run_experts
 from openk3.ops import moe as moe_ops
 from openk3.ops.moe_grouped_triton import grouped_experts_triton
+from openk3.ops.moe_kernels import group_pairs_triton, route_block
 
 REPS = 20
 
@@ -71,7 +75,7 @@ def main() -> None:
     act = dict(hidden_act=cfg.hidden_act, situ_beta1=cfg.situ_beta1, situ_beta2=cfg.situ_beta2)
     big = 1 << 30
     rows = []
-    for N in (1024, 4096, 16384, 32768):
+    for N in (32, 256, 1024, 4096, 16384, 32768):
         g = torch.Generator(device="cuda").manual_seed(N)
         topk_idx = torch.rand(N, E, device="cuda", generator=g).topk(k).indices
         topk_weight = torch.rand(N, k, device="cuda", generator=g)
@@ -82,6 +86,8 @@ def main() -> None:
                 row["sort_us"] = gpu_us(lambda: moe_ops.group_pairs(topk_idx, E))
             if N * k <= moe_ops.ROUTE_MAX_PAIRS:
                 row["route_kernels_us"] = gpu_us(lambda: moe_ops.group_pairs(topk_idx, E))
+                narrow = 1 << (-(-N * k // route_block(E)) - 1).bit_length()
+                row["route_kernels_narrow_us"] = gpu_us(lambda: group_pairs_triton(topk_idx, E, narrow))
             for name, route, grouped in (("sort_grouped_mm", 0, 0), ("route_grouped_mm", big, 0),
                                          ("route_triton", big, big)):
                 with limits(route, grouped):

@@ -213,11 +213,13 @@ def _route_place_kernel(idx_ptr, hist_ptr, position_ptr, token_ptr, counts_ptr, 
     tl.store(token_ptr + position, (p // K).to(tl.int64), mask=p < P)
 
 
-def group_pairs_triton(topk_idx: torch.Tensor, num_experts: int
+def group_pairs_triton(topk_idx: torch.Tensor, num_experts: int, tile_rows: int | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``openk3.ops.moe.group_pairs`` in two kernels, for ``route_fits`` sizes: topk_idx [N, k]
     integer expert ids in [0, num_experts). Returns (position [N k] int64, token_of_row [N k]
-    int64, counts [E] int64, ends [E] int32)."""
+    int64, counts [E] int64, ends [E] int32). ``tile_rows``: the blocks of pairs the second
+    kernel's histogram tile holds (a power of two, at least the blocks there are; None: the widest
+    ``route_fits`` allows, one compile for every size); ``moe_route_bench.py`` compares the two."""
     N, k = topk_idx.shape
     P, E, dev = N * k, num_experts, topk_idx.device
     if not route_fits(P, E):  # the kernel's histogram tile would miss blocks: wrong rows, stray writes
@@ -235,6 +237,9 @@ def group_pairs_triton(topk_idx: torch.Tensor, num_experts: int
     # the histogram tile as wide as ``route_fits`` allows, whatever nb is: one compile for every
     # size (a tile of next_power_of_2(nb) rows compiled anew for each power of two that a serving
     # pass of a new length met, ~0.3 s inside a step)
+    rows = ROUTE_MAX_TILE // e_pow2 if tile_rows is None else tile_rows
+    if rows < nb or rows & (rows - 1):
+        raise ValueError(f"group_pairs_triton: tile_rows = {rows} must be a power of two >= the {nb} blocks")
     _route_place_kernel[(nb,)](idx, hist, position, token, counts, ends, P, E, nb, k, E_POW2=e_pow2,
-                               NB_POW2=ROUTE_MAX_TILE // e_pow2, BLOCK=block, num_warps=8)
+                               NB_POW2=rows, BLOCK=block, num_warps=8)
     return position, token, counts, ends

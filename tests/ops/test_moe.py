@@ -336,10 +336,13 @@ _ROUTE_CASES = [(1, 4, 64, False), (300, 4, 64, False), (300, 4, 64, True), (37,
 _ROUTE_INTERPRETED = """
 from openk3.ops.moe_kernels import group_pairs_triton, route_fits
 from tests.ops.test_moe import _ROUTE_CASES, check_grouped, route_case
+import triton
 for N, k, E, hot in _ROUTE_CASES:  # one block and several, 5 and 896 experts (masked columns)
     assert route_fits(N * k, E), (N, k, E)
     topk_idx = route_case(N, k, E, hot, seed=N)
     check_grouped(topk_idx, E, group_pairs_triton(topk_idx, E))
+    if N == 4096:  # the narrowest tile the blocks fit (what moe_route_bench compares)
+        check_grouped(topk_idx, E, group_pairs_triton(topk_idx, E, triton.next_power_of_2(-(-N * k // 256))))
 assert not route_fits(65537, 64) and route_fits(65536, 64) and not route_fits(1024, 896)
 try:  # past the widest histogram tile: refused, not a silently wrong order
     group_pairs_triton(route_case(512, 2, 896, False), 896)
@@ -347,6 +350,12 @@ except ValueError as e:
     assert "1024 pairs over 896 experts exceed the routing tile" in str(e), e
 else:
     raise AssertionError("group_pairs_triton took 1,024 pairs over 896 experts")
+try:
+    group_pairs_triton(route_case(4096, 4, 64, False), 64, 8)  # 64 blocks of pairs
+except ValueError as e:
+    assert "tile_rows = 8 must be a power of two >= the 64 blocks" in str(e), e
+else:
+    raise AssertionError("group_pairs_triton took a tile narrower than its blocks")
 print("ok")
 """
 

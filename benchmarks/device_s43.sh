@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Prepared by the thirty-fifth session for the next one's device calls (not run yet):
+#   run(command="bash benchmarks/device_s43.sh N", carry=[".whl", ".triton-cache"], timeout_s=N's limit)
+# 1 (~200 s): the routing kernels' histogram tile, widest (what group_pairs launches since the
+#    thirty-fifth session: one compile for every size) against the narrowest the blocks fit (the
+#    old launch), 32 to 32,768 tokens (moe_route_bench.py); the final version of the compile test
+#    (the kernels' caches emptied first) and the graphs' tests.
+# 2 (~480 s): P9's 150-step target with a draft trained 400 steps instead of 120 (the draft's
+#    training-time acceptance was still rising at 120), then spec_bench at batch 1, K = 3 and 7,
+#    greedy and temperature 1, held-out prompts.
+source "$(dirname "$0")/device_common.sh"
+case "${1:?phase}" in
+1)
+  timeout -k 5 120 python3 benchmarks/moe_route_bench.py > "$OUT/moe_route.log" 2>&1; echo "== rc $?" >> "$OUT/moe_route.log"
+  gpu_tests 120 tests/ops/test_moe.py tests/serve/test_graphs_gpu.py --durations=5
+  ;;
+2)
+  timeout -s INT -k 30 190 python3 -m openk3 train --preset small --mtp-layers 1 --max-steps 150 --warmup-steps 15 \
+    --log-interval 10 --no-compile --eval-interval 100000 --ckpt-interval 100000 --num-samples 0 \
+    --out /tmp/runs/target > "$OUT/target.log" 2>&1; echo "== rc $?" >> "$OUT/target.log"
+  timeout -s INT -k 30 260 python3 -m openk3 train-draft --checkpoint /tmp/runs/target --out /tmp/drafts/lk --loss lk \
+    --init mtp --steps 400 --ttt-steps 7 --batch-size 8 --seq-len 512 --log-interval 20 --save-interval 100 \
+    > "$OUT/draft_lk.log" 2>&1; echo "== rc $?" >> "$OUT/draft_lk.log"
+  timeout -k 5 $((590 - SECONDS)) python3 benchmarks/spec_bench.py --checkpoint /tmp/runs/target --drafts /tmp/drafts/lk \
+    --batch 1 --K 3 7 --temperatures 0 1 --num-prompts 16 --max-tokens 128 --prompts held-out \
+    --json "$OUT/spec_lk.json" > "$OUT/spec_lk.log" 2>&1; echo "== rc $?" >> "$OUT/spec_lk.log"
+  ;;
+*) echo "phase 1 or 2" >&2; exit 2 ;;
+esac
+summary
