@@ -226,7 +226,8 @@ class TritonCompiles:
             fn = kwargs.get("fn")
             frames = [f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in traceback.extract_stack()
                       if "/openk3/" in f.filename.replace(os.sep, "/")]
-            self.seen.append((getattr(fn, "name", repr(fn)), str(kwargs.get("repr", ""))[:300], frames[-6:]))
+            spec = " ".join(str(kwargs.get("repr", "")).split())[:400]  # Triton's repr spans lines
+            self.seen.append((getattr(fn, "name", repr(fn)), spec, frames[-6:]))
             return self._before(*args, **kwargs) if self._before is not None else None
 
         knobs.runtime.jit_post_compile_hook = hook
