@@ -7,8 +7,47 @@ import os
 import platform
 import statistics
 import time
+import traceback
+from pathlib import Path
 
 import torch
+
+
+class TritonCompiles:
+    """Within ``with``: every Triton kernel compiled (name, its specialisation as Triton prints
+    it, and the openk3 frames that launched it), through Triton's post-compile hook; nothing
+    when off or without Triton."""
+
+    def __init__(self, on: bool):
+        self.on, self.seen, self._knobs, self._before = on, [], None, None
+
+    @property
+    def tracked(self) -> bool:
+        return self._knobs is not None
+
+    def __enter__(self):
+        if not self.on:
+            return self
+        try:
+            from triton import knobs
+        except ImportError:  # no Triton, or one without the hook (before 3.4)
+            return self
+        self._knobs, self._before = knobs, knobs.runtime.jit_post_compile_hook
+
+        def hook(*args, **kwargs):
+            fn = kwargs.get("fn")
+            frames = [f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in traceback.extract_stack()
+                      if "/openk3/" in f.filename.replace(os.sep, "/")]
+            spec = " ".join(str(kwargs.get("repr", "")).split())[:400]  # Triton's repr spans lines
+            self.seen.append((getattr(fn, "name", repr(fn)), spec, frames[-6:]))
+            return self._before(*args, **kwargs) if self._before is not None else None
+
+        knobs.runtime.jit_post_compile_hook = hook
+        return self
+
+    def __exit__(self, *exc):
+        if self._knobs is not None:
+            self._knobs.runtime.jit_post_compile_hook = self._before
 
 
 def cuda_time(fn, warmup: int = 3, iters: int = 10) -> float:

@@ -45,11 +45,11 @@ steps run under the profiler then: the rows' times count its overhead (``profile
 Issue #14's targets (on the device, ``small`` trained on the corpus, its draft trained with LK
 and KL): tokens/verify >= 3 at K = 7 and a batch-1 speed-up >= 2x.
 
-    python benchmarks/spec_bench.py --checkpoint runs/small --drafts runs/draft-lk runs/draft-kl \
+    PYTHONPATH=. python benchmarks/spec_bench.py --checkpoint runs/small --drafts runs/draft-lk runs/draft-kl \
         --json $OUT/spec_bench.json
-    python benchmarks/spec_bench.py --preset small --drafts random self --batch 1 --K 3 7 \
+    PYTHONPATH=. python benchmarks/spec_bench.py --preset small --drafts random self --batch 1 --K 3 7 \
         --temperatures 0 --num-prompts 4 --max-tokens 64 --profile     # mechanics, ~2 min on an H200
-    python benchmarks/spec_bench.py --preset debug --drafts random --device cpu --num-prompts 4 \
+    PYTHONPATH=. python benchmarks/spec_bench.py --preset debug --drafts random --device cpu --num-prompts 4 \
         --max-tokens 16 --batch 1 2 --K 3 --profile                    # a CPU sanity run
 
 ``--prompts held-out`` takes the prompts from openk3's own Python files instead of the stdlib
@@ -67,12 +67,12 @@ import json
 import os
 import sys
 import time
-import traceback
 from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from benchmarks.common import TritonCompiles
 from openk3.model.draft import DraftConfig, Eagle3Draft
 from openk3.runtime import load_draft_model, load_model
 from openk3.serve.config import EngineConfig
@@ -199,43 +199,6 @@ def run(target, tokenizer, prompts, args, temperature: float, batch: int, K: int
             "slowest_other": [(round(1e3 * dt, 2), tokens, running) for dt, tokens, running in sorted(other)[-3:]],
             "decode_tok_s": steady_tokens / max(sum(steps), 1e-9),
             "profiled": bool(args.profile_other)}
-
-
-class TritonCompiles:
-    """Within ``with``: every Triton kernel compiled (name, its specialisation as Triton prints
-    it, and the openk3 frames that launched it), through Triton's post-compile hook; nothing
-    when off or without Triton."""
-
-    def __init__(self, on: bool):
-        self.on, self.seen, self._knobs, self._before = on, [], None, None
-
-    @property
-    def tracked(self) -> bool:
-        return self._knobs is not None
-
-    def __enter__(self):
-        if not self.on:
-            return self
-        try:
-            from triton import knobs
-        except ImportError:  # no Triton, or one without the hook (before 3.4)
-            return self
-        self._knobs, self._before = knobs, knobs.runtime.jit_post_compile_hook
-
-        def hook(*args, **kwargs):
-            fn = kwargs.get("fn")
-            frames = [f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in traceback.extract_stack()
-                      if "/openk3/" in f.filename.replace(os.sep, "/")]
-            spec = " ".join(str(kwargs.get("repr", "")).split())[:400]  # Triton's repr spans lines
-            self.seen.append((getattr(fn, "name", repr(fn)), spec, frames[-6:]))
-            return self._before(*args, **kwargs) if self._before is not None else None
-
-        knobs.runtime.jit_post_compile_hook = hook
-        return self
-
-    def __exit__(self, *exc):
-        if self._knobs is not None:
-            self._knobs.runtime.jit_post_compile_hook = self._before
 
 
 def write_other_profile(profiler: cProfile.Profile, name: str, other: list, compiles: list | None,
