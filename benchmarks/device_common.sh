@@ -66,12 +66,14 @@ train_run() {  # train_run SECONDS NAME NPROC EXTRA...: `openk3 train` from the 
   echo "== rc $?" >> "$OUT/$name.log"
   cp "/tmp/runs/$name/metrics.jsonl" "$OUT/$name.metrics.jsonl" 2>/dev/null
 }
-p9_target_and_draft() {  # P9's `small` target with one MTP layer (150 steps, /tmp/runs/target) and
-  # its LK draft from that layer (120 steps, /tmp/drafts/lk): the recipe of the P9 tables
+p9_target_and_draft() {  # [DRAFT_STEPS [DRAFT_SECONDS]]: P9's `small` target with one MTP layer (150
+  # steps, /tmp/runs/target) and its LK draft from that layer (/tmp/drafts/lk; 120 steps in at
+  # most 140 s by default): the recipe of the P9 tables
+  local steps=${1:-120} limit=${2:-140}
   timeout -s INT -k 30 190 python3 -m openk3 train --preset small --mtp-layers 1 --max-steps 150 --warmup-steps 15 \
     --log-interval 10 --no-compile --eval-interval 100000 --ckpt-interval 100000 --num-samples 0 \
     --out /tmp/runs/target > "$OUT/target.log" 2>&1; echo "== rc $?" >> "$OUT/target.log"
-  timeout -s INT -k 30 140 python3 -m openk3 train-draft --checkpoint /tmp/runs/target --out /tmp/drafts/lk --loss lk \
-    --init mtp --steps 120 --ttt-steps 7 --batch-size 8 --seq-len 512 --log-interval 10 --save-interval 40 \
-    > "$OUT/draft_lk.log" 2>&1; echo "== rc $?" >> "$OUT/draft_lk.log"
+  timeout -s INT -k 30 "$limit" python3 -m openk3 train-draft --checkpoint /tmp/runs/target --out /tmp/drafts/lk \
+    --loss lk --init mtp --steps "$steps" --ttt-steps 7 --batch-size 8 --seq-len 512 --log-interval 10 \
+    --save-interval 40 > "$OUT/draft_lk.log" 2>&1; echo "== rc $?" >> "$OUT/draft_lk.log"
 }

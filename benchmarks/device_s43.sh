@@ -19,12 +19,7 @@ case "${1:?phase}" in
   echo "== rc $?" >> "$OUT/compile_watch_eagle.log"
   ;;
 2)
-  timeout -s INT -k 30 190 python3 -m openk3 train --preset small --mtp-layers 1 --max-steps 150 --warmup-steps 15 \
-    --log-interval 10 --no-compile --eval-interval 100000 --ckpt-interval 100000 --num-samples 0 \
-    --out /tmp/runs/target > "$OUT/target.log" 2>&1; echo "== rc $?" >> "$OUT/target.log"
-  timeout -s INT -k 30 260 python3 -m openk3 train-draft --checkpoint /tmp/runs/target --out /tmp/drafts/lk --loss lk \
-    --init mtp --steps 400 --ttt-steps 7 --batch-size 8 --seq-len 512 --log-interval 20 --save-interval 100 \
-    > "$OUT/draft_lk.log" 2>&1; echo "== rc $?" >> "$OUT/draft_lk.log"
+  p9_target_and_draft 400 260
   timeout -k 5 $((590 - SECONDS)) python3 benchmarks/spec_bench.py --checkpoint /tmp/runs/target --drafts /tmp/drafts/lk \
     --batch 1 --K 3 7 --temperatures 0 1 --num-prompts 16 --max-tokens 128 --prompts held-out \
     --json "$OUT/spec_lk.json" > "$OUT/spec_lk.log" 2>&1; echo "== rc $?" >> "$OUT/spec_lk.log"

@@ -16,6 +16,7 @@ import pytest
 from openk3 import build_model, preset
 from openk3.checkpoint import save_pretrained
 
+
 @pytest.fixture(autouse=True)
 def one_sandbox_test_at_a_time(request):
     """Tests marked ``sandbox`` (they run sandboxed programs) hold a lock shared by every test
