@@ -14,11 +14,11 @@ import json
 from collections.abc import AsyncIterator, Callable
 
 from PIL import Image
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from openk3.serve.engine import Logprob, RequestOutput
 from openk3.serve.multimodal import open_image
-from openk3.serve.sampler import SamplingParams
+from openk3.serve.sampler import MAX_TOP_K, SamplingParams
 
 MAX_N = 128  # choices per prompt, as OpenAI allows
 
@@ -42,9 +42,22 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
 # Request bodies.
 
 
+def _null_is_default(*names: str):
+    """A validator of ``model``'s fields ``names`` that reads an explicit JSON null as the field's
+    default: OpenAI's API declares them nullable, and its Python client sends ``None`` as null."""
+
+    @field_validator(*names, mode="before")
+    @classmethod
+    def check(cls, value, info):
+        return cls.model_fields[info.field_name].default if value is None else value
+
+    return check
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
     include_usage: bool = False  # a last chunk with ``usage`` and no choices
+    _nulls = _null_is_default("include_usage")
 
 
 class SamplingRequest(BaseModel):
@@ -54,7 +67,7 @@ class SamplingRequest(BaseModel):
     model: str | None = None  # None: the served model
     temperature: float | None = None  # None here: SamplingParams' default
     top_p: float | None = None
-    top_k: int | None = None  # extension (as in vLLM); 0 = off
+    top_k: int | None = Field(None, ge=0, le=MAX_TOP_K)  # extension (as in vLLM); 0 = off
     seed: int | None = Field(None, ge=-(2**63), lt=2**63)
     stop: str | list[str] | None = None
     stream: bool = False
@@ -62,6 +75,7 @@ class SamplingRequest(BaseModel):
     user: str | None = None  # accepted, ignored
 
     n: int = Field(1, ge=1, le=MAX_N)  # choices per prompt
+    _nulls = _null_is_default("n", "stream")
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, choice: int = 0,
                         prompt_logprobs: int | None = None) -> SamplingParams:
@@ -84,6 +98,7 @@ class CompletionRequest(SamplingRequest):
     max_tokens: int | None = 16  # 0 (with echo): score the prompt, generate nothing
     logprobs: int | None = None  # top alternatives per token (prompt tokens too, with echo)
     echo: bool = False  # the prompt comes back before the completion (and its log-probs)
+    _echo_null = _null_is_default("echo")
 
 
 class ImageURL(BaseModel):
@@ -114,11 +129,14 @@ class ChatCompletionRequest(SamplingRequest):
     max_tokens: int | None = None  # OpenAI's older name
     logprobs: bool = False
     top_logprobs: int | None = None
+    _logprobs_null = _null_is_default("logprobs")
 
 
-# Features the engine lacks: the value that means "off" (None is always accepted as well).
-UNSUPPORTED = {"best_of": 1, "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None,
-               "suffix": None}
+# Features the engine lacks: the values that mean "off" (None, JSON null, is always accepted as
+# well). A tool call or a response format would need a parser or constrained decoding: a request
+# that demands one is refused, where "auto" lets the model answer in plain text.
+UNSUPPORTED = {"best_of": (1,), "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},),
+               "suffix": ("",), "tool_choice": ("none", "auto"), "response_format": ({"type": "text"},)}
 
 
 def prompt_list(prompt: str | list) -> list[str | list[int]]:
@@ -298,7 +316,7 @@ async def completion_chunks(tokenizer, outputs: AsyncIterator[tuple[int, Request
     every chunk repeats; ``echoes[i]`` the prompt text of choice i when echoing."""
     encode = _ChunkJSON(head, "text")
     sent: dict[int, int] = {}  # choice -> log-probs sent
-    offsets: dict[int, int] = {}  # choice -> characters sent
+    offsets: dict[int, int] = {}  # choice -> characters of the tokens sent (text_offset goes by them)
     last: dict[int, RequestOutput] = {}
     async with contextlib.aclosing(outputs):
         async for index, out in outputs:
@@ -315,9 +333,10 @@ async def completion_chunks(tokenizer, outputs: AsyncIterator[tuple[int, Request
                     logprobs["tokens"].insert(0, _first_prompt_token(tokenizer, out))
                     logprobs["text_offset"] = _offsets(logprobs["tokens"])
                 sent[index] = len(out.logprobs)
+                if logprobs["tokens"]:  # the next token's offset: after this chunk's tokens' text
+                    offsets[index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
             if first and echo is not None:
                 text = echo + text
-            offsets[index] = offsets.get(index, 0) + len(text)
             if text or out.finished or (logprobs and logprobs["tokens"]):
                 yield encode(index, text, logprobs, out.finish_reason)
     if include_usage:

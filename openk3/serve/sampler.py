@@ -16,6 +16,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+MAX_TOP_K = 2**31 - 1  # a top_k beyond the vocabulary keeps every token
+MIN_TEMPERATURE = 1e-6  # a smaller positive temperature samples as this one: fp32 logits divided by
+# less overflow to inf (and NaN probabilities); at 1e-6 a row is its argmax but for near-ties
+
 
 class InvalidRequest(ValueError):
     """A request the engine refuses; ``param`` names the offending request parameter (the
@@ -48,7 +52,7 @@ class SamplingParams:
         checks = (
             ("temperature", 0 <= self.temperature <= 100, "must be in [0, 100]"),
             ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
-            ("top_k", self.top_k >= 0, "must be >= 0 (0 disables it)"),
+            ("top_k", 0 <= self.top_k <= MAX_TOP_K, f"must be in [0, {MAX_TOP_K}] (0 disables it)"),
             ("max_tokens", self.max_tokens >= 0, "must be >= 0"),
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, "must be in [0, 20]"),
             ("prompt_logprobs", self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
@@ -85,7 +89,7 @@ def filtered_logprobs(logits: torch.Tensor, temperature: torch.Tensor, top_k: to
     skips the sort over the vocabulary that top-k / top-p need: the tempered softmax itself."""
     logits = logits.float()
     greedy = temperature == 0
-    scaled = logits / torch.where(greedy, 1.0, temperature).unsqueeze(-1)
+    scaled = logits / torch.where(greedy, 1.0, temperature.clamp(min=MIN_TEMPERATURE)).unsqueeze(-1)
     if not filtering:
         one_hot = torch.full_like(scaled, float("-inf")).scatter_(-1, scaled.argmax(-1, keepdim=True), 0.0)
         return torch.where(greedy[:, None], one_hot, torch.log_softmax(scaled, dim=-1))

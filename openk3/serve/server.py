@@ -219,8 +219,8 @@ class OpenAIServer:
         extra = req.model_extra or {}
         for name, off in UNSUPPORTED.items():
             value = extra.get(name)
-            if value is not None and value != off:
-                raise APIError(400, f"{name}={value!r} is not supported (only {off!r})", name)
+            if value is not None and value not in off:
+                raise APIError(400, f"{name}={value!r} is not supported (only {' or '.join(map(repr, off))})", name)
 
     async def _generate(self, index: int, prompt: Checked, params: SamplingParams, request_id: str,
                         images: MultiModalInput | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -311,8 +311,9 @@ class OpenAIServer:
             ids = self.tokenizer.encode(text)
         limit = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        if max_tokens is None:
-            max_tokens = max(1, self.engine.inputs.max_model_len - len(ids))
+        if max_tokens is None:  # the rest of the context, within the engine's limit
+            inputs = self.engine.inputs
+            max_tokens = max(1, min(inputs.max_model_len - len(ids), inputs.config.max_tokens_limit))
         if max_tokens < 1:
             raise APIError(400, f"{limit}: {max_tokens} must be >= 1", limit)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -342,10 +343,18 @@ class OpenAIServer:
 
     # The rest.
 
+    def _card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "openk3",
+                "max_model_len": self.engine.inputs.max_model_len}
+
     async def models(self) -> dict:
-        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
-                                            "owned_by": "openk3",
-                                            "max_model_len": self.engine.inputs.max_model_len}]}
+        return {"object": "list", "data": [self._card()]}
+
+    async def model(self, model: str) -> dict:
+        if model != self.model_name:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                           "model", "model_not_found")
+        return self._card()
 
     async def health(self) -> Response:
         if not self.engine.is_alive:
@@ -436,6 +445,7 @@ def build_app(async_engine: AsyncEngine, model_name: str, api_key: str | None = 
     v1.add_api_route("/completions", server.completions, methods=["POST"])
     v1.add_api_route("/chat/completions", server.chat_completions, methods=["POST"])
     v1.add_api_route("/models", server.models, methods=["GET"])
+    v1.add_api_route("/models/{model:path}", server.model, methods=["GET"])
     app.include_router(v1)
     app.add_api_route("/health", server.health, methods=["GET"])
     app.add_api_route("/metrics", server.prometheus, methods=["GET"])

@@ -112,7 +112,7 @@ def test_logprob_of_chosen_token():
     torch.testing.assert_close(lp, torch.log_softmax(logits, -1).gather(-1, tokens[:, None])[:, 0])
 
 
-@pytest.mark.parametrize("field,value", [("temperature", -1.0), ("top_p", 0.0), ("top_k", -2),
+@pytest.mark.parametrize("field,value", [("temperature", -1.0), ("top_p", 0.0), ("top_k", -2), ("top_k", 2**31),
                                          ("max_tokens", -1), ("prompt_logprobs", 21), ("logprobs", 50)])
 def test_bad_parameters_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
@@ -153,3 +153,15 @@ def test_unfiltered_fast_path_is_the_tempered_softmax():
     torch.testing.assert_close(probs, fast.exp())
     torch.testing.assert_close(picked, fast.gather(-1, tokens[:, None])[:, 0])
     assert tokens[0] == logits[0].argmax() and tokens[4] == logits[4].argmax()
+
+
+def test_tiny_temperature_samples_the_argmax():
+    """A positive temperature too small to divide fp32 logits by (1e-40: inf, then NaN
+    probabilities, token 0 every time) samples as ``MIN_TEMPERATURE``: the argmax here."""
+    logits = _logits(B=3, V=50)
+    for filtering in (False, True):
+        logp = filtered_logprobs(logits, torch.full((3,), 1e-40), torch.zeros(3, dtype=torch.long),
+                                 torch.ones(3), filtering)
+        assert not logp.isnan().any() and torch.equal(logp.argmax(-1), logits.argmax(-1))
+    tokens, _ = sample(logits, [SamplingParams(temperature=1e-40, top_k=2**31 - 1)] * 3, [make_generator(1)] * 3)
+    assert torch.equal(tokens, logits.argmax(-1))

@@ -158,6 +158,53 @@ def test_chat_default_max_tokens_fills_the_context(srv):
     assert body["usage"]["total_tokens"] == MAX_MODEL_LEN and body["choices"][0]["finish_reason"] == "length"
 
 
+def test_chat_default_max_tokens_within_the_limit(srv, monkeypatch):
+    """No max_tokens: the rest of the context, but never past ``max_tokens_limit`` (a limit the
+    client did not send cannot fail its request)."""
+    monkeypatch.setattr(srv.engine.engine.inputs.config, "max_tokens_limit", 7)
+    r = srv.http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                    "temperature": 0})
+    body = r.json()
+    assert r.status_code == 200, body
+    assert body["usage"]["completion_tokens"] == 7 and body["choices"][0]["finish_reason"] == "length"
+
+
+def test_null_and_empty_fields_mean_their_defaults(srv):
+    """JSON null for the fields OpenAI declares nullable, and the empty value of a feature the
+    engine lacks (``logit_bias: {}``, ``suffix: ""``, ``tool_choice: "auto"``), as if absent."""
+    base = srv.http.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0}).json()
+    r = srv.http.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0, "n": None,
+        "stream": None, "logprobs": None, "logit_bias": {}, "tool_choice": "auto",
+        "response_format": {"type": "text"}, "stream_options": None})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert len(body["choices"]) == 1 and body["choices"][0]["logprobs"] is None
+    assert body["choices"][0]["message"] == base["choices"][0]["message"]
+    r = srv.http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "echo": None, "suffix": "",
+                                               "stream": True, "stream_options": {"include_usage": None}})
+    assert r.status_code == 200 and '"usage"' not in r.text, r.text
+    wait_idle(srv)
+
+
+def test_huge_top_k_and_tiny_temperature(srv):
+    """A top_k past the vocabulary keeps every token; a temperature too small for fp32 logits to
+    be divided by samples the argmax, not NaN probabilities (which gave token 0 every time)."""
+    greedy = srv.client.completions.create(model=MODEL, prompt="Once", max_tokens=6, temperature=0)
+    for temperature in (1e-40, 1e-30):
+        r = srv.client.completions.create(model=MODEL, prompt="Once", max_tokens=6, temperature=temperature,
+                                          seed=3, extra_body={"top_k": 2**31 - 1})
+        assert r.choices[0].text == greedy.choices[0].text
+
+
+def test_model_card(srv):
+    card = srv.client.models.retrieve(MODEL)
+    assert card.id == MODEL and card.object == "model"
+    with pytest.raises(openai.NotFoundError):
+        srv.client.models.retrieve("gpt-4")
+
+
 def test_logprobs(srv):
     ids = TOK.encode("Log me")
     with torch.inference_mode():
@@ -175,6 +222,11 @@ def test_logprobs(srv):
     tokens = [t for c in streamed if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
     offsets = [o for c in streamed if c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
     assert tokens == lp.tokens and offsets == lp.text_offset
+    # a stop string that never matches holds text back while the tokens' log-probs go out: the
+    # streamed offsets still count the tokens' text
+    streamed = list(srv.client.completions.create(model=MODEL, prompt="Log me", max_tokens=6, temperature=0,
+                                                  logprobs=3, stream=True, stop=["never"]))
+    assert [o for c in streamed if c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset] == lp.text_offset
 
     c = srv.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Log me"}],
                                            max_tokens=5, temperature=0, logprobs=True, top_logprobs=2)
@@ -274,6 +326,8 @@ BAD = [
     ("completions", {"prompt": "hi", "echo": "yes"}, "echo"),
     ("completions", {"prompt": "hi", "best_of": 3}, "best_of"),
     ("completions", {"prompt": "hi", "frequency_penalty": 0.5}, "frequency_penalty"),
+    ("completions", {"prompt": "hi", "logit_bias": {"5": 10}}, "logit_bias"),
+    ("completions", {"prompt": "hi", "top_k": 10**400}, "top_k"),
     ("completions", {"prompt": ""}, "prompt"),
     ("completions", {"prompt": []}, "prompt"),
     ("completions", {"prompt": 5}, "prompt"),
@@ -294,6 +348,10 @@ BAD = [
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
                           "top_logprobs": 99}, "top_logprobs"),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 0}, "n"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"},
+     "tool_choice"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                          "response_format": {"type": "json_object"}}, "response_format"),
     ("chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
     ("chat/completions", {"messages": [{"role": "user", "content": None}]}, "messages"),
     ("chat/completions", {"messages": [{"role": "system"}, {"role": "user", "content": "hi"}]}, "messages"),

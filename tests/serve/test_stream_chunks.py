@@ -55,7 +55,8 @@ def test_completion_chunks_are_json_dumps_of_the_chunk_objects(n, logprobs):
         if logprobs:
             lp = completion_logprobs(tok, out.logprobs[sent.get(i, 0):], offsets.get(i, 0))
             sent[i] = len(out.logprobs)
-        offsets[i] = offsets.get(i, 0) + len(out.delta_text)
+            if lp["tokens"]:  # text_offset counts the tokens' text, not the text sent (held back)
+                offsets[i] = lp["text_offset"][-1] + len(lp["tokens"][-1])
         expected.append({**HEAD, "choices": [{"index": i, "text": out.delta_text, "logprobs": lp,
                                               "finish_reason": out.finish_reason}]})
     expected.append({**HEAD, "choices": [], "usage": usage([o for _, o in items[-n:]], n)})
