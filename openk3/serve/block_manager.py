@@ -299,6 +299,12 @@ class BlockManager:
         while len(seq.block_table) < self.num_blocks_for(seq.num_tokens + num_lookahead):
             seq.block_table.append(self._allocate_block())
 
+    def trim(self, seq: Sequence) -> None:
+        """Release the blocks past the one holding ``seq``'s newest token: a speculative step's
+        lookahead for drafts that were rejected (never registered: they hold no computed token)."""
+        while len(seq.block_table) > self.num_blocks_for(seq.num_tokens):
+            self._release_block(seq.block_table.pop())
+
     def free(self, seq: Sequence) -> None:
         """Release the blocks, the state slot and any uncommitted KDA save of ``seq``; registered
         prefixes and committed checkpoints stay cached."""

@@ -57,7 +57,8 @@ class EngineConfig:
         enable_prefix_caching: off means no hashes, no checkpoints, no hits.
     Speculative decoding (``docs/speculative.md``, "Engine integration"):
         num_speculative_tokens: K, draft tokens proposed and verified per decode step (0: off).
-            A decode then computes up to K + 1 positions and emits 1 to K + 1 tokens.
+            A decode then computes up to K + 1 positions and emits 1 to K + 1 tokens;
+            ``max_num_batched_tokens`` must be at least ``max_num_seqs * (K + 1)``.
         draft: the draft (``openk3.runtime.load_draft_model``): a small openk3/Kimi model's
             directory (sharing the target's vocabulary), an EAGLE-3 draft directory written by
             ``openk3 train-draft``, or ``mtp`` (the target's own MTP layer); required when K > 0
@@ -122,6 +123,10 @@ class EngineConfig:
             raise bad("prefill_graph_tokens", "must be >= 0 (0 turns prefill graphs off)")
         if self.num_speculative_tokens < 0:
             raise bad("num_speculative_tokens", "must be >= 0 (0 turns speculative decoding off)")
+        need = self.max_num_seqs * (1 + self.num_speculative_tokens)
+        if self.num_speculative_tokens and self.max_num_batched_tokens < need:
+            raise bad("max_num_batched_tokens", f"must be >= max_num_seqs * (1 + num_speculative_tokens) = {need}: "
+                                                "every decode's token and drafts, with room left for prompts")
         if self.physical_block_size % self.hash_block_size:
             raise bad("hash_block_size", f"must divide physical_block_size ({self.physical_block_size})")
         if self.kda_checkpoint_interval % self.hash_block_size:

@@ -17,10 +17,16 @@ Engine loop contract, per step:
 
 Speculative decoding (``num_speculative_tokens`` K > 0): a decode may be planned ``k <= K`` draft
 tokens (``out.num_draft_tokens``); it is scheduled ``1 + k`` tokens, holds MLA blocks for
-them, and ``num_computed_tokens`` counts them. The engine fills ``seq.draft_token_ids``, the
-runner verifies them, and ``postprocess`` gets that sequence's emitted tokens (the accepted
-drafts and one more): it rolls ``num_computed_tokens`` back to the tokens kept before anything
-is registered, so prefix hashes only ever cover accepted tokens. ``k`` stops short of the next
+them, and ``num_computed_tokens`` counts them. Drafts take their budget once every running
+decode has its token, before prefill chunks and admissions (``EngineConfig`` keeps the budget at
+``max_num_seqs * (1 + K)`` or more, so a prefill always gets some and ``k`` depends only on the
+request: seeded sampling stays independent of the batch), and their blocks last, from those the
+step's sequences and admissions leave (none in a step that preempts), so speculation never
+preempts or holds back a sequence plain decoding would run. The engine fills ``seq.draft_token_ids``,
+the runner verifies them, and ``postprocess`` gets that sequence's emitted tokens (the accepted
+drafts and one more): it rolls ``num_computed_tokens`` back to the tokens kept, appends the
+run, gives back the blocks past it (the rejected drafts' lookahead) and only then registers the
+step's hash blocks, so prefix hashes only ever cover accepted tokens. ``k`` stops short of the next
 KDA checkpoint boundary, so checkpoints are only ever saved by plain steps (whose state is
 exact); the step reaching the boundary is a plain decode.
 The step's hash blocks and KDA checkpoints become visible to prefix lookups at the next
@@ -131,17 +137,32 @@ class Scheduler:
         return end - start
 
     def _num_draft_tokens(self, seq: Sequence, budget: int) -> int:
-        """Draft tokens to verify for a decoding ``seq``: up to K, no more than max_tokens lets
-        it emit (a step emits up to k + 1), within the budget, and ending before the next KDA
-        checkpoint boundary (the state there must be exact for the save)."""
+        """Draft tokens to verify for a decoding ``seq`` that holds its one token already: up to
+        K, no more than max_tokens lets it emit (a step emits up to k + 1), within ``budget``
+        (never short: ``EngineConfig`` keeps ``max_num_batched_tokens`` >= ``max_num_seqs * (1 + K)``), ending before the next KDA checkpoint boundary (the state there
+        must be exact for the save). Blocks for them are the caller's business."""
         K = self.config.num_speculative_tokens
         if K == 0 or seq.num_uncomputed_tokens != 1:
             return 0
-        k = min(K, seq.max_tokens - seq.num_output_tokens - 1, budget - 1)
+        k = min(K, seq.max_tokens - seq.num_output_tokens - 1, budget)
         boundary = self.block_manager.next_kda_checkpoint_boundary(seq, seq.num_computed_tokens)
         if boundary is not None:
             k = min(k, boundary - seq.num_tokens - 1)
-        return max(k, 0) if self.block_manager.can_append(seq, max(k, 0)) else 0
+        return max(k, 0)
+
+    def _grow(self, seq: Sequence, num_lookahead: int, pending: deque, out: SchedulerOutput) -> bool:
+        """Blocks for ``seq``'s next token, preempting from the back of ``pending`` (then ``seq``
+        itself) while the pool is short; False when ``seq`` was preempted."""
+        bm = self.block_manager
+        while not bm.can_append(seq, num_lookahead):
+            victim = pending.pop() if pending else seq
+            self._preempt(victim, out)
+            if victim is seq:
+                return False
+        num_blocks = len(seq.block_table)
+        bm.append_slot(seq, num_lookahead)
+        self._update_table(out, seq, num_blocks)
+        return True
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.block_manager.free(seq)
@@ -168,39 +189,38 @@ class Scheduler:
     def step(self, admit: bool = True) -> SchedulerOutput:
         """The next step's work: running sequences first (decodes, then prefill chunks), then
         waiting ones while the budget, memory and ``max_num_seqs`` allow, unless ``admit`` is
-        False (the engine adopts a decode step it launched ahead: ``LLMEngine``)."""
+        False (the engine adopts a decode step it launched ahead: ``LLMEngine``); the decodes'
+        drafts take their budget before the prefills and their blocks after the admissions."""
         self._register_computed()  # in case the engine skipped postprocess (nothing sampled)
         bm, out = self.block_manager, SchedulerOutput()
         budget = self.config.max_num_batched_tokens
 
-        # Running sequences: decodes first, then prefill chunks; victims come from the back.
+        # Running sequences: decodes first, each its one token, then the drafts' share of the
+        # budget, then prefill chunks; victims come from the back.
         pending = deque(sorted(self.running, key=lambda s: len(s.token_ids) - s.num_computed_tokens > 1))
-        speculative, block_size = self.config.num_speculative_tokens > 0, bm.block_size
+        block_size, decodes = bm.block_size, []
+        while pending and budget > 0 and len(pending[0].token_ids) - pending[0].num_computed_tokens <= 1:
+            seq = pending.popleft()
+            if len(seq.token_ids) == seq.num_computed_tokens:
+                continue  # its sampled token has not been reported yet
+            if len(seq.token_ids) > len(seq.block_table) * block_size:  # its last block is full
+                if not self._grow(seq, 0, pending, out):
+                    pending.clear()
+                    break
+            out.scheduled.append((seq, 1))
+            budget -= 1
+            decodes.append(len(out.scheduled) - 1)
+        drafts = {}  # index in out.scheduled -> k: the budget now, blocks after the admissions
+        for i in decodes if self.config.num_speculative_tokens else ():
+            k = self._num_draft_tokens(out.scheduled[i][0], budget)
+            if k:
+                drafts[i] = k
+                budget -= k
         while pending and budget > 0:
             seq = pending.popleft()
-            uncomputed = len(seq.token_ids) - seq.num_computed_tokens
-            if uncomputed == 0:
-                continue  # its sampled token has not been reported yet
-            if uncomputed == 1 and not speculative and len(seq.token_ids) <= len(seq.block_table) * block_size:
-                # a plain decode whose last block has room: no drafts, no new block, one token
-                # (a checkpoint boundary lies strictly after the computed tokens)
-                out.scheduled.append((seq, 1))
-                budget -= 1
-                continue
-            k = self._num_draft_tokens(seq, budget)  # never preempts for drafts
-            while not bm.can_append(seq):
-                victim = pending.pop() if pending else seq
-                self._preempt(victim, out)
-                if victim is seq:
-                    break
-            if seq.status is not SequenceStatus.RUNNING:
+            if not self._grow(seq, 0, pending, out):
                 break
-            num_blocks = len(seq.block_table)
-            bm.append_slot(seq, k)
-            self._update_table(out, seq, num_blocks)
-            n = 1 + k if k else self._num_new_tokens(seq, budget)
-            if k:
-                out.num_draft_tokens[seq.request_id] = k
+            n = self._num_new_tokens(seq, budget)
             out.scheduled.append((seq, n))
             budget -= n
 
@@ -225,6 +245,19 @@ class Scheduler:
             out.scheduled.append((seq, n))
             budget -= n
 
+        # The drafts' blocks last, from those nothing else needs this step (none while memory is
+        # short enough to preempt): a draft never holds back a sequence plain decoding would run
+        for i, k in drafts.items() if not out.preempted_ids else ():
+            seq = out.scheduled[i][0]
+            while k and not bm.can_append(seq, k):
+                k -= 1
+            if k:
+                num_blocks = len(seq.block_table)
+                bm.append_slot(seq, k)
+                self._update_table(out, seq, num_blocks)
+                out.num_draft_tokens[seq.request_id] = k
+                out.scheduled[i] = (seq, 1 + k)
+
         for seq, n in out.scheduled:
             seq.num_computed_tokens += n
         for seq in bm.kda_checkpoint_boundaries([seq for seq, _ in out.scheduled]):
@@ -237,15 +270,17 @@ class Scheduler:
     def postprocess(self, seq_ids: list[str], new_token_ids: list[list[int]]) -> list[Sequence]:
         """Append each sequence's new tokens: one sampled token, or a speculating sequence's
         emitted run (its ``a`` accepted drafts and one more: ``num_computed_tokens`` rolls back
-        to the ``a`` drafts kept). Tokens are appended in order and a sequence finishes (and is
-        freed) at the first eos or at max_tokens; the rest of its run is dropped.
+        to the ``a`` drafts kept, and blocks past the tokens it holds now go back to the pool).
+        Tokens are appended in order and a sequence finishes (and is freed) at the first eos or
+        at max_tokens; the rest of its run is dropped. Then the step's hash blocks are registered:
+        they cover computed tokens, every one appended by then.
 
         Returns the sequences that finished. Ids of requests aborted since the step are ignored.
         """
         if len(seq_ids) != len(new_token_ids):
             raise ValueError(f"{len(seq_ids)} sequence ids but {len(new_token_ids)} token lists")
         seqs, requests, running = [], self.requests, SequenceStatus.RUNNING
-        for rid, token_ids in zip(seq_ids, new_token_ids):  # before registration: hashes cover kept tokens only
+        for rid, token_ids in zip(seq_ids, new_token_ids):  # check every run before changing anything
             seq = requests.get(rid)
             if seq is None or seq.status is not running:
                 continue
@@ -253,16 +288,15 @@ class Scheduler:
             if not 1 <= len(token_ids) <= num_drafts + 1:
                 raise ValueError(f"request {seq.request_id!r}: {len(token_ids)} new tokens, but "
                                  f"{num_drafts} drafts allow 1 to {num_drafts + 1}")
-            num_tokens = len(seq.token_ids)
-            if seq.num_computed_tokens - num_drafts != num_tokens:
+            if seq.num_computed_tokens - num_drafts != len(seq.token_ids):
                 raise ValueError(f"request {seq.request_id!r} was not due to sample this step")
-            seq.num_computed_tokens = num_tokens + len(token_ids) - 1  # the kept drafts
+            seqs.append((seq, token_ids))
+        bm, finished = self.block_manager, []
+        for seq, token_ids in seqs:
+            num_drafts = len(seq.draft_token_ids)
+            seq.num_computed_tokens = len(seq.token_ids) + len(token_ids) - 1  # the kept drafts
             if num_drafts:
                 seq.draft_token_ids = []
-            seqs.append((seq, token_ids))
-        self._register_computed()
-        finished = []
-        for seq, token_ids in seqs:
             eos, limit = seq.eos_token_ids, seq.num_prompt_tokens + seq.max_tokens
             for token_id in token_ids:
                 seq.append_token(token_id)
@@ -273,12 +307,15 @@ class Scheduler:
                 else:
                     continue
                 break
-            if seq.finish_reason is None:
-                continue
-            rid = seq.request_id
-            self.block_manager.free(seq)
+            if seq.finish_reason is not None:  # its run's tokens after the end are not computed
+                seq.num_computed_tokens = min(seq.num_computed_tokens, len(seq.token_ids))
+                finished.append(seq)
+            elif num_drafts:  # the rejected drafts' lookahead blocks
+                bm.trim(seq)
+        self._register_computed()
+        for seq in finished:
+            bm.free(seq)
             self.running.remove(seq)
-            del self.requests[rid]
+            del self.requests[seq.request_id]
             seq.status = SequenceStatus.FINISHED
-            finished.append(seq)
         return finished

@@ -130,6 +130,8 @@ class Sequence:
         the prompt (every prefill chunk but a preempted sequence's recompute)."""
         if end <= self.num_prompt_tokens:
             return self.prompt_array[start:end]
+        if end > len(self.token_ids):  # a slice would silently come back short
+            raise IndexError(f"request {self.request_id!r}: tokens [{start}, {end}) of {len(self.token_ids)}")
         return array("q", self.token_ids[start:end])
 
     def ids_bytes(self, start: int, end: int) -> bytes:

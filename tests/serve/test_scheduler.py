@@ -8,6 +8,7 @@ the model runner does, and checks them against the block manager's.
 """
 
 import random
+from array import array
 from collections import Counter
 
 from hypothesis import given, settings, strategies as st
@@ -309,6 +310,10 @@ def test_speculative_decode_budget_blocks_and_rollback():
     sched.postprocess(["a"], [[5, 9]])  # one draft accepted, then the correction
     assert seq.token_ids[14:] == [1, 5, 9] and seq.num_computed_tokens == 16
     assert seq.num_registered_hash_blocks == 4  # 16 // 4: only computed, accepted tokens
+    # the last of them holds the accepted draft: registered with its ids, not a short slice
+    bm = sched.block_manager
+    assert [bm.hash_to_block[h].token_bytes for h in seq.block_hashes[:4]] == \
+        [array("q", seq.token_ids[i:i + 4]).tobytes() for i in range(0, 16, 4)]
     out = sched.step()  # 3 generated, max_tokens 6: at most 3 more, so k = 2
     assert out.num_draft_tokens == {"a": 2}
     seq.draft_token_ids = [3, 4]
@@ -316,20 +321,71 @@ def test_speculative_decode_budget_blocks_and_rollback():
     assert seq.is_finished and seq.finish_reason == "length" and seq.output_token_ids == [1, 5, 9, 3, 4, 8]
 
 
-def test_speculation_stops_before_a_checkpoint_boundary_and_within_the_budget():
-    sched = make(budget=3, num_speculative_tokens=3, kda_checkpoint_interval=16)
+def test_speculation_stops_before_a_checkpoint_boundary():
+    sched = make(budget=16, num_speculative_tokens=3, kda_checkpoint_interval=16)
     seq = Sequence("a", list(range(1, 12)), max_tokens=20)
     sched.add_request(seq)
     while seq.num_computed_tokens < 11:
         sched.step()
     sched.postprocess(["a"], [[1]])  # 12 tokens, 11 computed
     out = sched.step()
-    assert out.num_draft_tokens == {"a": 2}  # the budget of 3 tokens
-    seq.draft_token_ids = [2, 3]
-    sched.postprocess(["a"], [[2, 3, 4]])  # 15 tokens, 14 computed; the boundary is at 16
+    assert out.num_draft_tokens == {"a": 3}  # positions 11 .. 14, short of the boundary at 16
+    seq.draft_token_ids = [2, 3, 9]
+    sched.postprocess(["a"], [[2, 3, 4]])  # 15 tokens, 14 computed
     for computed in (15, 16):  # a segment would reach the boundary at 16: plain decodes up to it
         out = sched.step()
         assert not out.num_draft_tokens and out.scheduled == [(seq, 1)] and seq.num_computed_tokens == computed
         assert bool(out.kda_saves) == (computed == 16)
         sched.postprocess(["a"], [[5]])
-    assert sched.step().num_draft_tokens == {"a": 2}  # past it: speculating again
+    assert sched.step().num_draft_tokens == {"a": 3}  # past it: speculating again
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):  # 4 decodes of 1 + 3 tokens do not fit
+        make(budget=15, num_speculative_tokens=3)
+
+
+def _run_drafting(requests, num_blocks: int, budget: int, K: int, accept: bool) -> list[tuple]:
+    """Serve ``requests`` ((prompt length, max_tokens)) through the scheduler alone, every draft
+    accepted or every one rejected; per step (the tokens each sequence computes less its
+    drafts, the preempted ids), with the invariants checked."""
+    sched = make(num_blocks=num_blocks, budget=budget, max_num_seqs=4, num_speculative_tokens=K,
+                 physical_block_size=8, enable_prefix_caching=False)
+    for i, (prompt, max_tokens) in enumerate(requests):
+        sched.add_request(Sequence(f"r{i}", [3 + i] * prompt, max_tokens=max_tokens))
+    trace = []
+    while sched.has_unfinished():
+        out = sched.step()
+        trace.append((sorted((s.request_id, n - out.num_draft_tokens.get(s.request_id, 0)) for s, n in out.scheduled),
+                      out.preempted_ids))
+        ids, runs = [], []
+        for seq, _ in out.scheduled:
+            k = out.num_draft_tokens.get(seq.request_id, 0)
+            if seq.num_computed_tokens - k == seq.num_tokens:  # due to sample
+                seq.draft_token_ids = [7] * k
+                ids.append(seq.request_id)
+                runs.append([7] * (k + 1 if accept else 1))
+        sched.postprocess(ids, runs)
+        check_invariants(sched, out)
+    assert_drained(sched)
+    return trace
+
+
+def test_drafts_take_no_block_a_sequence_needs():
+    """The drafts' blocks are taken last, from those no decode, prefill or admission needs this
+    step, and the rejected drafts' blocks go back: with every draft rejected the schedule is
+    plain decoding's exactly, where taking a lookahead block first preempted the second request
+    (three blocks of 8 tokens). With every draft accepted a sequence that grows faster may need
+    its blocks before another finishes: that preemption is a real sequence's, not a draft's."""
+    requests = [(1, 10), (7, 6)]
+    plain = _run_drafting(requests, num_blocks=3, budget=64, K=0, accept=False)
+    assert not any(preempted for _, preempted in plain)
+    assert _run_drafting(requests, num_blocks=3, budget=64, K=7, accept=False) == plain
+
+
+@pytest.mark.parametrize("accept", [False, True])
+def test_drafts_hold_no_request_back(accept):
+    """Every running decode gets its own token before any draft, and the budget is at least
+    ``max_num_seqs * (1 + K)``, so prompts always get some: every request starts before any
+    finishes (drafts taken first held two of these back until the first two finished)."""
+    trace = _run_drafting([(20, 40)] * 4, num_blocks=32, budget=32, K=7, accept=accept)
+    started = {rid: i for i, (step, _) in reversed(list(enumerate(trace))) for rid, _ in step}
+    first_finish = next(i for i, (step, _) in enumerate(trace) if len(step) < 4 and i > max(started.values()))
+    assert max(started.values()) <= 3 < first_finish
