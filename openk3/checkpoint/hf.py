@@ -203,6 +203,8 @@ def load_pretrained(path: str | os.PathLike, dtype: torch.dtype | None = None,
     model.to_empty(device=device or "cpu")
     model.to(dtype)
     _keep_fp32(model)
+    if cfg.tie_word_embeddings:  # to_empty gave the head a parameter of its own: tie it again
+        model.lm_head.weight = model.model.embed_tokens.weight
     state = dict(model.named_parameters())
     state.update(model.named_buffers())
     if cfg.tie_word_embeddings:

@@ -13,6 +13,7 @@ See docs/training.md for the formula in one place.
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -64,13 +65,22 @@ class MetricsLog:
             fh.write(json.dumps({"time": time.time(), **row}) + "\n")
 
     def truncate_after(self, step: int) -> None:
-        """Drop rows of steps after ``step`` (written before a crash, redone after a resume)."""
+        """Drop rows of steps after ``step`` (written before a crash, redone after a resume;
+        every row for a run that starts afresh, ``step`` 0) and a line a crash cut short."""
         if self.path.exists():
             keep = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and json.loads(line)["step"] <= step]
+                    if line.strip() and _step_of(line) <= step]
             tmp = self.path.with_name(self.path.name + ".tmp")
             tmp.write_text("".join(line + "\n" for line in keep))
             tmp.replace(self.path)
+
+
+def _step_of(line: str) -> float:
+    """The step of a metrics row; infinity for a line that is no row (a write cut short)."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return math.inf
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:

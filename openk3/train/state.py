@@ -128,11 +128,24 @@ def save_checkpoint(run_dir: Path, step: int, state: dict, trainer_state: dict,
                 {"step": step, "world_size": world, **trainer_state}, indent=1))
     if rank == 0:
         _atomic_write_text(root / LATEST, name)
-        kept = sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_"))
-        for old in kept[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
+        _prune(root, step, keep_last)
     barrier()
     return root / name
+
+
+def _prune(root: Path, step: int, keep_last: int) -> None:
+    """Keep checkpoint ``step`` (just written, LATEST) and the ``keep_last - 1`` before it, by
+    step number (``step_1000000`` sorts before ``step_999999`` by name); remove the rest, and any
+    of a later step: a run killed between a checkpoint's rename and LATEST left it, and this run,
+    resumed from an earlier one, has gone another way since."""
+    steps = {}
+    for p in root.iterdir():
+        number = p.name.removeprefix("step_")
+        if p.is_dir() and p.name.startswith("step_") and number.isdigit():
+            steps[int(number)] = p
+    earlier = sorted(n for n in steps if n < step)
+    for n in earlier[:max(len(earlier) - (keep_last - 1), 0)] + [n for n in steps if n > step]:
+        shutil.rmtree(steps[n], ignore_errors=True)
 
 
 def remove_partial_saves(run_dir: Path) -> None:

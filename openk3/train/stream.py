@@ -22,13 +22,19 @@ import numpy as np
 import torch
 
 
+def num_tokens(bin_path: str | Path, dtype) -> int:
+    """Tokens in the array at ``bin_path`` (0 when there is no such file)."""
+    bin_path = Path(bin_path)
+    return bin_path.stat().st_size // np.dtype(dtype).itemsize if bin_path.is_file() else 0
+
+
 def _open_tokens(bin_path: str | Path, dtype, seq_len: int) -> np.ndarray:
     """The token array at ``bin_path``, checked to hold at least one window of seq_len + 1."""
     bin_path = Path(bin_path)
     dtype = np.dtype(dtype)
     if not bin_path.is_file():
         raise ValueError(f"{bin_path}: token file not found")
-    n = bin_path.stat().st_size // dtype.itemsize
+    n = num_tokens(bin_path, dtype)
     if n < seq_len + 1:
         raise ValueError(f"{bin_path}: {n} tokens, but a window of seq_len={seq_len} needs "
                          f"{seq_len + 1}; use more data or a shorter seq_len")

@@ -32,7 +32,7 @@ from openk3.train.config import RUN_CONFIG_FILE, RunConfig
 from openk3.train import state as ckpt
 from openk3.train.balance import Balancer
 from openk3.train.data import BOS_TOKEN, PAD_TOKEN, prepare_data
-from openk3.train.stream import TokenStream, val_batches
+from openk3.train.stream import TokenStream, num_tokens, val_batches
 from openk3.train.metrics import MetricsLog, Progress, flops_per_token, peak_flops
 from openk3.train.optim import LRSchedule, Muon, build_optimizers, set_lr
 
@@ -297,6 +297,10 @@ def train(cfg: RunConfig) -> dict:
     if data.vocab_size > model_cfg.vocab_size:
         raise ValueError(f"tokenizer has {data.vocab_size} tokens but the model's vocab_size is "
                          f"{model_cfg.vocab_size}; set --vocab-size {data.vocab_size}")
+    val_tokens = num_tokens(data.val_path, data.dtype)
+    if val_tokens <= cfg.seq_len:  # the held-out split is the first document (docs/training.md)
+        _log(env, f"the validation split ({data.val_path}) has {val_tokens} tokens, less than one window of "
+                  f"--seq-len {cfg.seq_len} + 1: no validation loss is reported")
 
     training = build_training(cfg, env, model_cfg)
     model, parallel, optimizers, balancer = (training.model, training.parallel, training.optimizers,
@@ -336,23 +340,43 @@ def train(cfg: RunConfig) -> dict:
 
     peak = peak_flops(env.device, env.dtype) * env.world_size
     metrics = MetricsLog(run_dir / "metrics.jsonl", enabled=env.is_main)
-    if start and env.is_main:  # rows logged after the checkpoint we resume from are redone
+    if env.is_main:  # rows logged after the checkpoint we resume from (all, starting afresh) are redone
         metrics.truncate_after(start)
     probe = _ActivationProbe(model)
     step_fn = step_function(training, cfg, probe)
     last_saved = start
     summary: dict = {"start_step": start}
 
-    def save(step: int) -> None:
+    def check_update(step: int, grad_norm: torch.Tensor) -> float:
+        """The gradient norm of ``step`` on the host; a non-finite one put NaN or inf into the
+        weights (the loss alone cannot tell), which must never be saved."""
+        value = float(grad_norm)
+        if not math.isfinite(value):
+            raise TrainingDiverged(
+                f"non-finite gradient norm {value} at step {step} (loss finite); stopping before its "
+                f"weights are saved. The last good checkpoint is step {last_saved} in "
+                f"{run_dir / ckpt.CKPT_DIR} (resume with --resume, perhaps with a lower --lr or --clip-grad)")
+        return value
+
+    def save(step: int, grad_norm: torch.Tensor) -> None:
         nonlocal last_saved
+        check_update(step, grad_norm)
         ckpt.save_checkpoint(run_dir, step, parallel.state_dict(optimizers),
                              {"data": stream.state_dict(), "lr_schedule": schedule.to_dict()}, cfg.keep_last)
         last_saved = step
+
+    def stopping() -> bool:
+        """Ctrl-C on any rank, agreed by all (each rank saves the same step, then stops)."""
+        if env.world_size == 1:
+            return flag.stop
+        return mean_over_ranks(torch.tensor(float(flag.stop), device=env.device)).item() > 0
 
     with StopFlag() as flag, Progress(cfg.max_steps, start, enabled=env.is_main) as bar:
         t_last, step, tokens_last = time.perf_counter(), start, 0
         tokens_total = sum(tokens_per_step(s) for s in range(1, start + 1))
         losses: list[float] = []
+        last_norm = None  # the last step's gradient norm, checked at this step's host read
+        stopped = False
         for step in range(start + 1, cfg.max_steps + 1):
             stream.seq_len = cfg.seq_len_at(step)
             mult = schedule(step - 1)
@@ -363,6 +387,9 @@ def train(cfg: RunConfig) -> dict:
                 loss_f, grad_norm, mtp_f = step_fn(stream.next_batch() for _ in range(cfg.grad_accum))
             except torch.cuda.OutOfMemoryError as e:
                 raise RuntimeError(_oom_message(cfg)) from e
+            if last_norm is not None:  # ready by now (the loss's read waited for this step's work),
+                check_update(step - 1, last_norm)  # and a cause of a non-finite loss below
+            last_norm = grad_norm.detach().clone()  # a graphed step overwrites its output next time
             if not _finite(loss_f, mtp_f):
                 mtp_note = "" if mtp_f is None else f" (MTP loss {mtp_f})"
                 raise TrainingDiverged(
@@ -379,7 +406,7 @@ def train(cfg: RunConfig) -> dict:
                 tok_s = tokens_last / max(now - t_last, 1e-9)
                 t_last, tokens_last = now, 0
                 row = {"step": step, "loss": loss_f, "lr": cfg.lr * mult,
-                       "grad_norm": float(grad_norm),
+                       "grad_norm": check_update(step, grad_norm),
                        **({"mtp_loss": mtp_f} if mtp_f is not None else {}),
                        "tokens_per_s": tok_s, "seq_len": cfg.seq_len_at(step),
                        "tokens": tokens_total,
@@ -387,15 +414,16 @@ def train(cfg: RunConfig) -> dict:
                        "max_abs_activation": probe.read()}
                 if env.device.type == "cuda":
                     row["mfu"] = tok_s * flops_per_token(model_cfg, cfg.seq_len_at(step)) / peak
-                if step % cfg.eval_interval == 0 or step == cfg.max_steps:
+                if val_tokens > cfg.seq_len and (step % cfg.eval_interval == 0 or step == cfg.max_steps):
                     row["val_loss"] = evaluate(model, data, cfg, env, parallel)
                 metrics.write(row)
                 bar.log_line(row)
             if step % cfg.ckpt_interval == 0 or step == cfg.max_steps:
-                save(step)
-            if flag.stop:
+                save(step, grad_norm)
+            if stopping():
+                stopped = True
                 if last_saved != step:
-                    save(step)
+                    save(step, grad_norm)
                 _log(env, f"saved step {step}; resume with --resume")
                 break
     summary.update(end_step=step, first_loss=losses[0] if losses else None,
@@ -406,7 +434,7 @@ def train(cfg: RunConfig) -> dict:
     if plain is not None:
         set_qat(plain, cfg.qat)  # a gathered copy is a fresh model
         export(run_dir, plain, data, experts="mxfp4" if cfg.qat == "mxfp4" else "bf16")
-        if not flag.stop and cfg.num_samples:
+        if not stopped and cfg.num_samples:
             summary["samples"] = print_samples(plain, data, cfg, env)
     barrier()
     return summary

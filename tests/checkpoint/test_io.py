@@ -55,6 +55,19 @@ def test_k3_roundtrip_exact_and_names(tmp_path, k3_model):
         assert torch.equal(loaded(ids).logits, k3_model(ids).logits)
 
 
+def test_tied_embeddings_roundtrip(tmp_path):
+    """A model whose head is its embedding (``tie_word_embeddings``) loads with the two tied and
+    filled: loading builds on the meta device, and ``to_empty`` gave the head a tensor of its own
+    that nothing filled (the loaded model's logits were garbage)."""
+    model = build_model(preset("debug").replace(tie_word_embeddings=True), seed=2).eval()
+    openk3.save_pretrained(model, tmp_path / "ck")
+    loaded = openk3.load_pretrained(tmp_path / "ck")
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    ids = torch.randint(0, 4096, (1, 12))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
+
+
 def test_mxfp4_experts_roundtrip(tmp_path, k3_model):
     openk3.save_pretrained(k3_model, tmp_path / "mx", experts="mxfp4")
     cfg_json = json.loads((tmp_path / "mx" / "config.json").read_text())

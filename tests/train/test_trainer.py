@@ -127,6 +127,60 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(corpus, tmp_path, monkeyp
     assert not (out / "checkpoints" / "step_000005").exists()
 
 
+def test_nan_gradient_with_a_finite_loss_is_never_saved(corpus, tmp_path, monkeypatch):
+    """A finite loss whose gradient is not (the update then wrote NaN into the weights) stops
+    the run before those weights are saved: the last good checkpoint stays LATEST, and clean."""
+    out = tmp_path / "run"
+    from openk3.parallel import parallelize as par
+
+    real = par.Parallel.clip_grads_
+    calls = {"n": 0}
+
+    def poisoned(self, *a, **k):
+        calls["n"] += 1
+        if calls["n"] == 5:  # step 5: a NaN gradient, as an overflow in the backward gives
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.fill_(float("nan"))
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(par.Parallel, "clip_grads_", poisoned)
+    with pytest.raises(TrainingDiverged, match=r"gradient norm nan at step 5.*step 3"):
+        train(tiny(corpus, out, eval_interval=100, log_interval=100, ckpt_interval=3, max_steps=9))
+    assert (out / "checkpoints" / "LATEST").read_text() == "step_000003"
+    assert not (out / "checkpoints" / "step_000006").exists()
+
+
+def test_pruning_by_step_number_and_of_a_stale_later_checkpoint(corpus, tmp_path):
+    """Old checkpoints are pruned by step number, never the one just written: a killed run
+    left ``step_000009`` newer than the checkpoint it was resumed from, and with
+    ``--keep-last 1`` pruning by name removed every new save instead."""
+    out = tmp_path / "run"
+    train(tiny(corpus, out, max_steps=9, ckpt_interval=3, keep_last=3))
+    crash_after(out, 3)
+    stale = out / "checkpoints" / "step_000009"
+    shutil.copytree(out / "checkpoints" / "step_000003", stale)  # killed before LATEST moved on
+    train(tiny(corpus, out, max_steps=5, ckpt_interval=1, keep_last=1, resume=True))
+    assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.is_dir()) == ["step_000005"]
+    assert (out / "checkpoints" / "LATEST").read_text() == "step_000005"
+
+
+def test_fresh_start_and_short_validation_split(corpus, tmp_path):
+    """A run that starts afresh in a directory without a checkpoint (one crashed before its first
+    save) keeps none of the old metrics rows; a first document shorter than a window is no
+    validation split: the run finishes without a validation loss instead of failing at its end."""
+    out = tmp_path / "run"
+    data = tmp_path / "data.jsonl"
+    words = (corpus / "doc1.txt").read_text().split()
+    data.write_text("\n".join(json.dumps({"text": t}) for t in
+                               ["a short first document"] + [" ".join(words[i:i + 200]) for i in range(0, 400, 50)]))
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 1, "loss": 9.0}\n{"step": 2, "loss": 8.0}\n{"step": 3, "lo')
+    train(tiny(corpus, out, data=[str(data)], max_steps=4, eval_interval=2, log_interval=1))
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and not any("val_loss" in r for r in rows)
+
+
 @pytest.mark.parametrize("field,value", [("batch_size", 0), ("balance", "magic"), ("lr", -1.0),
                                          ("schedule", "linear")])
 def test_invalid_run_config_names_field(field, value):
