@@ -200,8 +200,14 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_train_draft(args: argparse.Namespace) -> int:
     from openk3.train.draft import DraftRunConfig, train_draft
 
+    from openk3.train.trainer import TrainingDiverged
+
     cfg = DraftRunConfig(**_config_flags_given(args, DraftRunConfig))
-    summary = train_draft(cfg)
+    try:
+        summary = train_draft(cfg)
+    except TrainingDiverged as e:
+        print(f"openk3 train-draft: {e}", file=sys.stderr)
+        return 1
     first, last = summary["alphas"][0], summary["alphas"][-1]
     print(f"openk3 train-draft: {len(summary['alphas'])} steps, acceptance per depth "
           f"{' '.join(f'{a:.3f}' for a in first)} -> {' '.join(f'{a:.3f}' for a in last)}; "

@@ -43,16 +43,20 @@ _HF_SCALAR_FIELDS = (
 )
 
 # K3-only fields: our name -> the name in the official ``text_config``.
+_SITU_FIELDS = {"situ_beta1": "activation_situ_beta", "situ_beta2": "activation_situ_linear_beta"}
 _K3_FIELDS = {
     "moe_latent_size": "routed_expert_hidden_size",
     "attn_res_block_size": "attn_res_block_size",
-    "situ_beta1": "activation_situ_beta",
-    "situ_beta2": "activation_situ_linear_beta",
+    **_SITU_FIELDS,
 }
+# Fields the release leaves at a value of its own: written (openk3's key) only when they differ
+MLA_NORM_EPS = "mla_norm_eps"
+# Scalar fields an explicit JSON null sets to None (absent: the default)
+_NULLABLE = {"q_lora_rank", "bos_token_id", "pad_token_id"}
 
 # Keys that describe what openk3 models (read here, or derived and written by ``to_hf``): never
 # passed through, so a stale copy can never contradict the model.
-_TEXT_KEYS = set(_HF_SCALAR_FIELDS) | set(_HF_ALIASES) | set(_K3_FIELDS.values()) | {
+_TEXT_KEYS = set(_HF_SCALAR_FIELDS) | set(_HF_ALIASES) | set(_K3_FIELDS.values()) | {MLA_NORM_EPS} | {
     "model_type", "architectures", "linear_attn_config", "layer_types", "mlp_layer_types",
     "first_k_dense_replace", "moe_layer_freq", "linear_num_heads", "linear_head_dim",
     "linear_conv_kernel_dim", "mla_use_output_gate", "latent_moe_use_norm", "mla_use_nope",
@@ -201,11 +205,13 @@ def from_hf(path_or_dict: str | os.PathLike | dict) -> ModelConfig:
     for alias, ours in _HF_ALIASES.items():
         if alias in text and ours not in text:
             text[ours] = text[alias]
-    for name in _HF_SCALAR_FIELDS:
-        if name in text and (text[name] is not None or name == "q_lora_rank"):
+    for name in _HF_SCALAR_FIELDS:  # an explicit null is None where the field allows it
+        if name in text and (text[name] is not None or name in _NULLABLE):
             kw[name] = text[name]
+    if MLA_NORM_EPS in text:
+        kw["mla_norm_eps"] = text[MLA_NORM_EPS]
     for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        if name in kw:
+        if kw.get(name) is not None:
             kw[name] = _first_int(kw[name])
     if text.get("hidden_act") in ("silu", "swiglu"):
         kw["hidden_act"] = "silu"
@@ -223,6 +229,9 @@ def from_hf(path_or_dict: str | os.PathLike | dict) -> ModelConfig:
     kw["linear_conv_kernel_size"] = lac.get("short_conv_kernel_size",
                                             text.get("linear_conv_kernel_dim", 4))
 
+    for ours, theirs in _SITU_FIELDS.items():  # kimi_linear's too, when it runs SiTU (openk3's)
+        if theirs in text:
+            kw[ours] = text[theirs]
     if arch == "kimi_k3":
         for ours, theirs in _K3_FIELDS.items():
             if theirs in text:
@@ -304,13 +313,16 @@ def to_hf(cfg: ModelConfig, quantization_config: dict | None = None,
                 mla_use_nope=True, moe_router_activation_func="sigmoid", use_grouped_topk=True)
     if quantization_config is not None:  # the K3 release keeps it inside text_config
         text["quantization_config"] = quantization_config
+    if cfg.mla_norm_eps != ModelConfig.mla_norm_eps:
+        text[MLA_NORM_EPS] = cfg.mla_norm_eps
     if cfg.arch == "kimi_linear":
         text["architectures"] = ["KimiLinearForCausalLM"]
+        if cfg.hidden_act == "situ":
+            text.update({theirs: getattr(cfg, ours) for ours, theirs in _SITU_FIELDS.items()})
         return _with_passthrough(text, cfg.hf_passthrough)
     for ours, theirs in _K3_FIELDS.items():
         text[theirs] = getattr(cfg, ours)
-    text.update(hidden_act="situ", mla_use_output_gate=True, latent_moe_use_norm=True,
-                topk_method="noaux_tc")
+    text.update(mla_use_output_gate=True, latent_moe_use_norm=True, topk_method="noaux_tc")
     text["linear_attn_config"].update(gate_lower_bound=cfg.kda_gate_lower_bound,
                                       use_full_rank_gate=True)
     top = {

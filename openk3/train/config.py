@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -101,14 +102,16 @@ class RunConfig(_DictIO):
             raise bad("warmup_steps", f"must be below max_steps={self.max_steps}")
         if self.vocab_size is not None and self.vocab_size < 260:
             raise bad("vocab_size", "must be at least 260 (256 bytes + special tokens)")
-        if not self.lr > 0:
-            raise bad("lr", "must be positive")
+        if not 0 < self.lr < math.inf:
+            raise bad("lr", "must be positive and finite")
         if self.mtp_layers not in (0, 1):
             raise bad("mtp_layers", "must be 0 or 1 (the model's num_nextn_predict_layers: "
                       "openk3 builds at most one multi-token-prediction layer)")
-        for name in ("weight_decay", "clip_grad", "mtp_loss_weight"):
-            if getattr(self, name) < 0:
-                raise bad(name, "must be >= 0")
+        for name in ("weight_decay", "clip_grad", "mtp_loss_weight", "aux_loss_coef"):
+            if not 0 <= getattr(self, name) < math.inf:  # NaN fails too
+                raise bad(name, "must be >= 0 and finite")
+        if not 0 <= self.sample_temperature <= 100:  # checked here, not after the run by the sampler
+            raise bad("sample_temperature", "must be in [0, 100]")
         if not 0 <= self.min_lr_ratio <= 1:
             raise bad("min_lr_ratio", "must be in [0, 1]")
         choices = {"optimizer": ("muon", "adamw"), "schedule": ("cosine", "wsd"),

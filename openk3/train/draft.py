@@ -34,7 +34,7 @@ from openk3.train.data import prepare_data
 from openk3.train.draft_loss import acceptance_rate, kl_loss, lk_alpha_loss, lk_lambda_loss
 from openk3.train.optim import lr_multiplier
 from openk3.train.stream import TokenStream
-from openk3.train.trainer import StopFlag
+from openk3.train.trainer import StopFlag, TrainingDiverged
 
 DRAFT_METRICS_FILE = "metrics.jsonl"
 
@@ -200,9 +200,12 @@ def train_draft(cfg: DraftRunConfig) -> dict:
                                                             loss_fn, cfg.ttt_decay)
             loss_f = loss.item()
             if not math.isfinite(loss_f):
-                raise RuntimeError(f"non-finite draft loss {loss_f} at step {step}; lower --lr")
+                raise TrainingDiverged(f"non-finite draft loss {loss_f} at step {step}; lower --lr")
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(draft.parameters(), cfg.clip_grad if cfg.clip_grad > 0 else 1e30)
+            if not math.isfinite(float(grad_norm)):  # the update would put it into the weights
+                raise TrainingDiverged(f"non-finite gradient norm {float(grad_norm)} at step {step} "
+                                       "(loss finite); stopping before the update; lower --lr")
             opt.step()
             opt.zero_grad(set_to_none=True)
             per_step = [l.item() for l in step_losses]

@@ -84,6 +84,19 @@ def test_hf_roundtrip(name, tmp_path):
     assert from_hf(tmp_path) == cfg
 
 
+@pytest.mark.parametrize("name,changes", [
+    ("debug", {"mla_norm_eps": 1e-2}),  # not in the release's keys: openk3's own, when not the default
+    ("debug", {"hidden_act": "silu"}),  # was written as "situ" for every kimi_k3 model
+    ("debug", {"bos_token_id": None, "pad_token_id": None}),  # were read back as the release's ids
+    ("kimi-linear-48b", {"hidden_act": "situ", "situ_beta1": 6.0, "situ_beta2": 30.0}),
+    ("kimi-linear-48b", {"mla_norm_eps": 1e-5, "pad_token_id": None}),
+])
+def test_hf_roundtrip_of_changed_fields(name, changes, tmp_path):
+    cfg = preset(name).replace(**changes)
+    (tmp_path / "config.json").write_text(json.dumps(to_hf(cfg)))
+    assert from_hf(tmp_path) == cfg
+
+
 def test_transformers_layer_types_spelling():
     d = {"model_type": "kimi_linear", "num_hidden_layers": 4, "hidden_size": 64, "vocab_size": 100,
          "layer_types": ["linear_attention", "full_attention", "linear_attention", "full_attention"],

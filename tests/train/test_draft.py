@@ -10,6 +10,7 @@ import signal
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from openk3.checkpoint.draft import load_draft
 from openk3.cli import main
@@ -19,7 +20,7 @@ from openk3.train import draft as draft_mod
 from openk3.train.config import run_preset
 from openk3.train.draft import DraftRunConfig, build_draft, draft_loss, train_draft, ttt_losses
 from openk3.train.draft_loss import acceptance_rate, kl_loss, lk_alpha_loss
-from openk3.train.trainer import train
+from openk3.train.trainer import TrainingDiverged, train
 from tests.train.test_trainer import TINY_MODEL
 
 STEPS = 20  # draft-training steps of the acceptance test
@@ -164,6 +165,29 @@ def test_ctrl_c_saves_the_draft_of_the_step_and_stops(target_run, tmp_path, monk
     assert "openk3 train-draft: interrupted" in capsys.readouterr().err
     assert json.loads((out / "config.json").read_text())["train_steps"] == 3
     assert signal.getsignal(signal.SIGINT) == before  # the handler is restored
+
+
+def test_non_finite_gradient_stops_before_the_update(target_run, tmp_path, monkeypatch):
+    """A finite loss with a NaN gradient stops the run before the optimiser writes it into the
+    weights (the draft saved at step 2 stays as it was); the CLI says so in one line, exit 1."""
+    real = torch.nn.utils.clip_grad_norm_
+    calls = []
+
+    def poisoned(params, *a, **k):
+        params = list(params)
+        calls.append(1)
+        if len(calls) == 3:
+            for p in params:
+                p.grad.fill_(float("nan"))
+        return real(params, *a, **k)
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", poisoned)
+    out = tmp_path / "draft"
+    with pytest.raises(TrainingDiverged, match="gradient norm nan at step 3"):
+        train_draft(_cfg(target_run, out, steps=5, save_interval=2))
+    assert json.loads((out / "config.json").read_text())["train_steps"] == 2
+    saved = load_file(str(next(out.glob("*.safetensors"))))
+    assert all(t.isfinite().all() for t in saved.values())
 
 
 def test_init_mtp_needs_an_mtp_layer(target_run, tmp_path):

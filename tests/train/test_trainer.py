@@ -182,7 +182,9 @@ def test_fresh_start_and_short_validation_split(corpus, tmp_path):
 
 
 @pytest.mark.parametrize("field,value", [("batch_size", 0), ("balance", "magic"), ("lr", -1.0),
-                                         ("schedule", "linear")])
+                                         ("schedule", "linear"), ("lr", float("inf")),
+                                         ("weight_decay", float("nan")), ("aux_loss_coef", float("nan")),
+                                         ("clip_grad", float("nan")), ("sample_temperature", -1.0)])
 def test_invalid_run_config_names_field(field, value):
     with pytest.raises(ValueError, match=f"RunConfig.{field}"):
         run_preset("debug", **{field: value})
