@@ -322,6 +322,13 @@ def train(cfg: RunConfig) -> dict:
         trainer_state = ckpt.load_checkpoint(prev, state)
         parallel.load_state_dict(state, optimizers)
         stream.seq_len = cfg.seq_len_at(trainer_state["step"])  # the length it was saved at
+        saved, mine = trainer_state["data"].get("global_batch_size"), stream.world_size * stream.batch_size
+        if saved is not None and saved != mine:
+            per_rank = f"--batch-size {saved // stream.world_size}" if saved % stream.world_size == 0 else \
+                f"a number of processes that divides {saved}"
+            raise ValueError(f"--batch-size {cfg.batch_size} on {stream.world_size} process(es) is a global batch of "
+                             f"{mine} sequences, but {prev} was saved with {saved}: the data stream continues "
+                             f"exactly only with the same global batch ({per_rank})")
         stream.load_state_dict(trainer_state["data"])
         start = trainer_state["step"]
         if "lr_schedule" in trainer_state:  # a changed --max-steps continues, never jumps up
