@@ -10,6 +10,7 @@ held-out images, against chance). One process; no resume: the demo takes minutes
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -17,7 +18,7 @@ from pathlib import Path
 from openk3.train.config import RUN_CONFIG_FILE, RunConfig
 from openk3.train.metrics import MetricsLog
 from openk3.train.optim import LRSchedule, set_lr
-from openk3.train.trainer import build_training, setup_env, train_step
+from openk3.train.trainer import TrainingDiverged, build_training, setup_env, train_step
 from openk3.vision import synthetic
 
 TRAIN_SEED_BASE = 1_000  # step s of a run with seed r renders its examples from seed
@@ -71,6 +72,10 @@ def train_vl(cfg: RunConfig) -> dict:
     for step in range(1, cfg.max_steps + 1):
         set_lr(t.optimizers, schedule(step - 1))
         loss, grad_norm, _ = train_step(t, batches(step), cfg)
+        if not (math.isfinite(loss) and math.isfinite(float(grad_norm))):  # nothing is exported then
+            raise TrainingDiverged(f"non-finite loss {loss} or gradient norm {float(grad_norm)} at step "
+                                   f"{step}; stopping (this run keeps no checkpoint: start again, perhaps "
+                                   "with a lower --lr)")
         losses.append(loss)
         if step % cfg.log_interval == 0 or step == cfg.max_steps:
             now = time.perf_counter()

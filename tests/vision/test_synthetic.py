@@ -1,5 +1,6 @@
 """The debug-vl corpus: sequences, labels, tokenizer, evaluation (the training run is the demo)."""
 
+import pytest
 import torch
 
 from openk3.config import preset
@@ -52,3 +53,17 @@ def test_generate_with_an_image(tmp_path, capsys):
     assert main(["generate", "--random-init", "--preset", "debug", "--image", str(img),
                  "--prompt", "x", "--max-new-tokens", "1"]) == 2
     assert "--image needs a model with a vision tower" in capsys.readouterr().err
+
+
+def test_training_stops_on_a_non_finite_loss(tmp_path, monkeypatch):
+    """The debug-vl run keeps no checkpoint: a non-finite loss stops it before anything is
+    exported (before, it trained on and exported NaN weights)."""
+    from openk3.train.config import run_preset
+    from openk3.train.trainer import TrainingDiverged, train
+
+    real = torch.nn.functional.cross_entropy
+    monkeypatch.setattr(torch.nn.functional, "cross_entropy", lambda *a, **k: real(*a, **k) * float("nan"))
+    with pytest.raises(TrainingDiverged, match="at step 1"):
+        train(run_preset("debug-vl", out=str(tmp_path / "run"), max_steps=3, batch_size=2, warmup_steps=1,
+                         num_samples=0))
+    assert not (tmp_path / "run" / "export").exists()
