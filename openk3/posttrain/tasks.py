@@ -107,8 +107,11 @@ class Arithmetic:
         return Problem(f"{expr}=", str(value), self.domain, self.name)
 
     def score(self, problem: Problem, completion: str) -> float:
+        # ASCII digits only (``\d`` takes any script's), and no longer than the answer (which
+        # reaches ~72 digits; the length cap keeps int() of a long line cheap)
         got = first_line(completion)
-        return float(re.fullmatch(r"-?\d{1,40}", got) is not None and int(got) == int(problem.answer))
+        return float(len(got) <= len(problem.answer) + 1 and re.fullmatch(r"-?[0-9]+", got) is not None
+                     and int(got) == int(problem.answer))
 
 
 def _evaluate(nums: list[int], ops: list[str]) -> int:
@@ -382,7 +385,24 @@ def get_task(name: str, **options) -> Task:
             raise ValueError(f"task {name!r} has no option {key!r}; its options: {', '.join(types)}")
         if isinstance(value, str):
             options[key] = _convert(name, key, value, types[key])
+        elif not _has_kind(value, types[key]):  # JSON gives numbers, bools and lists as they are
+            raise ValueError(f"task {name!r}: option {key}={value!r} is not a valid {types[key]}")
+        elif isinstance(value, list):
+            options[key] = tuple(value)
     return cls(**options)
+
+
+def _has_kind(value, kind: str) -> bool:
+    """Whether a non-string option value is of its field's type (a bool is no int here)."""
+    if kind == "int":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind == "float":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind == "bool":
+        return isinstance(value, bool)
+    if kind.startswith("tuple"):
+        return isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value)
+    return False
 
 
 def _convert(task: str, key: str, value: str, kind: str):
@@ -404,6 +424,8 @@ def _convert(task: str, key: str, value: str, kind: str):
 def parse_task(spec: str, options: dict | None = None) -> Task:
     """``"name"`` or ``"name:key=value:key=value"`` (e.g. ``arithmetic:digits=2:ops=+-*``);
     ``options`` apply under the spec's own."""
+    if options is not None and not isinstance(options, dict):
+        raise ValueError(f"task options {options!r} must be a JSON object of option names and values")
     name, *pairs = spec.split(":")
     own = {}
     for pair in pairs:

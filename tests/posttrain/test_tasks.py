@@ -61,6 +61,30 @@ def test_reference_scores_one_and_wrong_zero(name):
         assert task.score(p, "\n" + p.answer) == 0.0  # only the first line counts
 
 
+def test_long_arithmetic_answers_and_other_scripts_digits():
+    """The largest options give answers of ~70 digits, which must score 1 (a 40-digit cap scored
+    every one 0); digits of other scripts are no answer ("１９" for 19 scored 1)."""
+    task = get_task("arithmetic", digits=9, terms=8, ops="*")
+    problems = _samples(task, 1, n=20)
+    assert max(len(p.answer) for p in problems) > 60
+    assert all(task.score(p, p.answer) == 1.0 for p in problems)
+    small = Problem("12+7=", "19", "math", "arithmetic")
+    assert get_task("arithmetic").score(small, "19") == 1.0
+    assert get_task("arithmetic").score(small, "\uff11\uff19") == 0.0
+
+
+def test_option_values_of_the_wrong_type_name_the_option():
+    """Options from JSON (``--task-options``) arrive typed: a float for an int field, or options
+    that are no object at all, are refused naming the option (a traceback from deep inside, or
+    an error naming neither, before)."""
+    with pytest.raises(ValueError, match=r"task 'arithmetic': option digits=2.5 is not a valid int"):
+        parse_task("arithmetic", {"digits": 2.5})
+    with pytest.raises(ValueError, match="must be a JSON object"):
+        parse_task("arithmetic", [1])
+    assert parse_task("string_edit", {"ops": ["reverse"]}).ops == ("reverse",)
+    assert parse_task("arithmetic", {"digits": 3, "negative": True}).digits == 3
+
+
 def test_prompt_formats():
     rng = random.Random(0)
     p = get_task("arithmetic", digits=2, ops="+").sample(rng)
