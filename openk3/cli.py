@@ -62,16 +62,19 @@ def _preset_name(args: argparse.Namespace) -> str | None:
     return args.preset or ("debug" if args.random_init else None)
 
 
-def _load_model(args: argparse.Namespace, seed: int = 0):
-    """``load_model`` from the flags of ``_add_model_flags``."""
-    return load_model(args.checkpoint, _preset_name(args), args.random_init, args.device, args.dtype, seed,
+def _load_model(args: argparse.Namespace):
+    """``load_model`` from the flags of ``_add_model_flags`` (random weights: seed 0)."""
+    return load_model(args.checkpoint, _preset_name(args), args.random_init, args.device, args.dtype, 0,
                       args.tokenizer, args.experts)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from openk3.generate import generate
 
-    model, tok, _ = _load_model(args, seed=args.seed or 0)
+    if args.draft and not args.num_speculative_tokens:
+        print("openk3 generate: --draft needs --num-speculative-tokens K (K >= 1)", file=sys.stderr)
+        return 2
+    model, tok, _ = _load_model(args)  # random weights of seed 0 whatever --seed (which samples)
     device = next(model.parameters()).device
     ids = tok.encode(args.prompt)
     images = None
@@ -119,6 +122,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     generate(model, ids, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
              seed=args.seed, eos_token_id=model.cfg.eos_token_id, on_token=stream, images=images)
     dt = time.perf_counter() - t0
+    print(tok.decode(new)[len(shown):], end="", flush=True)  # a tail held back as an incomplete character
     print(f"\n[{len(new)} tokens in {dt:.2f}s, {len(new) / max(dt, 1e-9):.1f} tok/s on {device}]",
           file=sys.stderr)
     return 0

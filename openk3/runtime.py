@@ -61,6 +61,8 @@ def checkpoint_dir(path: str | Path) -> Path:
     """The weights directory ``path`` names: a training run's directory (it has
     ``run_config.json``) means its ``export/``, anything else is taken as it is."""
     path = Path(path)
+    if not path.is_dir():
+        raise ValueError(f"checkpoint={str(path)!r}: no such directory")
     if not (path / "run_config.json").exists():
         return path
     if not (path / "export").is_dir():

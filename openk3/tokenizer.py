@@ -48,7 +48,10 @@ class HFTokenizer:
     def __init__(self, path: Path):
         from tokenizers import Tokenizer
 
-        self.tok = Tokenizer.from_file(str(path))
+        try:
+            self.tok = Tokenizer.from_file(str(path))
+        except Exception as e:  # tokenizers raises a bare Exception for a file it cannot parse
+            raise ValueError(f"{path}: cannot read the tokenizer ({e})") from e
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids

@@ -594,15 +594,20 @@ class LLMEngine:
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         ids = []
-        for p, sp in zip(prompts, params):
-            if isinstance(p, dict):
-                unknown = set(p) - {"prompt", "images"}
-                if unknown or "prompt" not in p:
-                    raise InvalidRequest("prompt", f"a dict prompt has the keys 'prompt' and 'images', "
-                                                   f"got {sorted(p)}")
-                ids.append(self.add_request(p["prompt"], sp, images=p.get("images")))
-            else:
-                ids.append(self.add_request(p, sp))
+        try:
+            for p, sp in zip(prompts, params):
+                if isinstance(p, dict):
+                    unknown = set(p) - {"prompt", "images"}
+                    if unknown or "prompt" not in p:
+                        raise InvalidRequest("prompt", f"a dict prompt has the keys 'prompt' and 'images', "
+                                                       f"got {sorted(p)}")
+                    ids.append(self.add_request(p["prompt"], sp, images=p.get("images")))
+                else:
+                    ids.append(self.add_request(p, sp))
+        except BaseException:  # a bad prompt: the ones queued before it go too (a later call would get their outputs)
+            for rid in ids:
+                self.abort(rid)
+            raise
         final: dict[str, RequestOutput] = {}
         while len(final) < len(ids):
             if not self.has_unfinished():  # an engine bug, not a request's: fail instead of spinning

@@ -213,6 +213,14 @@ def test_bad_requests_name_the_parameter(model):
             SamplingParams(**kw)
         assert e.value.param == param
     assert_free(eng)
+    # a bad prompt in a batch: the ones queued before it go too, and the next call is clean
+    # (their outputs made it stop early with a KeyError)
+    with pytest.raises(InvalidRequest):
+        eng.generate([[3, 4], [5000]], SamplingParams(max_tokens=1))
+    assert not eng.has_unfinished()
+    (out,) = eng.generate([[3, 4, 5]], SamplingParams(max_tokens=3, temperature=0))
+    assert len(out.token_ids) == 3
+    assert_free(eng)
 
 
 @pytest.mark.parametrize("length", [2, SMALL_PROMPT, SMALL_PROMPT + 1, 3000])
