@@ -71,6 +71,9 @@ def _load_model(args: argparse.Namespace):
 def cmd_generate(args: argparse.Namespace) -> int:
     from openk3.generate import generate
 
+    if args.max_new_tokens < 1:
+        print(f"openk3 generate: --max-new-tokens {args.max_new_tokens} must be >= 1", file=sys.stderr)
+        return 2
     if args.draft and not args.num_speculative_tokens:
         print("openk3 generate: --draft needs --num-speculative-tokens K (K >= 1)", file=sys.stderr)
         return 2

@@ -35,8 +35,12 @@ def resolve_device(name: str | torch.device | None = None) -> torch.device:
         device = torch.device(name)
     except RuntimeError as e:
         raise ValueError(f"device={name!r}: {e}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device={name!r}: openk3 runs on 'cpu' or 'cuda' (or 'auto')")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device={name!r} but no CUDA device is available")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ValueError(f"device={name!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     return device
 
 
@@ -136,7 +140,8 @@ def load_model(checkpoint: str | Path | None = None, preset: str | None = None, 
         path = checkpoint_dir(checkpoint)
         model = load_pretrained(path, dtype=dtype, device=device, experts=experts)
         set_qat(model, run_qat(checkpoint))
-        return model.eval(), tok, Path(checkpoint).resolve().name
+        weights = path.resolve()  # a run's export/, given or found, is named for its run
+        return model.eval(), tok, weights.parent.name if weights.name == "export" else weights.name
     model = build_model(model_preset(preset), device=device, dtype=dtype, seed=seed)
     if experts == "packed":
         pack_experts(model)

@@ -31,6 +31,11 @@ def test_device_and_dtype_defaults():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_devices_other_than_cpu_and_cuda_are_refused():
+    with pytest.raises(ValueError, match="runs on 'cpu' or 'cuda'"):
+        resolve_device("mps")
+
+
 def test_cuda_without_a_gpu_is_a_clear_error():
     with pytest.raises(ValueError, match="no CUDA device"):
         resolve_device("cuda")
@@ -52,6 +57,7 @@ def test_a_training_run_means_its_export(run_dir):
         load_model(run_dir, device="cpu")
     model, tokenizer, name = load_model(run_dir, device="cpu", tokenizer="bytes")
     assert name == "d1" and not model.training
+    assert load_model(run_dir / "export", device="cpu", tokenizer="bytes")[2] == "d1"  # not "export"
     want = build_model(preset("debug"), seed=5)
     assert torch.equal(model.lm_head.weight, want.lm_head.weight)
     assert next(model.parameters()).dtype == torch.float32

@@ -30,9 +30,9 @@ def plot_posttrain(run_dir: str | Path, out_dir: str | Path | None = None) -> li
     for name, title, ylabel, series in charts:
         fig, ax = plt.subplots(figsize=(7, 4))
         for key, label in series:
-            ax.plot(steps, [r.get(key, float("nan")) for r in rows], label=label)
+            ax.plot(steps, [r.get(key, float("nan")) for r in rows], ".-", label=label)
         if "mopd_reward" in rows[0] and name == "reward.png":
-            ax.plot(steps, [r["mopd_reward"] for r in rows], label="MOPD reward per token")
+            ax.plot(steps, [r["mopd_reward"] for r in rows], ".-", label="MOPD reward per token")
         ax.set(xlabel="step", ylabel=ylabel, title=title)
         ax.legend()
         written.append(_save(fig, out / name))

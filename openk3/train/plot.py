@@ -22,7 +22,7 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
     written = []
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(steps, [r["loss"] for r in rows], label="train loss")
+    ax.plot(steps, [r["loss"] for r in rows], ".-", label="train loss")  # a one-row run shows its point
     val = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
     if val:
         ax.plot(*zip(*val), "o-", label="val loss")
@@ -50,7 +50,7 @@ def _per_layer_chart(plt, steps: list[int], values: list[list[float]], label: st
     """One line per layer from rows of per-layer values (rows may be shorter: NaN-padded)."""
     fig, ax = plt.subplots(figsize=(7, 4))
     for layer in range(max(len(v) for v in values)):
-        ax.plot(steps, [v[layer] if layer < len(v) else float("nan") for v in values],
+        ax.plot(steps, [v[layer] if layer < len(v) else float("nan") for v in values], ".-",
                 label=label.format(layer + first), lw=1)
     ax.legend(fontsize=7, ncol=2)
     return ax
