@@ -40,7 +40,7 @@ from openk3.posttrain.config import EFFORTS, POSTTRAIN_CONFIG_FILE, PostTrainCon
 from openk3.posttrain.mopd import Teachers, mopd_rewards
 from openk3.posttrain.objective import (completion_logprobs, grpo_loss, group_advantages, k15_loss, kl_k3,
                                         length_rewards, padded)
-from openk3.posttrain.partial import Group, PartialRollouts
+from openk3.posttrain.partial import Group, PartialRollouts, Trajectory
 from openk3.posttrain.rollout import RolloutEngine
 from openk3.posttrain.tasks import parse_task, score_all
 from openk3.runtime import checkpoint_dir, load_model, resolve_device, resolve_dtype
@@ -63,6 +63,26 @@ def completion_text(tokenizer, tokens: list[int], eos_ids: tuple[int, ...], stop
     text = tokenizer.decode([t for t in tokens if t not in eos_ids])
     cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=len(text))
     return text[:cut]
+
+
+def cut_resumed_at_stop(tokenizer, t: Trajectory, stop: tuple[str, ...]) -> None:
+    """Cut a trajectory that generated in several requests (a partial rollout paused and
+    resumed: ``t.segments > 1``) after the token that completes its first stop string, as the
+    engine cuts one request's run. Each request searched its own text only, so a stop string
+    across a resume point was missed and generation went on; the tokens after it would be
+    trained on and count in the length reward. A one-request trajectory is left as it is."""
+    if t.segments <= 1 or not stop:
+        return
+    text = tokenizer.decode(t.tokens)
+    ends = [i + len(s) for s in stop if (i := text.find(s)) >= 0]
+    if not ends:
+        return
+    end = min(ends)
+    for j in range(len(t.tokens)):  # the first token whose text reaches past the stop's end
+        if len(tokenizer.decode(t.tokens[:j + 1])) >= end:
+            del t.tokens[j + 1:], t.logprobs[j + 1:], t.versions[j + 1:]
+            t.finish_reason = "stop"
+            return
 
 
 class _RLProgress(Progress):
@@ -231,6 +251,7 @@ def _score(groups: list[Group], tasks: list, tokenizer, eos_ids: tuple[int, ...]
     pending: dict[int, list[tuple[int, object, str]]] = {}
     for i, g in enumerate(groups):
         for t in g.members:
+            cut_resumed_at_stop(tokenizer, t, g.stop)
             pending.setdefault(g.payload["task"], []).append(
                 (i, g.payload["problem"], completion_text(tokenizer, t.tokens, eos_ids, g.stop)))
     by_group: list[list[float]] = [[] for _ in groups]

@@ -13,7 +13,9 @@ import torch
 
 from openk3.cli import main
 from openk3.posttrain.config import PostTrainConfig
-from openk3.posttrain.rl import run
+from openk3.posttrain.partial import Trajectory
+from openk3.posttrain.rl import cut_resumed_at_stop, run
+from openk3.tokenizer import ByteTokenizer
 from openk3.train import state as ckpt
 from openk3.train.trainer import TrainingDiverged
 
@@ -171,3 +173,17 @@ def test_micro_batches_accumulate_the_whole_batchs_gradient(loss):
     assert grads[3].keys() == grads[64].keys() and len(grads[3]) > 10
     for name, g in grads[64].items():
         torch.testing.assert_close(grads[3][name], g, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_a_resumed_trajectory_is_cut_at_a_stop_across_its_resume_point():
+    """A partial rollout paused after "\\n" and resumed: its second request saw "\\n" again but
+    not the first, so "\\n\\n" did not stop it. The trajectory is cut after the token that
+    completes the stop, as one request would have been, with its log-probs and versions."""
+    tok = ByteTokenizer()
+    ids = tok.encode("1\n\n817>45\n")
+    t = Trajectory(0, 0, 64, list(ids), [-0.5] * len(ids), [0, 0] + [1] * (len(ids) - 2), "length", segments=2)
+    cut_resumed_at_stop(tok, t, ("\n\n", "\ndef "))
+    assert tok.decode(t.tokens) == "1\n\n" and len(t.logprobs) == len(t.versions) == 3 and t.finish_reason == "stop"
+    one = Trajectory(1, 0, 64, list(ids), [-0.5] * len(ids), [0] * len(ids), "length", segments=1)
+    cut_resumed_at_stop(tok, one, ("\n\n",))  # one request: the engine's own stop search held
+    assert one.tokens == ids and one.finish_reason == "length"
