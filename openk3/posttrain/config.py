@@ -150,8 +150,13 @@ class PostTrainConfig(_DictIO):
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise bad(name, f"choose one of {allowed}")
+        given: dict[tuple[str, str], str] = {}
         for spec in self.teacher:
-            parse_teacher(spec)
+            domain, effort, _ = parse_teacher(spec)
+            if (domain, effort) in given:
+                raise ValueError(f"--teacher {spec!r}: a teacher for {domain}:{effort} is already given "
+                                 f"({given[domain, effort]!r})")
+            given[domain, effort] = spec
         if self.teacher and self.loss != "grpo":
             raise bad("loss", "MOPD's per-token reward needs the per-token policy-gradient loss: --loss grpo")
         if not self.teacher and self.reward_weight == 0:
@@ -165,6 +170,20 @@ class PostTrainConfig(_DictIO):
     def length_penalty_weight(self, effort: str) -> float:
         return {"none": self.length_penalty, "low": self.length_penalty_low,
                 "medium": self.length_penalty_medium, "high": self.length_penalty_high}[effort]
+
+
+def check_teacher_coverage(cfg: PostTrainConfig, domains: list[tuple[str, str]]) -> None:
+    """With ``--teacher``: a teacher for every (task name, domain) of ``domains`` at every
+    effort the run can draw (``--effort mixed``: each level), checked before any model loads;
+    the run would otherwise stop at the first group that draws an uncovered one."""
+    if not cfg.teacher:
+        return
+    given = {parse_teacher(spec)[:2] for spec in cfg.teacher}
+    for spec, domain in domains:
+        for effort in EFFORTS if cfg.effort == "mixed" else (cfg.effort,):
+            if (domain, effort) not in given and (domain, "*") not in given:
+                raise ValueError(f"--teacher {cfg.teacher!r}: no teacher for --task {spec!r} (domain {domain!r}) "
+                                 f"at effort {effort!r}: add {domain}:{effort}=PATH or {domain}:*=PATH")
 
 
 def parse_teacher(spec: str) -> tuple[str, str, str]:

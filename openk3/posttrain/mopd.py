@@ -41,8 +41,11 @@ class Teachers:
             if (domain, effort) in self.models:
                 raise ValueError(f"--teacher {spec!r}: a teacher for {domain}:{effort} is already given")
             if path not in loaded:
-                _check_tokenizer(spec, checkpoint_dir(path), student_dir)
-                model, _, _ = load_model(path, device=device, dtype=dtype)
+                try:
+                    _check_tokenizer(spec, checkpoint_dir(path), student_dir)
+                    model, _, _ = load_model(path, device=device, dtype=dtype)
+                except ValueError as e:  # name the teacher (a missing path said only "no tokenizer")
+                    raise e if str(e).startswith("--teacher") else ValueError(f"--teacher {spec!r}: {e}") from e
                 if model.cfg.vocab_size != student_vocab:
                     raise ValueError(f"--teacher {spec!r}: vocab_size {model.cfg.vocab_size}, the student's "
                                      f"is {student_vocab}; teachers must share the student's tokenizer")

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from openk3.parallel.parallelize import parallelize
-from openk3.posttrain.config import EFFORTS, POSTTRAIN_CONFIG_FILE, PostTrainConfig, effort_prefix
+from openk3.posttrain.config import EFFORTS, POSTTRAIN_CONFIG_FILE, PostTrainConfig, check_teacher_coverage, effort_prefix
 from openk3.posttrain.mopd import Teachers, mopd_rewards
 from openk3.posttrain.objective import (completion_logprobs, grpo_loss, group_advantages, k15_loss, kl_k3,
                                         length_rewards, padded)
@@ -123,6 +123,7 @@ def run(cfg: PostTrainConfig, tasks: list | None = None,
     if not cfg.resume and ckpt.latest_checkpoint(out) is not None:
         raise ValueError(f"{out} already holds a run; pass --resume to continue it or choose another --out")
     tasks = tasks if tasks is not None else _tasks(cfg)
+    check_teacher_coverage(cfg, [(task.name, task.domain) for task in tasks])
     torch.manual_seed(cfg.seed)
 
     # the policy: fp32 master weights; the engine serves a copy in the compute dtype

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from openk3.posttrain.config import PostTrainConfig, parse_teacher
+from openk3.posttrain.config import PostTrainConfig, check_teacher_coverage, parse_teacher
 from openk3.posttrain.mopd import Teachers, mopd_rewards
 
 
@@ -29,6 +29,16 @@ def test_parse_teacher_and_config_checks():
             parse_teacher(bad)
     with pytest.raises(ValueError, match="--loss"):
         PostTrainConfig(checkpoint="x", teacher=("math:high=x",), loss="k15")
+    with pytest.raises(ValueError, match="a teacher for math:high is already given"):
+        PostTrainConfig(checkpoint="x", teacher=("math:high=x", "math:high=y"))
+    # every task's domain at every effort the run can draw, before a model loads
+    cfg = PostTrainConfig(checkpoint="x", teacher=("math:*=x",), effort="mixed")
+    check_teacher_coverage(cfg, [("arithmetic", "math")])
+    with pytest.raises(ValueError, match="no teacher for --task 'sorting' .domain 'text'. at effort 'low'"):
+        check_teacher_coverage(cfg, [("arithmetic", "math"), ("sorting", "text")])
+    cfg = PostTrainConfig(checkpoint="x", teacher=("math:high=x", "math:low=x"), effort="mixed")
+    with pytest.raises(ValueError, match="at effort 'medium': add math:medium=PATH or math:.=PATH"):
+        check_teacher_coverage(cfg, [("arithmetic", "math")])
 
 
 def test_teacher_picked_by_domain_and_effort(tiny_checkpoint):
@@ -42,3 +52,5 @@ def test_teacher_picked_by_domain_and_effort(tiny_checkpoint):
     assert len({id(m) for m in t.models.values()}) == 1  # one path: loaded once
     with pytest.raises(ValueError, match="vocab_size"):
         Teachers((f"toy:high={tiny_checkpoint}",), torch.device("cpu"), torch.float32, student_vocab=99)
+    with pytest.raises(ValueError, match=r"--teacher 'toy:high=/nonexistent': checkpoint='/nonexistent': no such directory"):
+        Teachers(("toy:high=/nonexistent",), torch.device("cpu"), torch.float32, student_vocab=99)
