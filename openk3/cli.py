@@ -74,6 +74,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 1:
         print(f"openk3 generate: --max-new-tokens {args.max_new_tokens} must be >= 1", file=sys.stderr)
         return 2
+    from openk3.serve.sampler import InvalidRequest, SamplingParams
+
+    try:  # the sampling flags, checked before anything loads or the prompt is echoed
+        SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+    except InvalidRequest as e:
+        print(f"openk3 generate: --{e.param.replace('_', '-')} {e.message}", file=sys.stderr)
+        return 2
     if args.draft and not args.num_speculative_tokens:
         print("openk3 generate: --draft needs --num-speculative-tokens K (K >= 1)", file=sys.stderr)
         return 2

@@ -38,6 +38,9 @@ def test_generate_errors_and_seeds(tmp_path, capsys):
     assert "cannot read the tokenizer" in capsys.readouterr().err
     assert main(["generate", "--random-init", "--draft", "mtp", "--prompt", "x"]) == 2
     assert "--num-speculative-tokens" in capsys.readouterr().err
+    assert main(["generate", "--random-init", "--prompt", "x", "--temperature", "-1"]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and "--temperature -1.0 must be in [0, 100]" in out.err  # not glued to the prompt
     outs = []
     for seed in ("0", "2"):
         assert main(["generate", "--random-init", "--prompt", "hi", "--max-new-tokens", "6", "--temperature", "0",
