@@ -204,11 +204,9 @@ def load_pretrained(path: str | os.PathLike, dtype: torch.dtype | None = None,
     model.to(dtype)
     _keep_fp32(model)
     if cfg.tie_word_embeddings:  # to_empty gave the head a parameter of its own: tie it again
-        model.lm_head.weight = model.model.embed_tokens.weight
+        model.lm_head.weight = model.model.embed_tokens.weight  # (named_parameters then lists it once)
     state = dict(model.named_parameters())
     state.update(model.named_buffers())
-    if cfg.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
 
     filled: set[str] = set()
     experts_filled: dict[str, set[int]] = defaultdict(set)

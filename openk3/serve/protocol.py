@@ -43,10 +43,11 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
 
 
 def _null_is_default(*names: str):
-    """A validator of ``model``'s fields ``names`` that reads an explicit JSON null as the field's
-    default: OpenAI's API declares them nullable, and its Python client sends ``None`` as null."""
+    """A validator of the fields ``names`` (of the model or its subclasses) that reads an
+    explicit JSON null as the field's default: OpenAI's API declares them nullable, and its
+    Python client sends ``None`` as null."""
 
-    @field_validator(*names, mode="before")
+    @field_validator(*names, mode="before", check_fields=False)
     @classmethod
     def check(cls, value, info):
         return cls.model_fields[info.field_name].default if value is None else value
@@ -75,7 +76,7 @@ class SamplingRequest(BaseModel):
     user: str | None = None  # accepted, ignored
 
     n: int = Field(1, ge=1, le=MAX_N)  # choices per prompt
-    _nulls = _null_is_default("n", "stream")
+    _nulls = _null_is_default("n", "stream", "echo", "logprobs")  # echo: completions; logprobs: chat's bool
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, choice: int = 0,
                         prompt_logprobs: int | None = None) -> SamplingParams:
@@ -98,7 +99,6 @@ class CompletionRequest(SamplingRequest):
     max_tokens: int | None = 16  # 0 (with echo): score the prompt, generate nothing
     logprobs: int | None = None  # top alternatives per token (prompt tokens too, with echo)
     echo: bool = False  # the prompt comes back before the completion (and its log-probs)
-    _echo_null = _null_is_default("echo")
 
 
 class ImageURL(BaseModel):
@@ -129,7 +129,6 @@ class ChatCompletionRequest(SamplingRequest):
     max_tokens: int | None = None  # OpenAI's older name
     logprobs: bool = False
     top_logprobs: int | None = None
-    _logprobs_null = _null_is_default("logprobs")
 
 
 # Features the engine lacks: the values that mean "off" (None, JSON null, is always accepted as

@@ -139,8 +139,9 @@ class Scheduler:
     def _num_draft_tokens(self, seq: Sequence, budget: int) -> int:
         """Draft tokens to verify for a decoding ``seq`` that holds its one token already: up to
         K, no more than max_tokens lets it emit (a step emits up to k + 1), within ``budget``
-        (never short: ``EngineConfig`` keeps ``max_num_batched_tokens`` >= ``max_num_seqs * (1 + K)``), ending before the next KDA checkpoint boundary (the state there
-        must be exact for the save). Blocks for them are the caller's business."""
+        (never short: ``EngineConfig`` keeps ``max_num_batched_tokens`` >= ``max_num_seqs * (1 +
+        K)``), ending before the next KDA checkpoint boundary (the state there must be exact for
+        the save). Blocks for them are the caller's business."""
         K = self.config.num_speculative_tokens
         if K == 0 or seq.num_uncomputed_tokens != 1:
             return 0
@@ -159,10 +160,14 @@ class Scheduler:
             self._preempt(victim, out)
             if victim is seq:
                 return False
-        num_blocks = len(seq.block_table)
-        bm.append_slot(seq, num_lookahead)
-        self._update_table(out, seq, num_blocks)
+        self._append(seq, num_lookahead, out)
         return True
+
+    def _append(self, seq: Sequence, num_lookahead: int, out: SchedulerOutput) -> None:
+        """``BlockManager.append_slot`` (the pool has room), the new blocks told to the runner."""
+        num_blocks = len(seq.block_table)
+        self.block_manager.append_slot(seq, num_lookahead)
+        self._update_table(out, seq, num_blocks)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.block_manager.free(seq)
@@ -252,9 +257,7 @@ class Scheduler:
             while k and not bm.can_append(seq, k):
                 k -= 1
             if k:
-                num_blocks = len(seq.block_table)
-                bm.append_slot(seq, k)
-                self._update_table(out, seq, num_blocks)
+                self._append(seq, k, out)
                 out.num_draft_tokens[seq.request_id] = k
                 out.scheduled[i] = (seq, 1 + k)
 

@@ -213,9 +213,8 @@ class OpenAIServer:
     def _check(self, req: SamplingRequest) -> None:
         if self.draining.started:
             raise APIError(503, "the server is shutting down", type="server_error")
-        if req.model is not None and req.model != self.model_name:
-            raise APIError(404, f"the model {req.model!r} does not exist; this server serves "
-                                f"{self.model_name!r}", "model", "model_not_found")
+        if req.model is not None:
+            self._served(req.model)
         extra = req.model_extra or {}
         for name, off in UNSUPPORTED.items():
             value = extra.get(name)
@@ -350,10 +349,14 @@ class OpenAIServer:
     async def models(self) -> dict:
         return {"object": "list", "data": [self._card()]}
 
-    async def model(self, model: str) -> dict:
+    def _served(self, model: str) -> None:
+        """A 404 naming ``model`` unless it is the served one."""
         if model != self.model_name:
             raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
                            "model", "model_not_found")
+
+    async def model(self, model: str) -> dict:
+        self._served(model)
         return self._card()
 
     async def health(self) -> Response:
