@@ -24,6 +24,7 @@ body). Options (difficulty) are the task's dataclass fields:
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import random
 import re
@@ -264,14 +265,45 @@ FAMILIES: dict[str, _Family] = {
         lambda k, s: s.upper(), _word),
 }
 
-# Run once per completion: the hidden tests, answers compared by exact type and value (an object
-# claiming equality with everything does not pass). Progress goes straight to fd 1 after every
-# test, prefixed by a token read from stdin before the completion runs, so the last such line
-# counts even if a later test hangs; print()s of the completion cannot forge it without the token.
+# Run once per completion, with the hidden tests' inputs and never their answers: after each
+# test, a line "TOKEN INDEX REPR" straight to fd 1, where REPR is the result's repr if it is made
+# only of the types an answer can have (bool, int, str, list; exact types, so an object claiming
+# equality with everything gives nothing), the token read from stdin before the completion runs.
+# The grader compares outside this process (``_graded``), so code that inspects its caller's
+# frames finds no answer to copy and a checker to replace; a line it forges must hold the right
+# answer, i.e. solve the test. The token keeps the completion's own prints from being read as
+# results by accident, and a test that hangs keeps the lines written before it.
 _HARNESS = """import os, sys
 
 
-def _same(a, b):
+def _plain(x):
+    t = type(x)
+    return t in (bool, int, str) or t is list and all(_plain(i) for i in x)
+
+
+def _main(token, inputs):
+    namespace = {{"__name__": "solution"}}
+    try:
+        exec(compile({source!r}, "solution.py", "exec"), namespace)
+        fn = namespace[{entry!r}]
+    except BaseException:
+        os._exit(0)
+    for i, args in enumerate(inputs):
+        try:
+            got = fn(*args)
+            if _plain(got):
+                os.write(1, f"\\n{{token}} {{i}} {{got!r}}\\n".encode())
+        except BaseException:
+            pass
+    os._exit(0)
+
+
+_main(sys.stdin.readline().strip(), {inputs!r})
+"""
+
+
+def _same(a, b) -> bool:
+    """Equal by exact type and value (bool is not int, a tuple is no list)."""
     if type(a) is not type(b):
         return False
     if type(a) is list:
@@ -279,32 +311,22 @@ def _same(a, b):
     return a == b
 
 
-def _copy(x):
-    return [_copy(i) for i in x] if type(x) is list else x
-
-
-def _main(token, tests):
-    def say(passed):
-        os.write(1, f"\\n{{token}} {{passed}} {{len(tests)}}\\n".encode())
-    say(0)
-    namespace = {{"__name__": "solution"}}
-    try:
-        exec(compile({source!r}, "solution.py", "exec"), namespace)
-        fn = namespace[{entry!r}]
-    except BaseException:
-        os._exit(0)
+def _graded(stdout: str, token: str, tests: list) -> int:
+    """How many of ``tests`` ([args, answer] pairs) the harness's result lines in ``stdout`` pass:
+    the first line for each test index counts."""
+    results = {}
+    for line in stdout.splitlines():
+        fields = line.split(" ", 2)
+        if len(fields) == 3 and fields[0] == token and fields[1].isdigit():
+            results.setdefault(int(fields[1]), fields[2])
     passed = 0
-    for args, want in tests:
-        try:
-            passed += _same(fn(*_copy(args)), want)
-        except BaseException:
-            pass
-        say(passed)
-    os._exit(0)
-
-
-_main(sys.stdin.readline().strip(), {tests!r})
-"""
+    for i, (_, want) in enumerate(tests):
+        if i in results:
+            try:
+                passed += _same(ast.literal_eval(results[i]), want)
+            except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+                pass
+    return passed
 
 
 def function_body(completion: str) -> str:
@@ -355,16 +377,11 @@ class PythonFunctions:
             return 0.0
         tests = problem.meta["tests"]
         program = _HARNESS.format(source=problem.prompt + body + "\n", entry=problem.meta["entry"],
-                                  tests=tests)
+                                  inputs=[args for args, _ in tests])
         token = secrets.token_hex(8)
         limits = SandboxLimits(cpu_seconds=self.wall_seconds, wall_seconds=self.wall_seconds)
         result = run_python(program, stdin=token + "\n", limits=limits)
-        passed = 0
-        for line in result.stdout.splitlines():
-            fields = line.split()
-            if len(fields) == 3 and fields[0] == token and fields[1].isdigit():
-                passed = int(fields[1])
-        return min(passed, len(tests)) / len(tests)
+        return _graded(result.stdout, token, tests) / len(tests)
 
 
 # ------------------------------------------------------------------------------------ registry

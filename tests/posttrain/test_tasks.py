@@ -146,8 +146,26 @@ def test_python_partial_credit_and_hang():
     assert task.score(p, "\n    return x + 1\n\ndef other():\n    pass") == 1.0  # body ends at column 0
     assert task.score(p, "\n    while x > 1:\n        pass\n    return x + 1") == 0.5  # two pass, then a hang
     assert task.score(p, "\n    return True") == 0.0  # bool is not int: compared by exact type
-    forged = f"\n    print('\\n{'0' * 16} 4 4')\n    return None"
-    assert task.score(p, forged) == 0.0  # progress lines need the secret token
+    forged = f"\n    print('\\n{'0' * 16} 0 1')\n    return None"
+    assert task.score(p, forged) == 0.0  # result lines need the secret token
+
+
+def test_python_grader_holds_no_answers_in_the_completions_process():
+    """Code that inspects its caller's frames finds only the tests' inputs (a review scored full
+    marks for a wrong body by reading ``want`` there, or by replacing the checker, when the
+    answers were compared inside the sandboxed process); a result line it forges with the secret
+    token must still hold the right answer."""
+    task = PythonFunctions(wall_seconds=1.0)
+    p = Problem('def add_1(x):\n    """Return x plus 1."""', "\n    return x + 1", "code", "python",
+                {"entry": "add_1", "tests": [[[0], 1], [[1], 2], [[5], 6], [[-1], 0]]})
+    walk = "\n    import sys\n    f, seen = sys._getframe(1), {}\n    while f:\n" \
+           "        seen.update(f.f_locals); seen.update(f.f_globals); f = f.f_back\n"
+    assert task.score(p, walk + "    return seen.get('want', seen.get('expected'))") == 0.0
+    assert task.score(p, walk + "    seen['_same'] = lambda a, b: True\n    return None") == 0.0
+    forge = walk + ("    import os\n    for i in range(4):\n"
+                    "        os.write(1, f\"\\n{seen['token']} {i} 7\\n\".encode())\n    os._exit(0)")
+    assert task.score(p, forge) == 0.0
+    assert task.score(p, walk + "    return x + 1") == 1.0  # the same frame walk, then a right body
 
 
 GARBAGE = ["", "\n", "\n\n\n", "\x00", "\udc80 lone surrogate", "💥" * 50, "-" * 5000, "1" * 200,
