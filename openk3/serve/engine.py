@@ -590,7 +590,13 @@ class LLMEngine:
                  params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
         """Run requests to completion; outputs in the order of ``prompts``. A prompt with images
         is a dict ``{"prompt": str | list[int], "images": [...]}`` (``add_request``)."""
-        params = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        elif isinstance(params, (list, tuple)) and all(isinstance(sp, SamplingParams) for sp in params):
+            params = list(params)
+        else:
+            raise TypeError(f"params must be a SamplingParams or a list of them, one per prompt; "
+                            f"got {type(params).__name__}")
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         ids = []

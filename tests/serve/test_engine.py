@@ -220,6 +220,11 @@ def test_bad_requests_name_the_parameter(model):
     assert not eng.has_unfinished()
     (out,) = eng.generate([[3, 4, 5]], SamplingParams(max_tokens=3, temperature=0))
     assert len(out.token_ids) == 3
+    # params one per prompt in a tuple as in a list (a tuple was taken for one SamplingParams)
+    greedy = (SamplingParams(max_tokens=2, temperature=0), SamplingParams(max_tokens=3, temperature=0))
+    assert [len(o.token_ids) for o in eng.generate([[3, 4], [5, 6]], greedy)] == [2, 3]
+    with pytest.raises(TypeError, match="params must be a SamplingParams or a list of them"):
+        eng.generate([[3, 4]], {"max_tokens": 2})
     assert_free(eng)
 
 
