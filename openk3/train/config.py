@@ -244,6 +244,8 @@ def resolve_run_config(given: dict[str, Any]) -> tuple[RunConfig, list[str]]:
             saved = json.loads(saved_file.read_text())["run"]
         except (OSError, ValueError, KeyError) as e:
             raise ValueError(f"{saved_file}: cannot read the saved run ({e})") from e
+        if saved.get("vocab_size") is None:  # the preset's then: a flag naming that same size agrees
+            saved = {**saved, "vocab_size": RunConfig.from_dict(saved).model_config().vocab_size}
         conflicts = [f"--{k.replace('_', '-')} {v!r} (the run has {saved.get(k)!r})"
                      for k, v in given.items() if k not in RESUMABLE_FIELDS and not _same(v, saved.get(k))]
         if conflicts:

@@ -54,6 +54,13 @@ def test_resume_accepts_flags_equal_to_the_saved_ones(tmp_path):
     out = _saved_run(tmp_path, data=("a.txt",))
     cfg, _ = resolve_run_config({"out": out, "resume": True, "preset": "debug", "data": ("a.txt",)})
     assert cfg.data == ("a.txt",)
+    # a run started on the preset's vocabulary, resumed naming that same size (refused before)
+    size = RunConfig.from_dict(json.loads((tmp_path / "run" / RUN_CONFIG_FILE).read_text())["run"]) \
+        .model_config().vocab_size
+    cfg, _ = resolve_run_config({"out": out, "resume": True, "vocab_size": size})
+    assert cfg.model_config().vocab_size == size
+    with pytest.raises(ValueError, match=f"--vocab-size {size + 1} \\(the run has {size}\\)"):
+        resolve_run_config({"out": out, "resume": True, "vocab_size": size + 1})
 
 
 def test_resume_without_a_saved_run_starts_a_new_one(tmp_path):
