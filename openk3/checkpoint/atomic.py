@@ -1,8 +1,11 @@
 """Directories written all at once or not at all.
 
 A directory is built under a temporary name beside its final place and renamed into place; a
-crash at any point leaves the previous version intact. Temporaries a killed writer left behind
-(``.NAME.tmp-*``, ``.NAME.old-*``) are removed by the next write of the same directory. Files
+crash at any point leaves the previous version intact. Replacing a directory takes two renames
+(the old one aside to ``.NAME.old-*/prev``, the new one in): a failure between them puts the old
+one back, and so does the next write of the same directory after a writer killed there, before
+it removes the temporaries left behind (``.NAME.tmp-*``, ``.NAME.old-*``). Nothing is fsynced:
+a power loss can still lose what the page cache held. Files
 and directories get ordinary permissions (``0o777`` / ``0o666`` less the umask), as every other
 tool writes them, not ``mkdtemp``'s private ``0o700``.
 """
@@ -24,12 +27,21 @@ def _umask() -> int:
 
 
 def remove_partials(path: Path) -> list[Path]:
-    """Remove the temporaries of earlier, interrupted writes of ``path``; returns them."""
+    """Remove the temporaries of earlier, interrupted writes of ``path``; returns them. A writer
+    killed between its two renames left no ``path`` and the previous version in
+    ``.NAME.old-*/prev``: that version is put back first."""
     stale = [p for pattern in (f".{path.name}.tmp-*", f".{path.name}.old-*")
              for p in path.parent.glob(pattern)]
     for p in stale:
+        _restore(p, path)
         shutil.rmtree(p, ignore_errors=True)
     return stale
+
+
+def _restore(old: Path, path: Path) -> None:
+    """Put ``old/prev`` (the version a swap moved aside) back at ``path`` if ``path`` is gone."""
+    if (old / "prev").exists() and not os.path.lexists(path):
+        os.replace(old / "prev", path)
 
 
 def _ordinary_permissions(root: Path) -> None:
@@ -52,6 +64,7 @@ def atomic_directory(path: str | os.PathLike) -> Iterator[Path]:
     path.parent.mkdir(parents=True, exist_ok=True)
     remove_partials(path)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    old = None
     try:
         yield tmp
         _ordinary_permissions(tmp)
@@ -63,5 +76,8 @@ def atomic_directory(path: str | os.PathLike) -> Iterator[Path]:
         else:
             os.replace(tmp, path)
     except BaseException:
+        if old is not None:  # failed between the two renames: the previous version goes back
+            _restore(old, path)
+            shutil.rmtree(old, ignore_errors=True)
         shutil.rmtree(tmp, ignore_errors=True)
         raise
