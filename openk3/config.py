@@ -267,9 +267,12 @@ class ModelConfig(_DictIO):
         if self.moe_latent_size is not None and self.moe_latent_size <= 0:
             raise bad("moe_latent_size", "must be positive or None")
         if self.arch == "kimi_linear" and (self.attn_res_block_size is not None
-                                           or self.moe_latent_size is not None):
-            raise ValueError("ModelConfig: arch='kimi_linear' has no AttnRes and no latent MoE; "
-                             "set attn_res_block_size=None and moe_latent_size=None")
+                                           or self.moe_latent_size is not None
+                                           or self.kda_gate_lower_bound is not None):
+            raise ValueError("ModelConfig: arch='kimi_linear' has no AttnRes, no latent MoE and an "
+                             "unbounded KDA gate (its HF format cannot say otherwise); set "
+                             "attn_res_block_size=None, moe_latent_size=None and "
+                             "kda_gate_lower_bound=None")
         if self.vision_config is not None:
             if self.arch != "kimi_k3":
                 raise bad("arch", "a vision_config needs arch='kimi_k3' (Kimi Linear's HF format "

@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from openk3.checkpoint.atomic import atomic_directory
@@ -58,7 +59,10 @@ def load_draft(path: str | os.PathLike, target: KimiForCausalLM) -> Eagle3Draft:
     device = target.lm_head.weight.device
     with torch.device(device):
         draft = Eagle3Draft(cfg)
-    state = load_file(str(weights_file), device=str(device))
+    try:
+        state = load_file(str(weights_file), device=str(device))
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{weights_file}: cannot read the draft's weights ({e})") from e
     want = draft.state_dict()
     missing, unexpected = sorted(set(want) - set(state)), sorted(set(state) - set(want))
     if missing or unexpected:

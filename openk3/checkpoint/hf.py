@@ -37,6 +37,7 @@ from openk3.checkpoint.atomic import atomic_directory
 from openk3.checkpoint.hf_config import from_hf, to_hf
 from openk3.config import ModelConfig
 from openk3.model.model import KimiForCausalLM, _keep_fp32, build_model
+from openk3.model.moe import check_qat_dims
 from openk3.model.packed_experts import pack_experts
 from openk3.ops.mx import MX_BLOCK_SIZE, mxfp4_dequantize, mxfp4_quantize
 
@@ -123,6 +124,8 @@ def _shard_files(path: Path) -> list[Path]:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError) as e:
             raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from e
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise CheckpointError(f"{index}: weight_map must map tensor names to file names")
         files = sorted(set(weight_map.values()))
         missing = [f for f in files if not (path / f).exists()]
         if missing:
@@ -208,10 +211,10 @@ def load_pretrained(path: str | os.PathLike, dtype: torch.dtype | None = None,
     state = dict(model.named_parameters())
     state.update(model.named_buffers())
 
-    filled: set[str] = set()
+    filled: dict[str, Path] = {}  # our name -> the file it came from
     experts_filled: dict[str, set[int]] = defaultdict(set)
     # HF stem of a packed expert matrix -> {"weight_packed" / "weight_scale": (tensor, file)}
-    packed: dict[str, dict[str, tuple[torch.Tensor, Path]]] = defaultdict(dict)
+    packed: dict[str, dict[str, tuple[torch.Tensor | None, Path]]] = defaultdict(dict)
     quantized: list[str] = []  # unpacked experts quantised into a packed model
     skipped = 0
     for file in files:
@@ -288,6 +291,9 @@ def _place_expert(cfg, state, hf, m, tensor, file, experts_filled, packed, quant
     stack: a parameter ``[E, rows, cols]`` or, in a packed model, ``_packed`` / ``_scale`` buffers."""
     stack = _our_name(cfg, f"{m.group(1)}.mlp.experts.{m.group(3)}")
     e, kind = int(m.group(2)), m.group(4)
+    if e in experts_filled[stack] or kind in packed.get(hf.rsplit(".", 1)[0], {}):
+        raise CheckpointError(f"{file}: tensor {hf} gives expert {e} of {stack} a second time "
+                              "(a stale copy in another shard, or both .weight and .weight_packed)")
     to_packed = stack + "_packed" in state
     if stack not in state and not to_packed:
         raise CheckpointError(f"{file}: unexpected tensor {hf} (no routed experts there in this "
@@ -301,6 +307,8 @@ def _place_expert(cfg, state, hf, m, tensor, file, experts_filled, packed, quant
     if e >= num_experts:
         raise CheckpointError(f"{file}: unexpected tensor {hf}: expert {e} >= num_experts {num_experts}")
     if kind == "weight":
+        if not tensor.is_floating_point():
+            raise CheckpointError(f"{file}: tensor {hf} is {tensor.dtype}; expert weights are floating point")
         if tuple(tensor.shape) != (rows, cols):
             raise _shape_error(hf, file, tensor.shape, (rows, cols))
         value = tensor
@@ -323,6 +331,8 @@ def _place_expert(cfg, state, hf, m, tensor, file, experts_filled, packed, quant
         else:
             state[stack][e].copy_(value)
     experts_filled[stack].add(e)
+    if kind != "weight":  # placed: keep which files held the pair, not its tensors
+        packed[hf.rsplit(".", 1)[0]] = {k: (None, f) for k, (_, f) in parts.items()}
 
 
 def _place(cfg, state, hf, tensor, file, filled, experts_filled, packed, stored_dtypes,
@@ -339,7 +349,12 @@ def _place(cfg, state, hf, tensor, file, filled, experts_filled, packed, stored_
                if mtp and int(mtp.group(1)) >= cfg.num_nextn_predict_layers
                else f"no such parameter in a {cfg.arch} model of this config")
         raise CheckpointError(f"{file}: unexpected tensor {hf} ({why})")
+    if name in filled:
+        raise CheckpointError(f"{file}: tensor {hf} is in {filled[name]} too (a stale copy?); "
+                              "a checkpoint holds each tensor once")
     target = state[name]
+    if target.is_floating_point() and not tensor.is_floating_point():
+        raise CheckpointError(f"{file}: tensor {hf} is {tensor.dtype}; the model's {name} is floating point")
     if name.endswith("self_attn.A_log"):
         tensor = _unpad_a_log(tensor, target.shape[0], hf, file)
     if tuple(tensor.shape) != tuple(target.shape):
@@ -348,7 +363,7 @@ def _place(cfg, state, hf, tensor, file, filled, experts_filled, packed, stored_
         target.copy_(tensor)
     if tensor.dtype != target.dtype and target.dtype == torch.float32:
         stored_dtypes[hf] = tensor.dtype  # an fp32-by-design tensor (router, decay) stored lower
-    filled.add(name)
+    filled[name] = file
 
 
 def _unpad_a_log(t: torch.Tensor, heads: int, hf: str, file: Path) -> torch.Tensor:
@@ -426,6 +441,7 @@ def mxfp4_quantization_config() -> dict:
         }},
         "ignore": ["re:.*self_attn.*", "re:.*shared_experts.*",
                    r"re:.*mlp\.(gate|up|gate_up|down)_proj.*", "re:.*lm_head.*",
+                   "re:.*routed_expert_(up|down)_proj.*", "re:.*_res_proj.*", "re:.*eh_proj.*",
                    "re:.*vision_tower.*", "re:.*mm_projector.*"],
     }
 
@@ -442,8 +458,8 @@ def save_pretrained(model: KimiForCausalLM, path: str | os.PathLike, experts: st
     if experts not in ("bf16", "mxfp4"):
         raise ValueError(f"save_pretrained: experts={experts!r} must be 'bf16' or 'mxfp4'")
     cfg = model.cfg
-    if experts == "mxfp4" and cfg.moe_intermediate_size % MX_BLOCK_SIZE:
-        raise ValueError(f"save_pretrained: experts='mxfp4' needs moe_intermediate_size divisible by {MX_BLOCK_SIZE}")
+    if experts == "mxfp4":
+        check_qat_dims(cfg)
     with atomic_directory(path) as tmp:
         # shards are written as they fill (memory: one shard), named once their count is known
         written: list[tuple[Path, list[str]]] = []

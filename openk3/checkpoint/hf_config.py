@@ -52,7 +52,7 @@ _K3_FIELDS = {
 # Fields the release leaves at a value of its own: written (openk3's key) only when they differ
 MLA_NORM_EPS = "mla_norm_eps"
 # Scalar fields an explicit JSON null sets to None (absent: the default)
-_NULLABLE = {"q_lora_rank", "bos_token_id", "pad_token_id"}
+_NULLABLE = {"q_lora_rank", "bos_token_id", "eos_token_id", "pad_token_id"}
 
 # Keys that describe what openk3 models (read here, or derived and written by ``to_hf``): never
 # passed through, so a stale copy can never contradict the model.
@@ -67,6 +67,11 @@ _K3_TOP_KEYS = {"model_type", "architectures", "text_config", "bos_token_id", "e
                 "pad_token_id", "tie_word_embeddings"}
 
 _DTYPE_NAMES = ("float32", "bfloat16", "float16")
+
+# Keys of choices openk3 has one implementation of: a config asking for another is refused, not
+# loaded as openk3's choice (``num_key_value_heads``, MLA's, must equal ``num_attention_heads``)
+_FIXED_CHOICES = {"moe_router_activation_func": "sigmoid", "topk_method": "noaux_tc",
+                  "mla_use_nope": True}
 
 # ``vision_config``: the keys that are VisionConfig fields of the same name ...
 _VISION_FIELDS = ("vt_hidden_size", "vt_num_hidden_layers", "vt_num_attention_heads",
@@ -194,10 +199,21 @@ def from_hf(path_or_dict: str | os.PathLike | dict) -> ModelConfig:
         if not isinstance(text, dict) or not text:
             raise ValueError(f"{where}: model_type kimi_k3 needs a 'text_config' section")
         text = dict(text)
+        for key in _K3_TOP_KEYS - {"model_type", "architectures", "text_config"}:
+            if key not in raw:
+                continue
+            if key not in text:  # stated only at the top level: it holds for the text model
+                text[key] = raw[key]
+            elif text[key] != raw[key]:
+                raise ValueError(f"{where}: {key} is {raw[key]!r} at the top level but "
+                                 f"{text[key]!r} in text_config")
     elif model_type == "kimi_linear":
         text = dict(raw)
     else:
         raise ValueError(f"{where}: model_type {model_type!r} is not 'kimi_k3' or 'kimi_linear'")
+    for key, want in _FIXED_CHOICES.items():
+        if text.get(key, want) != want:
+            raise ValueError(f"{where}: {key}={text[key]!r} is not supported (openk3 implements {want!r})")
     # K3's text_config itself says kimi_linear; its K3 features are what tell it apart.
     arch = "kimi_k3" if model_type == "kimi_k3" or "attn_res_block_size" in text else "kimi_linear"
 
@@ -238,8 +254,7 @@ def from_hf(path_or_dict: str | os.PathLike | dict) -> ModelConfig:
                 kw[ours] = text[theirs]
         if "gate_lower_bound" in lac:
             kw["kda_gate_lower_bound"] = lac["gate_lower_bound"]
-        for key, want in (("mla_use_output_gate", True), ("latent_moe_use_norm", True),
-                          ("mla_use_nope", True)):
+        for key, want in (("mla_use_output_gate", True), ("latent_moe_use_norm", True)):
             if text.get(key, want) != want:
                 raise ValueError(f"{where}: {key}={text[key]!r} is not supported (K3 uses {want})")
         if lac.get("use_full_rank_gate", True) is not True:
@@ -250,11 +265,19 @@ def from_hf(path_or_dict: str | os.PathLike | dict) -> ModelConfig:
         kw.setdefault("num_shared_experts", 1)
 
     passthrough = {k: v for k, v in text.items() if k not in _TEXT_KEYS}
+    if isinstance(text.get("eos_token_id"), list) and len(text["eos_token_id"]) > 1:
+        passthrough["eos_token_id"] = text["eos_token_id"]  # the model's is the first; written back whole
     if model_type == "kimi_k3":
         passthrough = {**{k: v for k, v in raw.items() if k not in _K3_TOP_KEYS},
                        "text_config": passthrough}
     try:
         cfg = ModelConfig(**kw, hf_passthrough=passthrough)
+        if text.get("num_key_value_heads", cfg.num_attention_heads) != cfg.num_attention_heads:
+            raise ValueError(f"num_key_value_heads={text['num_key_value_heads']!r} must equal "
+                             f"num_attention_heads={cfg.num_attention_heads} (MLA: one latent for all heads)")
+        if text.get("use_grouped_topk", True) is False and cfg.num_expert_group != 1:
+            raise ValueError(f"use_grouped_topk=false with num_expert_group={cfg.num_expert_group}: "
+                             "openk3 routes by groups whenever there are several")
         if model_type == "kimi_k3":
             # the vision keys are parsed *and* passed through: a text-only load (vision_config
             # None) writes the release's back unchanged; a model with vision overwrites them
@@ -299,6 +322,13 @@ def _with_passthrough(written: dict, passthrough: dict) -> dict:
     return out
 
 
+def _eos_ids(cfg: ModelConfig, text_passthrough: dict) -> Any:
+    """``eos_token_id`` as written: a list read from the config when it still starts with the
+    model's id (transformers stops at any of them), else the model's id."""
+    listed = text_passthrough.get("eos_token_id")
+    return listed if isinstance(listed, list) and listed[:1] == [cfg.eos_token_id] else cfg.eos_token_id
+
+
 def to_hf(cfg: ModelConfig, quantization_config: dict | None = None,
           dtype: str = "bfloat16") -> dict[str, Any]:
     """The HF ``config.json`` dict for ``cfg`` (nested for ``kimi_k3``, flat for ``kimi_linear``).
@@ -309,6 +339,8 @@ def to_hf(cfg: ModelConfig, quantization_config: dict | None = None,
         raise ValueError(f"to_hf: dtype={dtype!r} must be one of {_DTYPE_NAMES}")
     text: dict[str, Any] = {name: getattr(cfg, name) for name in _HF_SCALAR_FIELDS}
     text.update(_layer_patterns(cfg))
+    text_passthrough = cfg.hf_passthrough.get("text_config", {}) if cfg.is_k3 else cfg.hf_passthrough
+    text["eos_token_id"] = _eos_ids(cfg, text_passthrough)
     text.update(model_type="kimi_linear", dtype=dtype, num_key_value_heads=cfg.num_attention_heads,
                 mla_use_nope=True, moe_router_activation_func="sigmoid", use_grouped_topk=True)
     if quantization_config is not None:  # the K3 release keeps it inside text_config
@@ -330,12 +362,18 @@ def to_hf(cfg: ModelConfig, quantization_config: dict | None = None,
         "architectures": ["KimiK3ForConditionalGeneration"],
         "text_config": text,
         "bos_token_id": cfg.bos_token_id,
-        "eos_token_id": cfg.eos_token_id,
+        "eos_token_id": text["eos_token_id"],
         "pad_token_id": cfg.pad_token_id,
         "tie_word_embeddings": cfg.tie_word_embeddings,
     }
     if cfg.vision_config is not None:
         top.update(_vision_to_hf(cfg))
-    # a top-level dtype key is the release's business (passed through), but its value is ours
+    # a top-level dtype key is the release's business (passed through), but its value is ours,
+    # and so is a top-level quantization_config (where transformers looks for a composite model's)
     top.update({k: dtype for k in ("dtype", "torch_dtype") if k in cfg.hf_passthrough})
-    return _with_passthrough(top, cfg.hf_passthrough)
+    passthrough = dict(cfg.hf_passthrough)
+    if "quantization_config" in passthrough:
+        del passthrough["quantization_config"]
+        if quantization_config is not None:
+            top["quantization_config"] = quantization_config
+    return _with_passthrough(top, passthrough)

@@ -225,7 +225,7 @@ def check_qat_dims(cfg: ModelConfig) -> None:
     dim_field = "moe_latent_size" if cfg.moe_latent_size is not None else "hidden_size"
     for field in (dim_field, "moe_intermediate_size"):
         if getattr(cfg, field) % MX_BLOCK_SIZE:
-            raise ValueError(f"MXFP4 QAT needs ModelConfig.{field}={getattr(cfg, field)} "
+            raise ValueError(f"MXFP4 experts (QAT, packing) need ModelConfig.{field}={getattr(cfg, field)} "
                              f"divisible by {MX_BLOCK_SIZE} (one MX block per 32 expert inputs)")
 
 

@@ -90,6 +90,8 @@ def test_hf_roundtrip(name, tmp_path):
     ("debug", {"bos_token_id": None, "pad_token_id": None}),  # were read back as the release's ids
     ("kimi-linear-48b", {"hidden_act": "situ", "situ_beta1": 6.0, "situ_beta2": 30.0}),
     ("kimi-linear-48b", {"mla_norm_eps": 1e-5, "pad_token_id": None}),
+    ("debug", {"eos_token_id": None}),  # was read back as the release's id
+    ("kimi-linear-48b", {"eos_token_id": None}),
 ])
 def test_hf_roundtrip_of_changed_fields(name, changes, tmp_path):
     cfg = preset(name).replace(**changes)
@@ -107,11 +109,13 @@ def test_transformers_layer_types_spelling():
     assert cfg.full_attn_layers == (2, 4) and cfg.dense_mlp_layers == (1, 2)
     assert cfg.num_experts == 8 and cfg.num_experts_per_token == 2 and cfg.eos_token_id == 2
     assert cfg.arch == "kimi_linear" and cfg.kda_gate_lower_bound is None
-    # transformers' aliases are read, not passed through; keys openk3 does not know are
-    assert cfg.hf_passthrough == {"use_cache": True}
+    # transformers' aliases are read, not passed through; keys openk3 does not know are, and so
+    # is a list of eos ids (the model's is the first; the list was cut to it on export)
+    assert cfg.hf_passthrough == {"use_cache": True, "eos_token_id": [2, 3]}
     written = to_hf(cfg)
     assert written["first_k_dense_replace"] == 2 and "mlp_layer_types" not in written
     assert "num_local_experts" not in written and written["use_cache"] is True
+    assert written["eos_token_id"] == [2, 3] and to_hf(cfg.replace(eos_token_id=5))["eos_token_id"] == 5
 
 
 def test_dense_layers_anywhere_are_written_per_layer():
@@ -174,3 +178,42 @@ def test_passthrough_never_contradicts_the_model():
     untouched = copy.deepcopy(d)
     to_hf(from_hf(d))
     assert d == untouched
+
+
+def test_a_kimi_linear_model_with_a_bounded_gate_is_refused():
+    """Kimi Linear's format has no gate bound: it was dropped on export, the model changed."""
+    with pytest.raises(ValueError, match="kda_gate_lower_bound=None"):
+        preset("kimi-linear-48b").replace(kda_gate_lower_bound=-3.0)
+
+
+def test_k3_top_level_token_ids_and_tie_hold_for_the_text_model():
+    d = official_k3_config()
+    for key in ("eos_token_id", "tie_word_embeddings"):
+        d["text_config"].pop(key, None)
+    d.update(eos_token_id=7, tie_word_embeddings=True)
+    cfg = from_hf(d)  # were read as the defaults (and written back so)
+    assert (cfg.eos_token_id, cfg.tie_word_embeddings) == (7, True)
+    assert to_hf(cfg)["eos_token_id"] == 7 and to_hf(cfg)["text_config"]["tie_word_embeddings"] is True
+    d["text_config"]["eos_token_id"] = 8
+    with pytest.raises(ValueError, match="eos_token_id is 7 at the top level but 8 in text_config"):
+        from_hf(d)
+
+
+@pytest.mark.parametrize("key,value", [("moe_router_activation_func", "softmax"),
+                                       ("topk_method", "greedy"), ("mla_use_nope", False),
+                                       ("num_key_value_heads", 1)])
+@pytest.mark.parametrize("arch", ["kimi_k3", "kimi_linear"])
+def test_choices_openk3_does_not_implement_are_refused(arch, key, value):
+    """They were loaded as openk3's choice and exported rewritten to it."""
+    d = official_k3_config() if arch == "kimi_k3" else to_hf(preset("kimi-linear-48b"))
+    (d["text_config"] if arch == "kimi_k3" else d)[key] = value
+    with pytest.raises(ValueError, match=key):
+        from_hf(d)
+
+
+def test_a_stale_top_level_quantization_config_is_not_written_back():
+    d = official_k3_config()
+    d["quantization_config"] = mxfp4_quantization_config()
+    cfg = from_hf(d)
+    assert "quantization_config" not in to_hf(cfg)  # a bf16 export was labelled MXFP4
+    assert to_hf(cfg, quantization_config={"x": 1})["quantization_config"] == {"x": 1}

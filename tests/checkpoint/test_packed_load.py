@@ -165,6 +165,65 @@ def test_bad_packed_tensors_are_named(mx_dir, tmp_path, case, experts):
         openk3.load_pretrained(tmp_path / "bad", experts=experts)
 
 
+@pytest.mark.parametrize("case", ["expert twice", "dense twice", "int norm"])
+def test_tensors_given_twice_or_of_an_integer_dtype_are_named(mx_dir, tmp_path, case):
+    """A second copy of a tensor (a stale shard, or an expert both as .weight and packed) was
+    loaded from whichever file came last; an integer tensor was cast without a word."""
+    norm = "language_model.model.norm.weight"
+    _rewrite(mx_dir, tmp_path / "bad", lambda t: t.update(
+        {STEM + ".weight": torch.zeros(96, 64)} if case == "expert twice"
+        else {norm: t[norm].long()} if case == "int norm" else {}))
+    if case == "dense twice":  # a second shard with a stale copy of the final norm
+        index = {name: "model.safetensors" for name in tensors(tmp_path / "bad")}
+        save_file({norm: torch.full_like(tensors(mx_dir)[norm], 123.0)}, str(tmp_path / "bad" / "stale.safetensors"))
+        (tmp_path / "bad" / "model.safetensors.index.json").write_text(json.dumps(
+            {"weight_map": {**index, "extra": "stale.safetensors"}}))
+    message = {"expert twice": f"gives expert 3 of .* a second time",
+               "dense twice": f"tensor {norm} is in .* too",
+               "int norm": f"tensor {norm} is torch.int64"}[case]
+    for experts in ("packed", "dequantize"):
+        with pytest.raises(CheckpointError, match=message):
+            openk3.load_pretrained(tmp_path / "bad", experts=experts)
+
+
+def test_placed_packed_pairs_are_not_held_until_the_load_ends(mx_dir, monkeypatch):
+    """Each pair's tensors were kept to the end: a second copy of every routed expert."""
+    import openk3.checkpoint.hf as hf
+
+    held = []
+    real = hf._place_expert
+
+    def spy(cfg, state, name, m, tensor, file, experts_filled, packed, quantized):
+        real(cfg, state, name, m, tensor, file, experts_filled, packed, quantized)
+        held.append(sum(t is not None for parts in packed.values() for t, _ in parts.values()))
+
+    monkeypatch.setattr(hf, "_place_expert", spy)
+    openk3.load_pretrained(mx_dir, experts="packed")
+    assert len(held) > 20 and max(held) == 1  # at most the half of a pair still waiting
+
+
+def test_every_bf16_linear_is_ignored_by_the_written_quantization_config():
+    """docs/mxfp4.md: only the routed experts are MXFP4; the written ignore list missed the
+    latent projections, AttnRes projections and MTP's eh_proj."""
+    import re
+
+    from openk3.checkpoint.hf import mxfp4_quantization_config, to_hf_name
+
+    cfg = TINY.replace(num_nextn_predict_layers=1)
+    ignore = [p.removeprefix("re:") for p in mxfp4_quantization_config()["ignore"]]
+    names = [to_hf_name(cfg, n + ".weight").removesuffix(".weight")
+             for n, mod in build_model(cfg, device="meta").named_modules() if isinstance(mod, torch.nn.Linear)]
+    assert len(names) > 10 and [n for n in names if not any(re.match(p, n) for p in ignore)] == []
+
+
+def test_mxfp4_save_checks_every_expert_width_first(tmp_path):
+    """A latent width not divisible by 32 failed inside the quantiser, naming no field."""
+    odd = build_model(TINY.replace(moe_latent_size=80), seed=0)
+    with pytest.raises(ValueError, match=r"ModelConfig\.moe_latent_size=80 divisible by 32"):
+        openk3.save_pretrained(odd, tmp_path / "odd", experts="mxfp4")
+    assert not (tmp_path / "odd").exists()
+
+
 def test_misshaped_unpacked_expert_loaded_packed_is_named(model, tmp_path):
     openk3.save_pretrained(model, tmp_path / "bf16")
     stem = STEM + ".weight"

@@ -166,6 +166,10 @@ def test_draft_directory_round_trip_and_refusals(tmp_path):
         load_draft(tmp_path / "draft", other)
     with pytest.raises(ValueError, match="has no config.json"):
         load_draft(tmp_path, target)
-    (tmp_path / "draft" / "model.safetensors").unlink()
+    weights = tmp_path / "draft" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:weights.stat().st_size // 2])  # was safetensors' own error
+    with pytest.raises(ValueError, match="model.safetensors: cannot read the draft's weights"):
+        load_draft(tmp_path / "draft", target)
+    weights.unlink()
     with pytest.raises(ValueError, match="has no model.safetensors"):
         load_draft(tmp_path / "draft", target)
