@@ -55,6 +55,8 @@ def plan_eplb(expert_load: torch.Tensor, num_ranks: int, num_redundant: int) -> 
     if expert_load.dim() != 1:
         raise ValueError(f"expert_load must be 1-D [E], got shape {tuple(expert_load.shape)}")
     E, R = expert_load.shape[0], num_ranks
+    if E == 0:
+        raise ValueError("expert_load is empty: there are no experts to place")
     if R < 1 or num_redundant < 0 or (E + num_redundant) % R != 0:
         raise ValueError(f"E + num_redundant = {E} + {num_redundant} must be divisible by "
                          f"num_ranks R={R} (R >= 1, num_redundant >= 0)")

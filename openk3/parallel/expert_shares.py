@@ -41,7 +41,7 @@ class ExpertShares:
     def __init__(self, model: nn.Module, ep: int, replicate: bool = True):
         self.mesh = expert_mesh(ep, next(model.parameters()).device.type)
         self.ep_group = self.mesh.get_group("ep")
-        # without replicas there is nothing to reduce over (and no zero gradients to make)
+        # without replicas there is nothing to reduce over
         self.replica_group = self.mesh.get_group("replica") if self.mesh.size(0) > 1 else None
         apply_moonep(model, self.ep_group, replicate)
         self.params: dict[str, nn.Parameter] = {
@@ -60,12 +60,14 @@ class ExpertShares:
         the division by the world size turns the sum of per-rank means into one mean."""
         world = dist.get_world_size()
         for p in self.params.values():
+            # a rank whose experts got no tokens has no gradient: zeros, as one process's stack
+            # has for them, so every replica joins the reduction, every rank the clipping's
+            # all-reduce, and the optimiser steps the same parameters everywhere
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
             if self.replica_group is not None:
-                if p.grad is None:  # every replica must join the reduction
-                    p.grad = torch.zeros_like(p)
                 dist.all_reduce(p.grad, group=self.replica_group)
-            if p.grad is not None:
-                p.grad.div_(world)
+            p.grad.div_(world)
 
     def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         """Global-norm clipping when FSDP's sharded (DTensor) gradients sit beside the rank-local

@@ -325,8 +325,9 @@ def train(cfg: RunConfig) -> dict:
         saved, mine = trainer_state["data"].get("global_batch_size"), stream.world_size * stream.batch_size
         if saved is not None and saved != mine:
             per_rank = f"--batch-size {saved // stream.world_size}" if saved % stream.world_size == 0 else \
-                f"a number of processes that divides {saved}"
-            raise ValueError(f"--batch-size {cfg.batch_size} on {stream.world_size} process(es) is a global batch of "
+                f"a number of data-parallel groups that divides {saved}"
+            raise ValueError(f"--batch-size {cfg.batch_size} on {stream.world_size} data-parallel group(s) "
+                             f"(processes / --cp) is a global batch of "
                              f"{mine} sequences, but {prev} was saved with {saved}: the data stream continues "
                              f"exactly only with the same global batch ({per_rank})")
         stream.load_state_dict(trainer_state["data"])

@@ -178,7 +178,7 @@ def test_tensors_given_twice_or_of_an_integer_dtype_are_named(mx_dir, tmp_path, 
         save_file({norm: torch.full_like(tensors(mx_dir)[norm], 123.0)}, str(tmp_path / "bad" / "stale.safetensors"))
         (tmp_path / "bad" / "model.safetensors.index.json").write_text(json.dumps(
             {"weight_map": {**index, "extra": "stale.safetensors"}}))
-    message = {"expert twice": f"gives expert 3 of .* a second time",
+    message = {"expert twice": "gives expert 3 of .* a second time",
                "dense twice": f"tensor {norm} is in .* too",
                "int norm": f"tensor {norm} is torch.int64"}[case]
     for experts in ("packed", "dequantize"):

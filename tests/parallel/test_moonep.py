@@ -161,6 +161,11 @@ def test_invalid_inputs(load, R, match):
         plan(load, R)
 
 
+def test_eplb_refuses_no_experts():  # was min() of an empty sequence
+    with pytest.raises(ValueError, match="no experts to place"):
+        plan_eplb(torch.zeros(0, dtype=torch.int64), 2, 0)
+
+
 def test_no_validation_path_matches():
     load = torch.tensor([5, 0, 3, 0, 0, 4], dtype=torch.int32)
     assert torch.equal(plan(load, 3, validate=False).assignment, plan(load, 3).assignment)

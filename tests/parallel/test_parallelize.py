@@ -5,6 +5,7 @@ state dict) and exported model of one process that trains on the same global bat
 from __future__ import annotations
 
 import copy
+import datetime
 import functools
 import os
 import socket
@@ -128,23 +129,27 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-CASES = [(1, True), (2, True), (2, False)]  # (ep, replicate): FSDP, + MoonEP, + plain EP
+# (ep, replicate, collapsed): FSDP, + MoonEP, + plain EP; plain EP with every token routed to
+# rank 0's experts (rank 1's got no gradient, skipped the clipping's all-reduce: a hang)
+CASES = [(1, True, False), (2, True, False), (2, False, False), (2, False, True)]
 
 
 def _worker(rank: int, world: int, port: int) -> dict:
     """Every case in one set of processes (a spawn costs each a torch import and a rendezvous).
     A failing case raises, naming itself; the other rank then fails at its next collective."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # a collective one rank skips fails in a minute instead of hanging the suite
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
     results = {}
     try:
         torch.set_num_threads(1)
-        for ep, replicate in CASES:
+        for ep, replicate, collapsed in CASES:
             try:
-                _case(rank, world, ep, replicate)
+                _case(rank, world, ep, replicate, collapsed)
             except Exception as e:
-                raise AssertionError(f"rank {rank}, ep={ep}, replicate={replicate}: {e}") from e
-            results[rank, ep, replicate] = "ok"
+                raise AssertionError(f"rank {rank}, ep={ep}, replicate={replicate}, "
+                                     f"collapsed={collapsed}: {e}") from e
+            results[rank, ep, replicate, collapsed] = "ok"
         _routers_stay_fp32(rank, world)
         results[rank, "bf16"] = "ok"
         return results
@@ -168,15 +173,27 @@ def _routers_stay_fp32(rank: int, world: int) -> None:
                for m in model.modules() if isinstance(m, Router) for p in m.parameters())
 
 
-def _case(rank: int, world: int, ep: int, replicate: bool) -> None:
+def _collapse(model) -> None:
+    """Every token's experts among the first half (rank 0's under ep 2)."""
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, Router):
+                m.e_score_correction_bias[: model.cfg.num_experts // 2] = 100.0
+
+
+def _case(rank: int, world: int, ep: int, replicate: bool, collapsed: bool) -> None:
     ids = _batch(2 * world)
     ref = _model()  # one process, the whole global batch
+    if collapsed:
+        _collapse(ref)
     ref_opts = build_optimizers(ref, 1e-2, 0.1)
     _backward(ref, ids)
     ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)
     _step(ref_opts)
 
     model = _model()
+    if collapsed:
+        _collapse(model)
     parallel = parallelize(model, _env(rank, world), ep=ep, ep_replicate=replicate)
     assert all(m.replicate is replicate for m in model.modules() if isinstance(m, MoonEPExperts))
     opts = build_optimizers(model, 1e-2, 0.1)
@@ -206,10 +223,11 @@ def test_routers_stay_fp32_under_a_bf16_policy():
     assert results[0, "bf16"] == results[1, "bf16"] == "ok"
 
 
-@pytest.mark.parametrize("ep, replicate", CASES, ids=["fsdp", "fsdp+moonep", "fsdp+plain-ep"])
-def test_two_processes_equal_one(ep, replicate):
+@pytest.mark.parametrize("ep, replicate, collapsed", CASES,
+                         ids=["fsdp", "fsdp+moonep", "fsdp+plain-ep", "fsdp+plain-ep-collapsed"])
+def test_two_processes_equal_one(ep, replicate, collapsed):
     """One step on 2 processes: the gradient norm, weights, optimiser state and exported model
     of one process on the global batch; with ep 2 MoonEP's experts, or plain expert
     parallelism (``ep_replicate=False``, the baseline MoonEP is measured against)."""
     results = _results()
-    assert results[0, ep, replicate] == results[1, ep, replicate] == "ok"
+    assert results[0, ep, replicate, collapsed] == results[1, ep, replicate, collapsed] == "ok"

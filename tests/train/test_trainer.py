@@ -168,7 +168,7 @@ def test_pruning_by_step_number_and_of_a_stale_later_checkpoint(corpus, tmp_path
 def test_resume_with_another_global_batch_names_the_flag(corpus, tmp_path):
     out = tmp_path / "run"
     train(tiny(corpus, out, max_steps=3, ckpt_interval=3))
-    with pytest.raises(ValueError, match=r"--batch-size 4 on 1 process\(es\).*saved with 2.*--batch-size 2\)"):
+    with pytest.raises(ValueError, match=r"--batch-size 4 on 1 data-parallel group\(s\).*saved with 2.*--batch-size 2\)"):
         train(tiny(corpus, out, max_steps=6, batch_size=4, resume=True))
 
 
