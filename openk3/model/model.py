@@ -278,18 +278,37 @@ def build_model(cfg: ModelConfig, device: torch.device | str | None = None,
     if str(device) != "meta":
         model.init_weights(seed)
     if dtype is not None:
-        model.to(dtype)
-        _keep_fp32(model)
+        cast_model(model, dtype)
     return model
 
 
-def _keep_fp32(model: nn.Module) -> None:
-    """Router weights and biases, KDA decay parameters stay fp32 whatever the model dtype."""
-    for m in model.modules():
-        if isinstance(m, KDAttention):
-            m.A_log.data = m.A_log.data.float()
-            m.dt_bias.data = m.dt_bias.data.float()
+def _fp32_tensors(model: nn.Module) -> list[tuple[nn.Module, str]]:
+    """(module, attribute) of every tensor that stays fp32 whatever the model dtype: router
+    weights and biases (spec §1.6), KDA decay parameters."""
+    out = []
     for name, m in model.named_modules():
+        if isinstance(m, KDAttention):
+            out += [(m, "A_log"), (m, "dt_bias")]
         if name.endswith(".gate") and hasattr(m, "e_score_correction_bias"):
-            m.weight.data = m.weight.data.float()
-            m.e_score_correction_bias.data = m.e_score_correction_bias.data.float()
+            out += [(m, "weight"), (m, "e_score_correction_bias")]
+    return out
+
+
+def _keep_fp32(model: nn.Module) -> None:
+    """Router weights and biases, KDA decay parameters back to fp32 (after a cast of empty or
+    not yet loaded tensors; ``cast_model`` casts a model whose values count)."""
+    for m, attr in _fp32_tensors(model):
+        t = getattr(m, attr)
+        t.data = t.data.float()
+
+
+def cast_model(model: nn.Module, dtype: torch.dtype, device: torch.device | str | None = None) -> nn.Module:
+    """``model.to(device, dtype)``, the fp32 tensors (``_fp32_tensors``) kept in fp32 with their
+    values: a cast down and back up rounds them to ``dtype`` (an fp32 router chose other experts
+    for ~1% of tokens so)."""
+    kept = [(m, attr, getattr(m, attr).data.to(device=device, dtype=torch.float32))
+            for m, attr in _fp32_tensors(model)]
+    model.to(device=device, dtype=dtype)
+    for m, attr, data in kept:
+        getattr(m, attr).data = data
+    return model

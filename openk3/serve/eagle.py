@@ -49,7 +49,7 @@ import torch.nn.functional as F
 from openk3.model.cache import MLAState
 from openk3.model.draft import Eagle3Draft, target_fingerprint
 from openk3.model.fuse import fuse_projections
-from openk3.model.model import _keep_fp32
+from openk3.model.model import cast_model
 from openk3.serve.config import EngineConfig
 from openk3.serve import sampler
 from openk3.serve.draft import DraftProposer
@@ -74,8 +74,7 @@ class EagleDrafter(DraftProposer):
         if draft.cfg.target_fingerprint != have:
             raise ValueError(f"EAGLE draft: trained for a target with config fingerprint "
                              f"{draft.cfg.target_fingerprint} ({draft.cfg.target_path!r}); this target's is {have}")
-        draft.to(device=runner.device, dtype=runner.dtype)
-        _keep_fp32(draft)  # router weights and biases
+        cast_model(draft, runner.dtype, runner.device)  # the router stays fp32, values intact
         self.draft = draft.eval().requires_grad_(False)
         fuse_projections(draft.layer)  # not the draft itself: its ``fuse`` is the feature fusion
         self.runner, self.feature_blocks = runner, tuple(draft.cfg.fused_blocks)

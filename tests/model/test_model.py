@@ -209,3 +209,20 @@ def test_layers_return_their_own_tensor_in_training():
     with_residual = moe(x, residual=r.clone())
     assert not with_residual._is_view()
     torch.testing.assert_close(with_residual, moe(x) + r, rtol=1e-6, atol=1e-6)
+
+
+def test_cast_model_keeps_the_fp32_tensors_values():
+    """build_model(dtype=...) cast everything down, then routers and decay parameters back up:
+    rounded to the low dtype. They keep their fp32 values; everything else is cast."""
+    from openk3.model.model import _fp32_tensors
+
+    cfg = preset("debug")
+    want = build_model(cfg, seed=3)
+    got = build_model(cfg, seed=3, dtype=torch.bfloat16)
+    kept = {n for n, t in want.named_parameters() if any(getattr(m, a) is t for m, a in _fp32_tensors(want))}
+    assert any(n.endswith(".gate.weight") for n in kept) and any(n.endswith("A_log") for n in kept)
+    for (n, g), w in zip(got.state_dict().items(), want.state_dict().values()):
+        if n in kept or n.endswith("e_score_correction_bias"):
+            assert g.dtype == torch.float32 and torch.equal(g, w), n
+        elif w.is_floating_point():
+            assert g.dtype == torch.bfloat16 and torch.equal(g, w.to(torch.bfloat16)), n

@@ -305,3 +305,20 @@ def test_draft_directory_through_llm_and_cli(tmp_path, capsys):
     other = _draft(_model(0, vocab_size=512), 5)
     with pytest.raises(ValueError, match="trained for a target"):
         make_engine(copy.deepcopy(target), other, num_speculative_tokens=2)
+
+
+def test_the_drafts_router_keeps_its_fp32_values_in_a_bf16_engine():
+    """The draft was cast to the target's dtype and its router back to fp32: rounded to bf16
+    (its trained router then chose other experts for ~1% of tokens)."""
+    target, draft = echo_pair()
+    with torch.no_grad():
+        for name, p in draft.named_parameters():
+            if name.endswith(".gate.weight"):
+                p.add_(torch.rand_like(p) * 1e-3)  # values bf16 cannot hold
+    want = {n: t.clone() for n, t in draft.state_dict().items() if ".gate." in n}
+    assert want and all(t.dtype == torch.float32 for t in want.values())
+    eng = make_engine(target.to(torch.bfloat16), draft_model=draft, num_speculative_tokens=3)
+    got = eng.drafter.draft.state_dict()
+    for name, t in want.items():
+        assert got[name].dtype == torch.float32 and torch.equal(got[name], t), name
+    assert draft.layer.eh_proj.weight.dtype == torch.bfloat16
