@@ -298,6 +298,8 @@ class Muon(torch.optim.Optimizer):
         boundaries) through ``muon_updates``, then each rank keeps its shard."""
         lr, mu, wd = group["lr"], group["momentum"], group["weight_decay"]
         grads = [p.grad for p in params]
+        if self._grad_scale is not None and group["nesterov"]:  # as _momentum scaled them
+            grads = torch._foreach_mul(grads, self._grad_scale)
         bufs = [self.state[p]["momentum_buffer"] for p in params]
         ms = torch._foreach_add(grads, bufs, alpha=mu) if group["nesterov"] else bufs
         full = [m.full_tensor() if isinstance(m, DTensor) else m for m in ms]

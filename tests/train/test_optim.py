@@ -539,3 +539,21 @@ def test_extension_during_warmup_and_round_trip():
     assert s.anchor is None and s(5) == lr_multiplier(5, 200, 10)
     again = s.extended(400, 150)
     assert LRSchedule.from_dict(again.to_dict()) == again and again.anchor[0] == 150
+
+
+@pytest.mark.parametrize("shape, split", [((32, 48), HeadSplit(0, (8,))),  # blocks are views
+                                          ((2, 16, 24), HeadSplit(1, (8,)))])  # copied blocks
+def test_grad_scale_equals_gradients_scaled_first_on_both_paths(shape, split):
+    """The copied-block path (``_update_gathered``) took the unscaled gradient into Nesterov's
+    ``g + mu m`` (0.01 off after three steps); the in-place path did not."""
+    torch.manual_seed(0)
+    w0, grads = torch.randn(shape), [torch.randn(shape) for _ in range(3)]
+    out = []
+    for folded in (True, False):
+        p = torch.nn.Parameter(w0.clone())
+        opt = Muon([p], lr=0.02, weight_decay=0.0, head_splits={p: split})
+        for g in grads:
+            p.grad = g.clone() if folded else g * 0.1
+            opt.step(grad_scale=torch.tensor(0.1) if folded else None)
+        out.append(p.detach())
+    torch.testing.assert_close(out[0], out[1], rtol=0, atol=1e-6)
