@@ -32,7 +32,7 @@ from openk3.model.mla import MLAttention
 from openk3.model.model import AttnResQuery
 from openk3.model.moe import Router
 from openk3.ops import muon as muon_ops
-from openk3.vision.tower import PositionEmbedding
+from openk3.vision.tower import PositionEmbedding, VisionBlock
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)  # quintic Newton-Schulz, a / b / c
 UPDATE_RMS = 0.2  # Muon's update RMS, matched to a typical AdamW update
@@ -118,8 +118,8 @@ class HeadSplit:
 
 
 def head_slices(model: nn.Module) -> dict[nn.Parameter, HeadSplit]:
-    """Per-head split of every attention matrix of ``model``, read from the attention modules'
-    head counts and dimensions. Matrices shared by all heads (``q_a_proj``,
+    """Per-head split of every attention matrix of ``model`` (KDA, MLA, the vision tower's),
+    read from the attention modules' head counts and dimensions. Matrices shared by all heads (``q_a_proj``,
     ``kv_a_proj_with_mqa``, the KDA decay projections ``f_a/f_b/b_proj``) are not listed and
     are orthogonalised whole."""
     splits: dict[nn.Parameter, HeadSplit] = {}
@@ -137,6 +137,9 @@ def head_slices(model: nn.Module) -> dict[nn.Parameter, HeadSplit]:
             if hasattr(m, "g_proj"):
                 splits[m.g_proj.weight] = HeadSplit(0, (m.v_dim,))
             splits[m.o_proj.weight] = HeadSplit(1, (m.v_dim,))
+        elif isinstance(m, VisionBlock):  # wqkv's rows are [q | k | v], each head by head
+            splits[m.wqkv.weight] = HeadSplit(0, (m.head_dim,))
+            splits[m.wo.weight] = HeadSplit(1, (m.head_dim,))
     return splits
 
 

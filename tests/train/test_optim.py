@@ -206,6 +206,24 @@ def test_kimi_linear_head_splits():
     assert not hasattr(mla, "g_proj")
 
 
+def test_vision_attention_is_split_by_head():
+    """MoonViT's fused wqkv and its wo were orthogonalised whole (spec §3: each head's slice)."""
+    from openk3.vision.tower import VisionBlock
+
+    model = build_model(preset("debug-vl"))
+    block = next(m for m in model.modules() if isinstance(m, VisionBlock))
+    splits = head_slices(model)
+    assert splits[block.wqkv.weight] == HeadSplit(0, (block.head_dim,))
+    assert splits[block.wo.weight] == HeadSplit(1, (block.head_dim,))
+    hd, H = block.head_dim, block.heads
+    g = torch.randn(3 * H * hd, block.wqkv.in_features, generator=torch.Generator().manual_seed(4))
+    u = muon_update(g, splits[block.wqkv.weight])
+    for part in range(3):  # q, k, v; then head by head
+        for h in range(H):
+            rows = slice((part * H + h) * hd, (part * H + h + 1) * hd)
+            torch.testing.assert_close(u[rows], muon_update(g[rows]), rtol=1e-5, atol=1e-6)
+
+
 def test_routed_experts_orthogonalised_one_by_one():
     g = torch.randn(8, 64, 96, generator=torch.Generator().manual_seed(3))  # [E, F, D]
     u = muon_update(g)
