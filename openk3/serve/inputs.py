@@ -49,6 +49,8 @@ class RequestInputs:
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt)
+        if isinstance(prompt, (bytes, bytearray, dict, set)) or not hasattr(prompt, "__iter__"):
+            raise InvalidRequest("prompt", f"must be a string or a list of token ids, got {type(prompt).__name__}")
         return list(prompt)
 
     @property
@@ -70,9 +72,9 @@ class RequestInputs:
             raise InvalidRequest("images", "must be a non-empty list of images")
         try:
             pics = [open_image(im, f"images[{k}]", self.config.max_image_bytes) for k, im in enumerate(images)]
+            packed = pack_images(pics, vcfg)
         except ValueError as e:
             raise InvalidRequest("images", str(e)) from e
-        packed = pack_images(pics, vcfg)
         if isinstance(prompt, str) and not prompt:
             prompt = []
         try:

@@ -3,9 +3,14 @@
 The K3 release's image processor (``preprocessor_config.json``'s ``media_proc_cfg``; values
 and sources in docs/vision.md), for still images:
 
+0. (openk3's) an image Pillow cannot resample bicubically or convert to RGB without loss made
+   8-bit first: palette and 1-bit images to RGB(A) (Pillow resizes a palette image by its
+   nearest neighbour), 16-bit greyscale scaled to 0..255 (``convert("RGB")`` clips it at 255);
+   float images are refused (no fixed range);
 1. transparency composited onto an 8-pixel chessboard (white 255 at the top left, grey 180);
 2. the image scaled down (bicubic), never up, so that it holds at most ``in_patch_limit``
-   patches and at most ``patch_limit_on_one_side`` patches per side;
+   patches and at most ``patch_limit_on_one_side`` patches per side (fewer if the model's
+   ``rope_max_grid`` is smaller);
 3. zero pixels padded at the bottom and the right up to a multiple of ``patch_size`` x
    ``merge_kernel_size`` (28 pixels), so the patch grid merges 2 x 2 exactly;
 4. ``(pixel / 255 - 0.5) / 0.5`` per channel;
@@ -67,15 +72,43 @@ class PackedImages:
         return out
 
 
+def side_limit_of(cfg: VisionConfig) -> int:
+    """Patches per side at most: the release's 512, or fewer where the model's RoPE table
+    (``rope_max_grid``) is smaller, rounded down to whole merge kernels (padding then stays
+    inside it)."""
+    step = math.lcm(*cfg.merge_kernel_size)
+    return min(PATCH_LIMIT_ON_ONE_SIDE, max(step, cfg.rope_max_grid // step * step))
+
+
 def resized_size(width: int, height: int, cfg: VisionConfig, in_patch_limit: int = IN_PATCH_LIMIT,
-                 side_limit: int = PATCH_LIMIT_ON_ONE_SIDE) -> tuple[int, int]:
-    """(width, height) after step 2: scaled by the largest factor <= 1 within both limits."""
+                 side_limit: int | None = None) -> tuple[int, int]:
+    """(width, height) after step 2: scaled by the largest factor <= 1 within both limits
+    (``side_limit``: ``side_limit_of(cfg)`` when None)."""
+    side_limit = side_limit_of(cfg) if side_limit is None else side_limit
     p = cfg.patch_size
     scale = min(1.0, math.sqrt(in_patch_limit / (max(1, width // p) * max(1, height // p))),
                 side_limit * p / width, side_limit * p / height)
     new_w = min(max(1, int(width * scale)), side_limit * p)
     new_h = min(max(1, int(height * scale)), side_limit * p)
     return new_w, new_h
+
+
+def _eight_bit(image: Image.Image) -> Image.Image:
+    """Step 0: ``image`` in a mode Pillow resizes bicubically and converts to RGB as it is."""
+    mode = image.mode
+    if mode == "F":
+        raise ValueError("a 32-bit float image has no fixed range of values: convert it to 8 bits first")
+    if mode.startswith("I"):  # I;16 / I;16B / ...: 16-bit; I: 16-bit data when above 255
+        values = np.asarray(image, dtype=np.float64)
+        if mode.startswith("I;16") or values.max(initial=0) > 255:
+            values = values * (255 / 65535)
+        return Image.fromarray(np.clip(np.rint(values), 0, 255).astype(np.uint8), mode="L")
+    if mode == "La":  # premultiplied: Pillow converts it to LA only
+        return image.convert("LA")
+    if mode in ("RGB", "RGBA", "L", "LA"):
+        return image
+    keeps_alpha = {"A", "a"} & set(image.getbands()) or "transparency" in image.info
+    return image.convert("RGBA" if keeps_alpha else "RGB")
 
 
 def _to_rgb(image: Image.Image) -> Image.Image:
@@ -93,9 +126,11 @@ def _to_rgb(image: Image.Image) -> Image.Image:
 
 
 def preprocess_image(image: Image.Image, cfg: VisionConfig, in_patch_limit: int = IN_PATCH_LIMIT,
-                     side_limit: int = PATCH_LIMIT_ON_ONE_SIDE) -> tuple[torch.Tensor, tuple[int, int]]:
-    """One PIL image -> (patches [h * w, 3, p, p] fp32, its grid (h, w)): steps 1-5 above."""
+                     side_limit: int | None = None) -> tuple[torch.Tensor, tuple[int, int]]:
+    """One PIL image -> (patches [h * w, 3, p, p] fp32, its grid (h, w)): steps 0-5 above.
+    Raises ``ValueError`` for a float image."""
     p = cfg.patch_size
+    image = _eight_bit(image)
     width, height = image.size
     new_size = resized_size(width, height, cfg, in_patch_limit, side_limit)
     # transparency is composited after the resize (the release's "after_resize")
@@ -114,8 +149,14 @@ def preprocess_image(image: Image.Image, cfg: VisionConfig, in_patch_limit: int 
 
 
 def pack_images(images: list[Image.Image], cfg: VisionConfig, **limits: int) -> PackedImages:
-    """Preprocess each image and pack them (``limits``: ``in_patch_limit``, ``side_limit``)."""
-    done = [preprocess_image(im, cfg, **limits) for im in images]
+    """Preprocess each image and pack them (``limits``: ``in_patch_limit``, ``side_limit``).
+    Raises ``ValueError`` naming ``images[k]``."""
+    done = []
+    for k, im in enumerate(images):
+        try:
+            done.append(preprocess_image(im, cfg, **limits))
+        except ValueError as e:
+            raise ValueError(f"images[{k}]: {e}") from e
     return PackedImages(torch.cat([d[0] for d in done]), tuple(d[1] for d in done))
 
 

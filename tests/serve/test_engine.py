@@ -200,7 +200,9 @@ def test_bad_requests_name_the_parameter(model):
              ([3, True], SamplingParams(), "prompt"),  # bools are not token ids
              ([0, 4, False, 1], SamplingParams(), "prompt"),
              ([3, None], SamplingParams(), "prompt"),
-             ([3, 2**70], SamplingParams(), "prompt")]
+             ([3, 2**70], SamplingParams(), "prompt"),
+             (b"hi", SamplingParams(), "prompt"),  # bytes were taken as the ids [104, 105]
+             ({3: 4}, SamplingParams(), "prompt")]
     for prompt, params, param in cases:
         with pytest.raises(InvalidRequest) as e:
             eng.add_request(prompt, params)

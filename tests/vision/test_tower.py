@@ -172,6 +172,47 @@ def test_resize_limits_and_packing():
     assert a != b and pack_images([Image.new("RGB", (56, 28))], cfg).content_hashes() == [a]
 
 
+def _stripes(mode: str) -> Image.Image:
+    """1-pixel black and white columns, 2,000 wide: a bicubic resize greys them, a nearest
+    neighbour one keeps two levels."""
+    row = np.tile(np.array([0, 255], np.uint8), 1000)
+    grey = Image.fromarray(np.repeat(row[None], 28, axis=0), mode="L")
+    if mode == "La":  # Pillow makes La only from LA
+        return grey.convert("LA").convert("La")
+    return grey.convert(mode)
+
+
+@pytest.mark.parametrize("mode", ["P", "PA", "1", "La"])
+def test_every_mode_is_resized_bicubically_as_8_bit_rgb(mode):
+    """A palette image was resized by its nearest neighbour (Pillow's rule for mode P), PA came
+    out black, La raised; each now gives what its 8-bit RGB form gives."""
+    cfg = VisionConfig()
+    got, grid = preprocess_image(_stripes(mode), cfg, side_limit=28)
+    reference = {"P": "RGB", "PA": "RGBA", "1": "RGB", "La": "LA"}[mode]
+    want, want_grid = preprocess_image(_stripes(mode).convert(reference), cfg, side_limit=28)
+    assert grid == want_grid and torch.equal(got, want)
+    assert len(torch.unique(got[:, :, :, :])) > 4  # grey levels, not just black and white
+
+
+def test_16_bit_images_are_scaled_and_float_ones_refused():
+    """convert("RGB") clipped 16-bit values at 255: mid grey came out white."""
+    cfg = VisionConfig()
+    mid = Image.fromarray(np.full((28, 28), 32896, np.uint16))  # 128.0 of 255 (I;16)
+    assert mid.mode == "I;16"
+    patches, _ = preprocess_image(mid, cfg)
+    torch.testing.assert_close(patches, torch.full_like(patches, (128 / 255 - 0.5) / 0.5))
+    with pytest.raises(ValueError, match=r"images\[1\]: a 32-bit float image"):
+        pack_images([mid, Image.fromarray(np.full((28, 28), 0.5, np.float32))], cfg)
+
+
+def test_the_side_limit_follows_the_models_rope_table():
+    """rope_max_grid was ignored: a 1000-patch-wide image passed the preprocessor and failed in
+    the tower's RoPE."""
+    cfg = VisionConfig(rope_max_grid=65)
+    _, (h, w) = preprocess_image(Image.new("RGB", (14 * 1000, 28)), cfg)
+    assert w == 64 and h == 2  # 65 rounded down to whole 2 x 2 merge kernels
+
+
 def test_image_prompt_formats():
     from openk3.vision.preprocess import image_prompt_ids
 
