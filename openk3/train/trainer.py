@@ -389,7 +389,9 @@ def train(cfg: RunConfig) -> dict:
             stream.seq_len = cfg.seq_len_at(step)
             mult = schedule(step - 1)
             set_lr(optimizers, mult)
-            logging_step = step % cfg.log_interval == 0 or step == cfg.max_steps
+            eval_step = val_tokens > cfg.seq_len and (step % cfg.eval_interval == 0 or step == cfg.max_steps)
+            # an evaluation is logged with its step's row, also where it falls between log steps
+            logging_step = step % cfg.log_interval == 0 or step == cfg.max_steps or eval_step
             probe.active = logging_step or probe.persistent
             try:
                 loss_f, grad_norm, mtp_f = step_fn(stream.next_batch() for _ in range(cfg.grad_accum))
@@ -422,7 +424,7 @@ def train(cfg: RunConfig) -> dict:
                        "max_abs_activation": probe.read()}
                 if env.device.type == "cuda":
                     row["mfu"] = tok_s * flops_per_token(model_cfg, cfg.seq_len_at(step)) / peak
-                if val_tokens > cfg.seq_len and (step % cfg.eval_interval == 0 or step == cfg.max_steps):
+                if eval_step:
                     row["val_loss"] = evaluate(model, data, cfg, env, parallel)
                 metrics.write(row)
                 bar.log_line(row)

@@ -173,13 +173,19 @@ def evaluate(model, tok: Tokenizer, exs: list[Example], batch_size: int = 64) ->
     device = next(model.parameters()).device
     correct: dict[str, list[int]] = {t: [0, 0] for t in TASKS}
     model.eval()
-    for start in range(0, len(exs), batch_size):
-        chunk = exs[start:start + batch_size]
-        images = pack_images([e.image for e in chunk], cfg)
-        prompts = [prompt_ids(tok, e.task, n) for e, n in zip(chunk, images.tokens_per_image(cfg))]
-        # left-pad so every prompt ends at the last position (pad tokens come before bos)
-        T = max(len(p) for p in prompts)
-        ids = torch.tensor([[PAD] * (T - len(p)) + p for p in prompts], device=device)
+    # prompts batched by length, so no row reads padding (the model takes no attention mask:
+    # left padding changed an example's answer with its batch's other prompts)
+    by_length: dict[int, list[tuple[Example, PackedImages, list[int]]]] = {}
+    for e in exs:
+        packed = pack_images([e.image], cfg)
+        prompt = prompt_ids(tok, e.task, packed.tokens_per_image(cfg)[0])
+        by_length.setdefault(len(prompt), []).append((e, packed, prompt))
+    batches = [group[i:i + batch_size] for group in by_length.values() for i in range(0, len(group), batch_size)]
+    for batch in batches:
+        chunk = [e for e, _, _ in batch]
+        images = PackedImages(torch.cat([p.pixel_values for _, p, _ in batch]),
+                              tuple(g for _, p, _ in batch for g in p.grid_hws))
+        ids = torch.tensor([prompt for _, _, prompt in batch], device=device)
         logits = model(ids, images=images.to(device), logits_to_keep=1).logits[:, -1].float()
         for e, row in zip(chunk, logits):
             choices = [tok.token_to_id(a) for a in ANSWERS[e.task]]

@@ -69,6 +69,7 @@ def train_vl(cfg: RunConfig) -> dict:
 
     losses: list[float] = []
     t0 = t_last = time.perf_counter()
+    last_row = 0  # the step of the last logged row
     for step in range(1, cfg.max_steps + 1):
         set_lr(t.optimizers, schedule(step - 1))
         loss, grad_norm, _ = train_step(t, batches(step), cfg)
@@ -77,12 +78,13 @@ def train_vl(cfg: RunConfig) -> dict:
                                    f"{step}; stopping (this run keeps no checkpoint: start again, perhaps "
                                    "with a lower --lr)")
         losses.append(loss)
-        if step % cfg.log_interval == 0 or step == cfg.max_steps:
+        eval_step = step % cfg.eval_interval == 0 and step != cfg.max_steps  # the last: below
+        if step % cfg.log_interval == 0 or step == cfg.max_steps or eval_step:
             now = time.perf_counter()
             row = {"step": step, "loss": loss, "lr": cfg.lr * schedule(step - 1),
-                   "grad_norm": float(grad_norm), "s_per_step": (now - t_last) / cfg.log_interval}
-            t_last = now
-            if step % cfg.eval_interval == 0 and step != cfg.max_steps:
+                   "grad_norm": float(grad_norm), "s_per_step": (now - t_last) / (step - last_row)}
+            t_last, last_row = now, step
+            if eval_step:
                 row["accuracy"] = synthetic.evaluate(t.model, tok, held_out[:200])["all"]
                 t.model.train()
             metrics.write(row)

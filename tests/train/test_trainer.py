@@ -66,7 +66,7 @@ def test_resume_is_exact(corpus, tmp_path):
     assert resumed["start_step"] == 3
     assert straight[:3] + resumed["losses"] == straight  # bit-identical, not merely close
     steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [2, 4, 6]  # rows logged after the checkpoint were dropped, then redone
+    assert steps == [2, 3, 4, 6]  # rows logged after the checkpoint were dropped, then redone
 
 
 def test_resume_drops_metrics_logged_after_the_checkpoint(corpus, tmp_path):
@@ -77,17 +77,19 @@ def test_resume_drops_metrics_logged_after_the_checkpoint(corpus, tmp_path):
         fh.write(json.dumps({"step": 5, "loss": 9.9}) + "\n")
     train(tiny(corpus, out, resume=True))
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [2, 4, 6] and all(r["loss"] != 9.9 for r in rows)
+    assert [r["step"] for r in rows] == [2, 3, 4, 6] and all(r["loss"] != 9.9 for r in rows)
 
 
 def test_metrics_plots_and_generate_from_run_dir(corpus, tmp_path, capsys):
     out = tmp_path / "run"
     summary = train(tiny(corpus, out, num_samples=1, sample_tokens=8))
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [2, 4, 6]
+    # logged every 2 steps, evaluated every 3 (step 3's row was skipped: evaluations only fell on
+    # steps both divide) and at the last
+    assert [r["step"] for r in rows] == [2, 3, 4, 6]
+    assert [r["step"] for r in rows if "val_loss" in r] == [3, 6]
     for key in ("loss", "lr", "grad_norm", "tokens_per_s", "load_max_over_mean", "max_abs_activation"):
         assert key in rows[-1], key
-    assert "val_loss" in rows[-1]  # last step is always evaluated
     assert len(rows[-1]["load_max_over_mean"]) == 3  # MoE layers 1..3
     assert len(rows[-1]["max_abs_activation"]) == 4
     assert "samples" in summary and "--- sample 1 ---" in capsys.readouterr().out

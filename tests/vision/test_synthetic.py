@@ -67,3 +67,43 @@ def test_training_stops_on_a_non_finite_loss(tmp_path, monkeypatch):
         train(run_preset("debug-vl", out=str(tmp_path / "run"), max_steps=3, batch_size=2, warmup_steps=1,
                          num_samples=0))
     assert not (tmp_path / "run" / "export").exists()
+
+
+def test_evaluation_does_not_depend_on_the_batch():
+    """Prompts were left-padded and the model takes no mask: an example's logits moved by up to
+    0.35 with the other prompts of its batch. Batched by length now, the scores are those of
+    one example at a time."""
+    torch.manual_seed(0)
+    model = build_model(preset("debug-vl")).eval()
+    tok = synthetic.build_tokenizer()
+    exs = synthetic.examples(24, seed=7)
+    lengths = {len(synthetic.prompt_ids(tok, e.task, synthetic.pack_images([e.image], model.cfg.vision_config)
+                                        .tokens_per_image(model.cfg.vision_config)[0])) for e in exs}
+    assert len(lengths) > 1  # prompts of several lengths share a batch
+    seen = []
+    real = model.forward
+
+    def spy(ids, **kw):
+        seen.append(ids)
+        return real(ids, **kw)
+
+    model.forward = spy
+    batched = synthetic.evaluate(model, tok, exs, batch_size=64)
+    assert all(not (ids == synthetic.PAD).any() for ids in seen)
+    assert batched == synthetic.evaluate(model, tok, exs, batch_size=1)
+
+
+def test_training_evaluates_at_every_eval_interval(tmp_path, monkeypatch):
+    """The evaluation ran inside the logging branch: only at multiples of both intervals."""
+    import json
+
+    from openk3.train.config import run_preset
+    from openk3.train.trainer import train
+    from openk3.vision import train as vision_train
+
+    monkeypatch.setattr(vision_train, "EVAL_EXAMPLES", 40)  # every task (fixed seed)
+    train(run_preset("debug-vl", out=str(tmp_path / "run"), max_steps=4, batch_size=2, warmup_steps=1,
+                     log_interval=2, eval_interval=3, num_samples=0))
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [2, 3, 4]
+    assert [r["step"] for r in rows if "accuracy" in r] == [3]
