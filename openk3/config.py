@@ -339,7 +339,7 @@ def _debug_vl() -> ModelConfig:
 
 
 def _small() -> ModelConfig:
-    # ~0.95B total / ~0.4B active: the single-GPU preset.
+    # ~0.92B total / ~0.37B active: the single-GPU preset.
     return ModelConfig(
         vocab_size=65536, hidden_size=1024, num_hidden_layers=24,
         full_attn_layers=tuple(range(4, 24, 4)) + (24,),
@@ -353,7 +353,7 @@ def _small() -> ModelConfig:
 
 
 def _medium() -> ModelConfig:
-    # ~9B total / ~1.6B active, K3's ratios at a width of 2048: 3:1 KDA:MLA, a latent MoE at half
+    # ~9.4B total / ~1.8B active, K3's ratios at a width of 2048: 3:1 KDA:MLA, a latent MoE at half
     # the width with 128 experts of which 8 are active (6%), two shared experts. The preset to
     # train on one node (FSDP2 over 2-8 GPUs; its memory and MFU are not measured yet: docs/benchmarks.md).
     return ModelConfig(

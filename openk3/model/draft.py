@@ -60,10 +60,11 @@ def default_fused_blocks(cfg: ModelConfig) -> tuple[int, int]:
 
 
 def target_fingerprint(cfg: ModelConfig) -> str:
-    """sha256 (16 hex digits) of the target's config, its MTP layers and the HF fields it only
-    passes through left out (neither changes the target's distribution). A draft refuses a target
-    whose fingerprint differs."""
-    d = cfg.replace(num_nextn_predict_layers=0, hf_passthrough={}).to_dict()
+    """sha256 (16 hex digits) of the target's config, its MTP layers, its vision tower and the HF
+    fields it only passes through left out (none changes the distribution of text; a K3 target
+    loaded with and without its tower is one target). A draft refuses a target whose
+    fingerprint differs."""
+    d = cfg.replace(num_nextn_predict_layers=0, hf_passthrough={}, vision_config=None).to_dict()
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 

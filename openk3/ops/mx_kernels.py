@@ -11,7 +11,8 @@ exponent bits and the top mantissa bit, which as an fp16 is exactly ``value * 2^
 ``2^14`` goes back onto the other operand or is multiplied in before the scale, so every decoded
 weight is exact in fp32 and the only rounding is the arithmetic that follows, as in the reference.
 (Scale byte 0, ``2^-127``, is an fp32 subnormal: a GPU that flushes subnormal products would zero
-the values under it, at most ``6 * 2^-127``. The quantiser gives byte 0 only to all-zero blocks.)
+the values under it, at most ``6 * 2^-127``. The quantiser gives byte 0 only to blocks whose
+largest magnitude is below ``2^-124``: all-zero blocks, or weights no bf16 model holds.)
 
 * ``mxfp4_moe_gemv_triton``: decode, one program per (token, slot) pair and ``ROWS`` output rows,
   as ``openk3.ops.moe_kernels`` (its structure and its GLU), three kernels, no host sync:

@@ -161,6 +161,8 @@ def test_draft_directory_round_trip_and_refusals(tmp_path):
     assert not any(n.startswith(("embed", "lm_head")) for n in loaded.state_dict())
     # an MTP layer does not change the fingerprint: the same target trained with one still fits
     assert target_fingerprint(target.cfg.replace(num_nextn_predict_layers=1)) == target_fingerprint(target.cfg)
+    # nor does a vision tower: a K3 target loaded with it or text-only was two targets
+    assert target_fingerprint(preset("debug-vl")) == target_fingerprint(preset("debug-vl").replace(vision_config=None))
     other = _target(hidden_size=96)
     with pytest.raises(ValueError, match="trained for another target.*hidden_size 96"):
         load_draft(tmp_path / "draft", other)
