@@ -146,7 +146,12 @@ def _cache_key(files: list[Path], sources: list[str] | None, vocab_size: int | N
                tokenizer_path: Path | None, val_fraction: float) -> str:
     h = hashlib.sha256()
     stats = [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
-    tok_hash = hashlib.sha256(tokenizer_path.read_bytes()).hexdigest() if tokenizer_path else None
+    tok_hash = None
+    if tokenizer_path:  # tokenizer_config.json beside it picks the end-of-document id (_eos_id)
+        tok_hash = hashlib.sha256(tokenizer_path.read_bytes()).hexdigest()
+        config = tokenizer_path.parent / "tokenizer_config.json"
+        if config.exists():
+            tok_hash += hashlib.sha256(config.read_bytes()).hexdigest()
     h.update(json.dumps({"format": FORMAT_VERSION, "files": stats, "vocab_size": vocab_size,
                          "tokenizer": tok_hash, "val_fraction": val_fraction}).encode())
     name = "stdlib" if sources is None else Path(sources[0]).stem or "data"

@@ -93,6 +93,11 @@ def test_prepare_with_user_tokenizer(mixed_corpus, corpus_docs, cache, tmp_path)
     data = prepare_data(mixed_corpus[:1], tokenizer_path=path, log=quiet)
     assert data.vocab_size == Tokenizer.from_file(str(path)).get_vocab_size()
     assert data.tokenizer_path.read_bytes() == path.read_bytes()
+    # a tokenizer_config.json naming another end-of-document token makes another cache (the
+    # old one, with the old id after every document, was reused)
+    (path.parent / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|pad|>"}))
+    other = prepare_data(mixed_corpus[:1], tokenizer_path=path, log=quiet)
+    assert other.train_path != data.train_path and (data.eos_id, other.eos_id) == (2, 0)
 
 
 def test_single_document_cannot_be_split(tmp_path, corpus_docs, cache):
