@@ -318,7 +318,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from openk3.serve.server import serve
 
     api_key = args.api_key or os.environ.get("OPENK3_API_KEY")
-    chat_template = ChatTemplate.from_checkpoint(checkpoint_dir(args.checkpoint)) if args.checkpoint else None
+    # a --tokenizer DIR's template first: the checkpoint's tokenizer (and template) is replaced
+    sources = [args.tokenizer] if args.tokenizer not in (None, "bytes") else []
+    sources += [checkpoint_dir(args.checkpoint)] if args.checkpoint else []
+    chat_template = ChatTemplate.from_checkpoint(*sources) if sources else None
     if args.api_servers is None:  # several server processes where the engine's steps are fast
         gpu = args.engine == "process" and resolve_device(args.device).type == "cuda"
         args.api_servers = DEFAULT_GPU_API_SERVERS if gpu else 1

@@ -89,7 +89,10 @@ class TiktokenTokenizer:
         return self.enc.encode(text, allowed_special="all")
 
     def decode(self, ids: list[int]) -> str:
-        return self.enc.decode(ids)
+        # an id past the vocabulary (a model's vocabulary can be wider) decodes to nothing, as
+        # ``tokenizers`` does: tiktoken raised, and the engine then failed every request in flight
+        known = self.enc.n_vocab
+        return self.enc.decode([i for i in ids if 0 <= i < known])
 
     def token_id(self, name: str) -> int | None:
         """The id of special token ``name``, or None when there is none of that name."""

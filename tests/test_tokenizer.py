@@ -33,6 +33,9 @@ def test_kimi_tiktoken_checkpoint(tmp_path):
     assert tok.decode([n + NUM_RESERVED_SPECIAL - 1]) == f"<|reserved_token_{NUM_RESERVED_SPECIAL - 1}|>"
     # Han characters form their own pre-token (so "中文" is one merge, not split with "x")
     assert tok.encode("x中文") == [ord("x"), n - 1]
+    # an id past the vocabulary (a wider model's) decodes to nothing, as tokenizer.json's do
+    # (tiktoken raised, and the engine then failed every request in flight)
+    assert tok.decode([ord("a"), n + NUM_RESERVED_SPECIAL, 10**6, ord("b")]) == "ab"
 
 
 def test_hf_tokenizer_json(tmp_path):

@@ -38,6 +38,16 @@ class Checked(NamedTuple):
     packed: array
 
 
+def utf8_text(text: str, param: str) -> str:
+    """``text`` if it is valid Unicode text; a lone surrogate (valid JSON: ``"\\ud800"``) is
+    an ``InvalidRequest`` naming ``param`` (tokenizers raised on it, or replaced it)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidRequest(param, f"is not valid Unicode text ({e.reason} at character {e.start})") from None
+    return text
+
+
 class RequestInputs:
     """``speculative``: the engine runs a draft (images are refused then)."""
 
@@ -48,7 +58,7 @@ class RequestInputs:
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
+            return self.tokenizer.encode(utf8_text(prompt, "prompt"))
         if isinstance(prompt, (bytes, bytearray, dict, set)) or not hasattr(prompt, "__iter__"):
             raise InvalidRequest("prompt", f"must be a string or a list of token ids, got {type(prompt).__name__}")
         return list(prompt)

@@ -27,6 +27,7 @@ import contextlib
 import functools
 import json
 import logging
+import re
 import secrets
 import signal
 import socket
@@ -45,7 +46,7 @@ from starlette.exceptions import HTTPException
 from openk3.serve.chat import ChatTemplate, ChatTemplateError, encode_with_images
 from openk3.serve.config import GRACE_SECONDS, check_grace
 from openk3.serve.engine import AsyncEngine, RequestOutput
-from openk3.serve.inputs import Checked
+from openk3.serve.inputs import Checked, utf8_text
 from openk3.serve.metrics import ServerMetrics
 from openk3.serve.multimodal import MultiModalInput, special_token_id
 from openk3.serve.protocol import (
@@ -302,7 +303,14 @@ class OpenAIServer:
         take_image = image_slot if self.engine.inputs.model_config.vision_config is not None else None
         messages = [{**m.model_dump(exclude_none=True), "content": message_text(m, i, take_image)}
                     for i, m in enumerate(req.messages)]
-        text = self.chat_template.render(messages)
+        tools = (req.model_extra or {}).get("tools")  # declared to the model by the template
+        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+            raise APIError(400, "tools must be a list of tool objects", "tools")
+        text = self.chat_template.render(messages, tools=tools)
+        try:
+            utf8_text(text, "messages")
+        except InvalidRequest as e:
+            raise APIError(400, f"messages: {e.message}", "messages") from e
         images = None
         if parts:  # decoding and packing images is CPU work: off the event loop
             ids, images = await asyncio.to_thread(self._image_prompt, text, slot, parts)
@@ -381,11 +389,15 @@ def _require_api_key(api_key: str):
 
 
 def _validation_error(e: RequestValidationError, content_type: str) -> APIError:
-    """pydantic's first complaint, naming the top-level field (loc is ("body", field, ...))."""
-    err = e.errors()[0]
+    """pydantic's first complaint, naming the top-level field (loc is ("body", field, ...)).
+    Of a union's branches (``content``: a string or a list of parts) the deepest complaint: a
+    malformed part was reported as "content.str: Input should be a valid string"."""
+    errors = e.errors()
+    err = errors[0]
     if err["type"] == "json_invalid":  # loc[1] is the offset
         return APIError(400, f"request body: {err['msg']} ({err.get('ctx', {}).get('error', '')})")
-    loc = err["loc"][1:]
+    err = max(errors, key=lambda x: len(x["loc"]) if x["loc"][:2] == err["loc"][:2] else 0)
+    loc = tuple(p for p in err["loc"][1:] if not (isinstance(p, str) and re.fullmatch(r"\w+\[.*\]", p)))
     if not loc:
         hint = "" if "json" in content_type else " (send JSON, with 'Content-Type: application/json')"
         return APIError(400, f"request body: {err['msg']}{hint}")

@@ -355,6 +355,7 @@ BAD = [
     ("chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
     ("chat/completions", {"messages": [{"role": "user", "content": None}]}, "messages"),
     ("chat/completions", {"messages": [{"role": "system"}, {"role": "user", "content": "hi"}]}, "messages"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": {"f": 1}}, "tools"),
 ]
 
 
@@ -423,6 +424,66 @@ def test_non_streaming_client_disconnect_aborts(srv):
 
 
 # Chat templates.
+
+
+@pytest.mark.parametrize("endpoint, body, param", [
+    ("completions", {"prompt": "a\ud800b"}, "prompt"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "a\ud800b"}]}, "messages")])
+def test_a_lone_surrogate_is_400_not_500(srv, endpoint, body, param):
+    """Valid JSON ("\\ud800", as json.dumps writes it) but no text: tokenizers raised."""
+    r = srv.http.post(f"/v1/{endpoint}", content=json.dumps(body), headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert "not valid Unicode text" in r.json()["error"]["message"]
+
+
+def test_a_malformed_content_part_is_named_not_the_string_branch(srv):
+    """The 400 reported the union's first branch: 'content.str: Input should be a valid string'."""
+    r = srv.http.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]})
+    assert r.status_code == 400
+    assert r.json()["error"]["message"] == "messages.0.content.0.image_url.url: Field required"
+
+
+def test_templates_render_as_transformers_does_and_see_the_tools(tmp_path):
+    """Kimi K2's template writes tools | tojson(separators=...); that, {% break %}, strftime_now
+    and {% generation %} failed, and a request's tools never reached the template."""
+    msgs = [{"role": "user", "content": "héllo"}, {"role": "user", "content": "x"}]
+    assert ChatTemplate("{{ messages | tojson(separators=(',', ':')) }}").render(msgs[:1]) == \
+        '[{"role":"user","content":"héllo"}]'
+    assert ChatTemplate("{{ messages[0] | tojson(ensure_ascii=True, sort_keys=True) }}").render(msgs) == \
+        '{"content": "h\\u00e9llo", "role": "user"}'
+    assert ChatTemplate("{% for m in messages %}{{ m.content }}{% break %}{% endfor %}").render(msgs) == "héllo"
+    assert ChatTemplate("{{ strftime_now('%Y') | length }}").render(msgs) == "4"
+    assert ChatTemplate("{% generation %}{{ messages[1].content }}{% endgeneration %}").render(msgs) == "x"
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    with_tools = "{% if tools %}[{{ tools | tojson }}]{% endif %}{{ messages[0].content }}"
+    assert ChatTemplate(with_tools).render(msgs, tools=tools) == '[[{"type": "function", "function": {"name": "f"}}]]héllo'
+    # through the server: the tools make the prompt longer by their rendering
+    from fastapi.testclient import TestClient
+
+    engine = LLMEngine(build_model(preset("debug"), seed=0).eval(), TOK, EngineConfig(
+        max_num_seqs=2, physical_block_size=64, hash_block_size=16, kda_checkpoint_interval=64,
+        max_model_len=512, cuda_graphs=False), eos_token_ids=())
+    async_engine = AsyncEngine(engine)
+    try:
+        client = TestClient(build_app(async_engine, MODEL, chat_template=ChatTemplate(with_tools)))
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+        plain = client.post("/v1/chat/completions", json=body).json()["usage"]["prompt_tokens"]
+        declared = client.post("/v1/chat/completions", json={**body, "tools": tools}).json()["usage"]["prompt_tokens"]
+        assert (plain, declared) == (2, 2 + len(f"[{json.dumps(tools)}]"))
+    finally:
+        async_engine.shutdown()
+
+
+def test_a_tokenizer_dirs_template_comes_before_the_checkpoints(tmp_path):
+    """``serve --tokenizer DIR`` took DIR's tokenizer but the checkpoint's (or the default) template."""
+    for name, tag in (("tok", "T"), ("ckpt", "C")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "tokenizer_config.json").write_text(json.dumps({"chat_template": tag}))
+    (tmp_path / "bare").mkdir()
+    assert ChatTemplate.from_checkpoint(tmp_path / "tok", tmp_path / "ckpt").source == "T"
+    assert ChatTemplate.from_checkpoint(tmp_path / "bare", tmp_path / "ckpt").source == "C"
+    assert ChatTemplate.from_checkpoint(tmp_path / "bare").source == ChatTemplate().source
 
 
 def test_checkpoint_chat_template(tmp_path):
