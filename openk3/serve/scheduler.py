@@ -141,9 +141,12 @@ class Scheduler:
         K, no more than max_tokens lets it emit (a step emits up to k + 1), within ``budget``
         (never short: ``EngineConfig`` keeps ``max_num_batched_tokens`` >= ``max_num_seqs * (1 +
         K)``), ending before the next KDA checkpoint boundary (the state there must be exact for
-        the save). Blocks for them are the caller's business."""
+        the save). Blocks for them are the caller's business. A prompt's last token gets none,
+        also when a prefill chunk left it alone (the batch's budget, or a checkpoint boundary at
+        its end, cut the chunk there): a request's first token is always one plain sample, so
+        where its chunks end does not change its tokens."""
         K = self.config.num_speculative_tokens
-        if K == 0 or seq.num_uncomputed_tokens != 1:
+        if K == 0 or seq.num_uncomputed_tokens != 1 or seq.num_output_tokens == 0:
             return 0
         k = min(K, seq.max_tokens - seq.num_output_tokens - 1, budget)
         boundary = self.block_manager.next_kda_checkpoint_boundary(seq, seq.num_computed_tokens)

@@ -144,6 +144,23 @@ def test_seeded_sampling_independent_of_the_batch(model, noisy):
     assert_free(eng)
 
 
+def test_a_prompt_chunk_ending_one_token_short_draws_the_same_tokens(model):
+    """A chunk that ended at the prompt's last token but one (the batch's budget left it so, or a
+    checkpoint boundary) made that token a speculating decode: the first tokens were drawn by
+    speculative sampling instead of one plain sample, and a seeded request's tokens changed with
+    its batch and with prefix caching."""
+    prompt, params = tokens(1, 25), SamplingParams(temperature=1.0, seed=1234, max_tokens=6)
+    kw = dict(num_speculative_tokens=2, max_num_batched_tokens=32, enable_prefix_caching=False)
+    alone = make_engine(model, model, **kw).generate([prompt], params)[0].token_ids
+    # an 8-token request first: the prompt's first chunk is 32 - 8 = 24 tokens, one short
+    after = make_engine(model, model, **kw).generate([tokens(2, 8), prompt], [GREEDY, params])[1].token_ids
+    assert after == alone
+    short = prompt[:9]  # with a hash block of 8 the cached run's chunk ends at the boundary 8
+    on, off = (make_engine(model, model, num_speculative_tokens=2, enable_prefix_caching=c)
+               .generate([short], params)[0].token_ids for c in (True, False))
+    assert on == off
+
+
 def test_aborts_mid_speculation_leak_nothing(model, other):
     eng = make_engine(model, other, num_speculative_tokens=3)
     ids = [eng.add_request(p, dataclasses.replace(GREEDY, max_tokens=30)) for p in PROMPTS]
