@@ -298,7 +298,7 @@ def train(cfg: RunConfig) -> dict:
         raise ValueError(f"tokenizer has {data.vocab_size} tokens but the model's vocab_size is "
                          f"{model_cfg.vocab_size}; set --vocab-size {data.vocab_size}")
     val_tokens = num_tokens(data.val_path, data.dtype)
-    if val_tokens <= cfg.seq_len:  # the held-out split is the first document (docs/training.md)
+    if val_tokens <= cfg.seq_len:  # the held-out documents are too short (docs/training.md)
         _log(env, f"the validation split ({data.val_path}) has {val_tokens} tokens, less than one window of "
                   f"--seq-len {cfg.seq_len} + 1: no validation loss is reported")
 
