@@ -32,8 +32,10 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     counts = count_parameters(cfg)
     br = counts["breakdown"]  # "active" already counts k of E routed experts
     active_matmul = counts["active"] - br.get("embedding", 0) - br.get("norms", 0)
-    # an MTP layer reuses lm_head (counted once above) for a second head matmul
-    active_matmul += cfg.num_nextn_predict_layers * br.get("lm_head", 0)
+    # the head is a matmul even when it is the embedding (tied: counted once, as "embedding");
+    # an MTP layer reuses it for a second head matmul
+    head = cfg.vocab_size * cfg.hidden_size
+    active_matmul += (cfg.num_nextn_predict_layers + cfg.tie_word_embeddings) * head
     fwd = 2.0 * active_matmul
     n_kda = cfg.num_hidden_layers - len(cfg.full_attn_layers)
     n_mla = len(cfg.full_attn_layers) + cfg.num_nextn_predict_layers  # the MTP block is MLA
@@ -43,13 +45,24 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     return 3.0 * fwd
 
 
+# Dense peaks (FLOP/s) by device name: bf16 tensor cores, and fp32 without TF32 (CUDA cores;
+# torch leaves TF32 off for matmuls by default). Other devices get no MFU (NaN), not a guess.
+PEAKS = {"H100": (989e12, 67e12), "H200": (989e12, 67e12), "A100": (312e12, 19.5e12)}
+
+
 def peak_flops(device: torch.device, dtype: torch.dtype) -> float:
-    """Dense peak used as the MFU denominator (H100/H200 SXM: 989 TFLOP/s bf16)."""
+    """Dense peak used as the MFU denominator (H100/H200 SXM: 989 TFLOP/s bf16); for fp32 the
+    TF32 tensor-core peak (half of bf16's) when ``torch.backends.cuda.matmul.allow_tf32`` is on,
+    else the CUDA cores' fp32 peak. NaN on a CPU and on a GPU not in ``PEAKS``."""
     if device.type != "cuda":
         return float("nan")
     name = torch.cuda.get_device_name(device)
-    bf16 = 989e12 if ("H100" in name or "H200" in name) else 312e12  # A100 otherwise
-    return bf16 if dtype != torch.float32 else bf16 / 2  # tf32
+    peaks = next((p for key, p in PEAKS.items() if key in name), None)
+    if peaks is None:
+        return float("nan")
+    if dtype != torch.float32:
+        return peaks[0]
+    return peaks[0] / 2 if torch.backends.cuda.matmul.allow_tf32 else peaks[1]
 
 
 class MetricsLog:

@@ -22,7 +22,9 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
     written = []
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(steps, [r["loss"] for r in rows], ".-", label="train loss")  # a one-row run shows its point
+    train = [(r["step"], r["loss"]) for r in rows if "loss" in r]  # a debug-vl run's last row has none
+    if train:
+        ax.plot(*zip(*train), ".-", label="train loss")  # a one-row run shows its point
     val = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
     if val:
         ax.plot(*zip(*val), "o-", label="val loss")

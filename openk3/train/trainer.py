@@ -8,6 +8,7 @@ the exported model), so this loop reads the same for one process or many.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -237,8 +238,8 @@ def micro_step(t: Training, inputs: torch.Tensor, targets: torch.Tensor, sums: t
     Returns whether the model has an MTP loss."""
     with t.autocast():
         out = t.model(inputs, labels=targets, **extra)
+    sums[0] += out.loss.detach()  # the logged loss is the next-token loss alone (docs/training.md)
     loss = out.loss + cfg.aux_loss_coef * t.balancer.aux_loss()
-    sums[0] += loss.detach()
     if out.mtp_loss is not None:
         loss = loss + cfg.mtp_loss_weight * out.mtp_loss
         sums[1] += out.mtp_loss.detach()
@@ -380,7 +381,10 @@ def train(cfg: RunConfig) -> dict:
         return mean_over_ranks(torch.tensor(float(flag.stop), device=env.device)).item() > 0
 
     with StopFlag() as flag, Progress(cfg.max_steps, start, enabled=env.is_main) as bar:
-        t_last, step, tokens_last = time.perf_counter(), start, 0
+        # tokens and FLOPs since the last row, over the time spent in training steps (an
+        # evaluation's or a checkpoint's time is left out); FLOPs per step at its own length
+        t_last, step, tokens_last, flops_last = time.perf_counter(), start, 0, 0.0
+        flops_at = functools.cache(lambda seq_len: flops_per_token(model_cfg, seq_len))
         tokens_total = sum(tokens_per_step(s) for s in range(1, start + 1))
         losses: list[float] = []
         last_norm = None  # the last step's gradient norm, checked at this step's host read
@@ -408,13 +412,14 @@ def train(cfg: RunConfig) -> dict:
                     "perhaps with a lower --lr)")
             losses.append(loss_f)
             tokens_last += tokens_per_step(step)
+            flops_last += tokens_per_step(step) * flops_at(cfg.seq_len_at(step))
             tokens_total += tokens_per_step(step)
             bar.update(step, loss=loss_f, lr=cfg.lr * mult)
 
             if logging_step:
-                now = time.perf_counter()
-                tok_s = tokens_last / max(now - t_last, 1e-9)
-                t_last, tokens_last = now, 0
+                elapsed = max(time.perf_counter() - t_last, 1e-9)
+                tok_s, flop_s = tokens_last / elapsed, flops_last / elapsed
+                tokens_last, flops_last = 0, 0.0
                 row = {"step": step, "loss": loss_f, "lr": cfg.lr * mult,
                        "grad_norm": check_update(step, grad_norm),
                        **({"mtp_loss": mtp_f} if mtp_f is not None else {}),
@@ -423,13 +428,16 @@ def train(cfg: RunConfig) -> dict:
                        "load_max_over_mean": balancer.stats(),
                        "max_abs_activation": probe.read()}
                 if env.device.type == "cuda":
-                    row["mfu"] = tok_s * flops_per_token(model_cfg, cfg.seq_len_at(step)) / peak
+                    row["mfu"] = flop_s / peak
                 if eval_step:
                     row["val_loss"] = evaluate(model, data, cfg, env, parallel)
                 metrics.write(row)
                 bar.log_line(row)
+                t_last = time.perf_counter()
             if step % cfg.ckpt_interval == 0 or step == cfg.max_steps:
+                started = time.perf_counter()
                 save(step, grad_norm)
+                t_last += time.perf_counter() - started
             if stopping():
                 stopped = True
                 if last_saved != step:

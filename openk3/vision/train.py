@@ -83,11 +83,12 @@ def train_vl(cfg: RunConfig) -> dict:
             now = time.perf_counter()
             row = {"step": step, "loss": loss, "lr": cfg.lr * schedule(step - 1),
                    "grad_norm": float(grad_norm), "s_per_step": (now - t_last) / (step - last_row)}
-            t_last, last_row = now, step
+            last_row = step
             if eval_step:
                 row["accuracy"] = synthetic.evaluate(t.model, tok, held_out[:200])["all"]
                 t.model.train()
             metrics.write(row)
+            t_last = time.perf_counter()  # the evaluation's time is no step's
             _log(" ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
     acc = synthetic.evaluate(t.model, tok, held_out)
     minutes = (time.perf_counter() - t0) / 60

@@ -436,3 +436,12 @@ def test_partial_saves_are_removed_and_files_are_readable(corpus, tmp_path):
     for path in [out / "export", out / "checkpoints" / "step_000004"]:
         assert path.stat().st_mode & 0o777 == 0o755
         assert all(f.stat().st_mode & 0o777 == 0o644 for f in path.iterdir()), path
+
+
+def test_the_logged_loss_leaves_the_aux_term_out(corpus, tmp_path):
+    """With --balance aux the logged loss included aux_loss_coef x aux (0.3 nats at 0.1 on
+    `debug`), while val_loss never does; the first step's loss comes before any update, so it is
+    the same whatever the coefficient."""
+    first = [train(tiny(corpus, tmp_path / f"run{c}", balance="aux", aux_loss_coef=c, max_steps=1, warmup_steps=0,
+                        eval_interval=100))["losses"][0] for c in (0.0, 1.0)]
+    assert first[0] == first[1]
