@@ -784,7 +784,10 @@ class AsyncEngine(StreamingEngine):
             try:
                 outputs = eng.step()
             except Exception as e:  # noqa: BLE001 - fail every request, keep serving
-                self._push([(rid, e) for rid in eng.abort_all()])
+                # and every open stream: a request that finished inside the failed step has left
+                # the engine already, and its output never came
+                failed = dict.fromkeys([*eng.abort_all(), *list(self._streams)])
+                self._push([(rid, e) for rid in failed])
                 continue
             self._push([(o.request_id, o) for o in outputs])
 

@@ -133,6 +133,13 @@ def _engine_main(factory: Callable[[], LLMEngine], control: Connection, clients:
         except OSError:  # the client died between its last message and this one
             drop(conn)
 
+    def send_stats() -> None:
+        """The counters to every client: each server's /metrics reads its last copy (an abort
+        or a client's leaving told only the aborting client, and the others' gauges went stale)."""
+        stats = eng.snapshot_stats()
+        for conn in list(live):
+            send(conn, ("stats", stats))
+
     while True:
         # wait for a command while idle; between steps, take whatever has arrived
         while ready := wait([control, *live], None if not eng.has_unfinished() else 0):
@@ -147,6 +154,7 @@ def _engine_main(factory: Callable[[], LLMEngine], control: Connection, clients:
                     if conn is control:  # the server went away
                         return
                     drop(conn)
+                    send_stats()
                     continue
                 if cmd == "add":
                     rid, packed, params, images = args
@@ -160,7 +168,7 @@ def _engine_main(factory: Callable[[], LLMEngine], control: Connection, clients:
                         eng.abort(args[0])
                         del owner[args[0]]
                         sent.pop(args[0], None)
-                    send(conn, ("stats", eng.snapshot_stats()))
+                    send_stats()
                 elif cmd == "stats":
                     send(conn, ("stats", eng.snapshot_stats()))
                 else:  # "stop"
@@ -168,12 +176,17 @@ def _engine_main(factory: Callable[[], LLMEngine], control: Connection, clients:
         try:
             outputs = eng.step()
         except Exception as e:  # noqa: BLE001 - fail every request, keep serving
+            # every request a client is owed an answer for: those a step finished before the
+            # failure have left the engine already, and their outputs never went
+            eng.abort_all()
             failed: dict[Connection, list] = {}
-            for rid in eng.abort_all():
-                sent.pop(rid, None)
-                failed.setdefault(owner.pop(rid), []).append((rid, _failure(e)))
+            for rid, conn in owner.items():
+                failed.setdefault(conn, []).append((rid, _failure(e)))
+            owner.clear()
+            sent.clear()
             for conn, items in failed.items():
                 send(conn, ("failed", items))
+            send_stats()
             continue
         deltas: dict[Connection, list] = {conn: [] for conn in live}
         for o in outputs:
@@ -216,6 +229,12 @@ class EngineProcess:
             kind, info = self._control.recv()
         except EOFError:
             kind, info = "exited", None
+        except BaseException:  # Ctrl-C while the engine loads: end it, or exit waits for it
+            self.process.kill()
+            self.process.join(timeout=10)
+            for conn in (self._control, *self.connections):
+                conn.close()
+            raise
         if kind != "ready":
             self.process.join(timeout=10)
             for conn in (self._control, *self.connections):
@@ -328,8 +347,8 @@ class ProcessEngine(StreamingEngine):
             t.logprobs += new_logprobs
         if prompt_logprobs is not None:
             t.prompt_logprobs = prompt_logprobs
-        if finished:
-            del self._tracked[rid]
+        if finished:  # (an abort on the event loop may have taken it meanwhile)
+            self._tracked.pop(rid, None)
         return RequestOutput(rid, t.prompt_token_ids, list(t.token_ids), t.text, new_ids, new_text,
                              list(t.logprobs) if t.logprobs is not None else None, finished, reason, cached,
                              list(t.prompt_logprobs) if t.prompt_logprobs is not None else None)
@@ -357,6 +376,9 @@ class ProcessEngine(StreamingEngine):
                 self.fail_all(EngineError(f"the engine process exited (exit code {self._proc.exitcode})"))
             else:
                 self.fail_all(EngineError("the engine process exited (its connection closed)"))
+        except Exception as e:  # noqa: BLE001 - a dead reader would leave every stream waiting
+            self.fail_all(EngineError(f"the engine's reader failed: {e!r}"))
+            raise
 
     def shutdown(self) -> None:
         """Stop the engine process (``ProcessEngine(factory)``), or leave it (``connect``: the

@@ -212,3 +212,112 @@ def test_a_process_that_exits_without_stopping_its_engine_ends():
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env,
                          start_new_session=True)
     assert run.returncode == 0 and "engine up" in run.stdout, run.stdout + run.stderr
+
+
+def failing_engine() -> LLMEngine:
+    """``debug_engine`` whose output for request "B" raises: a step fails after request "A"
+    (one token) finished inside it."""
+    eng = debug_engine()
+    real = eng._output
+
+    def output(r, stream):
+        if r.seq.request_id == "B":
+            raise RuntimeError("detokenizer blew up")
+        return real(r, stream)
+
+    eng._output = output
+    return eng
+
+
+@pytest.mark.parametrize("kind", ["process", "thread"])
+def test_a_failed_step_fails_a_request_it_had_finished(kind):
+    """Only the requests the engine still held were failed: one the failing step had finished
+    already was never answered, and its client waited for ever."""
+    engine = ProcessEngine(failing_engine) if kind == "process" else AsyncEngine(failing_engine())
+    try:
+        async def both():
+            async def one(rid, n):
+                try:
+                    return [o async for o in engine.generate([1, 2, 3], SamplingParams(temperature=0, max_tokens=n), rid)]
+                except Exception as e:  # noqa: BLE001 - what the client gets
+                    return e
+            return await asyncio.wait_for(asyncio.gather(one("A", 1), one("B", 4)), timeout=30)
+
+        a, b = asyncio.run(both())
+        assert all("detokenizer blew up" in str(r) for r in (a, b)), (a, b)
+    finally:
+        engine.shutdown()
+
+
+def test_an_abort_racing_a_final_output_leaves_the_reader_running(engines, monkeypatch):
+    """The reader thread deleted a finished request's entry that an abort had just popped: a
+    KeyError ended the thread, and every stream of that server waited for ever."""
+    process, _ = engines
+
+    class Racing(dict):
+        def get(self, key, default=None):
+            value = super().get(key, default)
+            if key == "race" and value is not None:
+                self.pop(key)  # the event loop's abort, between the reader's get and its del
+            return value
+
+    monkeypatch.setattr(process, "_tracked", Racing(process._tracked))
+    asyncio.run(_collect(process, [3, 4], SamplingParams(temperature=0, max_tokens=1), "race"))
+    assert process._reader.is_alive()
+    after = asyncio.wait_for(_collect(process, *REQUESTS[0], "after"), timeout=30)
+    assert _final(asyncio.run(after)) is not None
+
+
+def test_every_client_sees_the_counters_after_another_clients_abort():
+    """After an abort the new counters went only to the aborting client: another server's
+    /metrics kept reporting the aborted request as running."""
+    owner = EngineProcess(debug_engine, clients=2)
+    a, b = (ProcessEngine.connect(c, owner.info) for c in owner.connections)
+    try:
+        async def a_leaves_mid_stream():
+            stream = a.generate([1, 2, 3], SamplingParams(temperature=0, max_tokens=200), "r0")
+            await anext(stream)
+            await anext(stream)
+            await stream.aclose()  # the client went away: aborted
+
+        asyncio.run(a_leaves_mid_stream())
+        for _ in range(200):
+            if owner.stats().num_running == 0 and b.stats().num_running == 0:
+                break
+            asyncio.run(asyncio.sleep(0.02))
+        assert owner.stats().num_running == 0 and b.stats().num_running == 0
+    finally:
+        b.shutdown()
+        a.shutdown()
+        owner.stop()
+
+
+def test_ctrl_c_while_the_engine_loads_ends_it(monkeypatch):
+    """A KeyboardInterrupt while waiting for "ready" left the engine running, and the
+    interpreter's exit joined it for ever."""
+    from multiprocessing.connection import Connection
+
+    real, calls = Connection.recv, []
+
+    def interrupted(self):
+        calls.append(self)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return real(self)
+
+    monkeypatch.setattr(Connection, "recv", interrupted)
+    started = []
+    real_init = EngineProcess.__init__
+
+    def keep(self, *args, **kw):
+        started.append(self)
+        return real_init(self, *args, **kw)
+
+    monkeypatch.setattr(EngineProcess, "__init__", keep)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            EngineProcess(debug_engine)
+        assert not started[0].process.is_alive()
+    finally:  # a regression must fail here, not hang the interpreter's exit
+        if started[0].process.is_alive():
+            started[0].process.kill()
