@@ -290,8 +290,8 @@ def _place_expert(cfg, state, hf, m, tensor, file, experts_filled, packed, quant
     """Copy one checkpoint tensor of routed expert ``m`` (an ``_HF_EXPERT_RE`` match) into its
     stack: a parameter ``[E, rows, cols]`` or, in a packed model, ``_packed`` / ``_scale`` buffers."""
     stack = _our_name(cfg, f"{m.group(1)}.mlp.experts.{m.group(3)}")
-    e, kind = int(m.group(2)), m.group(4)
-    if e in experts_filled[stack] or kind in packed.get(hf.rsplit(".", 1)[0], {}):
+    e, kind, stem = int(m.group(2)), m.group(4), hf.rsplit(".", 1)[0]
+    if e in experts_filled[stack] or kind in packed.get(stem, {}):
         raise CheckpointError(f"{file}: tensor {hf} gives expert {e} of {stack} a second time "
                               "(a stale copy in another shard, or both .weight and .weight_packed)")
     to_packed = stack + "_packed" in state
@@ -316,11 +316,11 @@ def _place_expert(cfg, state, hf, m, tensor, file, experts_filled, packed, quant
             weight_packed, weight_scale = mxfp4_quantize(tensor.float())
             quantized.append(hf)
     else:
-        parts = packed[hf.rsplit(".", 1)[0]]
+        parts = packed[stem]
         parts[kind] = (tensor, file)
         if len(parts) < 2:
             return
-        _check_packed(hf.rsplit(".", 1)[0], parts, rows, cols)
+        _check_packed(stem, parts, rows, cols)
         weight_packed, weight_scale = parts["weight_packed"][0], parts["weight_scale"][0]
         if not to_packed:
             value = mxfp4_dequantize(weight_packed, weight_scale, dtype=torch.float32)
@@ -332,7 +332,7 @@ def _place_expert(cfg, state, hf, m, tensor, file, experts_filled, packed, quant
             state[stack][e].copy_(value)
     experts_filled[stack].add(e)
     if kind != "weight":  # placed: keep which files held the pair, not its tensors
-        packed[hf.rsplit(".", 1)[0]] = {k: (None, f) for k, (_, f) in parts.items()}
+        packed[stem] = {k: (None, f) for k, (_, f) in parts.items()}
 
 
 def _place(cfg, state, hf, tensor, file, filled, experts_filled, packed, stored_dtypes,

@@ -342,7 +342,8 @@ def to_hf(cfg: ModelConfig, quantization_config: dict | None = None,
     text_passthrough = cfg.hf_passthrough.get("text_config", {}) if cfg.is_k3 else cfg.hf_passthrough
     text["eos_token_id"] = _eos_ids(cfg, text_passthrough)
     text.update(model_type="kimi_linear", dtype=dtype, num_key_value_heads=cfg.num_attention_heads,
-                mla_use_nope=True, moe_router_activation_func="sigmoid", use_grouped_topk=True)
+                mla_use_nope=_FIXED_CHOICES["mla_use_nope"], use_grouped_topk=True,
+                moe_router_activation_func=_FIXED_CHOICES["moe_router_activation_func"])
     if quantization_config is not None:  # the K3 release keeps it inside text_config
         text["quantization_config"] = quantization_config
     if cfg.mla_norm_eps != ModelConfig.mla_norm_eps:
@@ -354,7 +355,7 @@ def to_hf(cfg: ModelConfig, quantization_config: dict | None = None,
         return _with_passthrough(text, cfg.hf_passthrough)
     for ours, theirs in _K3_FIELDS.items():
         text[theirs] = getattr(cfg, ours)
-    text.update(mla_use_output_gate=True, latent_moe_use_norm=True, topk_method="noaux_tc")
+    text.update(mla_use_output_gate=True, latent_moe_use_norm=True, topk_method=_FIXED_CHOICES["topk_method"])
     text["linear_attn_config"].update(gate_lower_bound=cfg.kda_gate_lower_bound,
                                       use_full_rank_gate=True)
     top = {

@@ -352,8 +352,7 @@ class ModelRunner:
     def _encode_images(self, request_ids: list[str]) -> None:
         """Tower + projector over the images of ``request_ids``, in one packed call."""
         entries = [self.images[r] for r in request_ids]
-        packed = PackedImages(torch.cat([e.pixels.pixel_values for e in entries]).to(self.device),
-                              tuple(g for e in entries for g in e.pixels.grid_hws))
+        packed = PackedImages.cat([e.pixels for e in entries]).to(self.device)
         features = self.model.encode_images(packed)  # [sum of image tokens, d]
         vcfg = self.cfg.vision_config
         for e, f in zip(entries, features.split([sum(e.pixels.tokens_per_image(vcfg)) for e in entries])):

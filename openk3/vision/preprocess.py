@@ -56,6 +56,11 @@ class PackedImages:
         kh, kw = cfg.merge_kernel_size
         return [(h // kh) * (w // kw) for h, w in self.grid_hws]
 
+    @classmethod
+    def cat(cls, packs: list[PackedImages]) -> PackedImages:
+        """Several packs as one, in order."""
+        return cls(torch.cat([p.pixel_values for p in packs]), tuple(g for p in packs for g in p.grid_hws))
+
     def to(self, device: torch.device | str) -> PackedImages:
         return PackedImages(self.pixel_values.to(device), self.grid_hws)
 

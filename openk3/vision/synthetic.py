@@ -183,8 +183,7 @@ def evaluate(model, tok: Tokenizer, exs: list[Example], batch_size: int = 64) ->
     batches = [group[i:i + batch_size] for group in by_length.values() for i in range(0, len(group), batch_size)]
     for batch in batches:
         chunk = [e for e, _, _ in batch]
-        images = PackedImages(torch.cat([p.pixel_values for _, p, _ in batch]),
-                              tuple(g for _, p, _ in batch for g in p.grid_hws))
+        images = PackedImages.cat([p for _, p, _ in batch])
         ids = torch.tensor([prompt for _, _, prompt in batch], device=device)
         logits = model(ids, images=images.to(device), logits_to_keep=1).logits[:, -1].float()
         for e, row in zip(chunk, logits):
