@@ -216,7 +216,7 @@ def test_a_process_that_exits_without_stopping_its_engine_ends():
 
 def failing_engine() -> LLMEngine:
     """``debug_engine`` whose output for request "B" raises: a step fails after request "A"
-    (one token) finished inside it."""
+    (one token) finished inside it (no step runs before both are in)."""
     eng = debug_engine()
     real = eng._output
 
@@ -226,6 +226,8 @@ def failing_engine() -> LLMEngine:
         return real(r, stream)
 
     eng._output = output
+    real_step = eng.step
+    eng.step = lambda: real_step() if len(eng.requests) >= 2 else []  # A and B in one step
     return eng
 
 
